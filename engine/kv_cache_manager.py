@@ -1,0 +1,155 @@
+"""KV cache manager: which blocks a sequence holds, prefix-cache lookups, and counters.
+
+Mechanism for the scheduler's policy: ``allocate`` answers whether a sequence can grow by some
+tokens (and does it), never whom to preempt. Full blocks are named by a hash chained over their
+parent's hash, their tokens and a salt (anything else that changes their KV, such as the model and
+dtype); lookups verify the parent block and the tokens, so a collision costs a miss, not wrong KV.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import xxhash
+
+from engine.block_pool import BlockPool, KVBlock
+from engine.sequence import Sequence
+
+
+def hash_block(parent_hash: int, token_ids: list[int], salt: bytes) -> int:
+    data = parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes()
+    return xxhash.xxh3_64_intdigest(salt + data)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, salt: str = "") -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._salt = salt.encode()
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences (free cached blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def _extend_hashes(self, seq: Sequence) -> list[int]:
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), seq.num_tokens // bs):
+            parent = hashes[i - 1] if i else 0
+            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], self._salt))
+        return hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """The longest chain of cached blocks matching the sequence's leading tokens.
+
+        Never covers every token: the last one must go through the model to be sampled from, and
+        recomputing a whole block (rather than rewriting one slot of a shared block) keeps shared
+        blocks read-only.
+        """
+        if not self.enable_caching:
+            return []
+        bs = self.block_size
+        hits: list[KVBlock] = []
+        parent_id = -1
+        for i, block_hash in enumerate(self._extend_hashes(seq)):
+            block = self.pool.lookup(block_hash, parent_id, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            if block is None:
+                break
+            hits.append(block)
+            parent_id = block.block_id
+        if hits and len(hits) * bs >= seq.num_tokens:
+            hits.pop()
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += len(hits) * bs
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
+        """Give ``seq`` room for ``num_new_tokens`` more tokens (after ``cached`` blocks); False if it can't."""
+        cached = cached or []
+        bs = self.block_size
+        held = len(seq.block_table) + len(cached)
+        num_tokens = seq.num_computed_tokens + len(cached) * bs + num_new_tokens
+        num_new_blocks = max(0, -(-num_tokens // bs) - held)
+        revived = sum(1 for block in cached if block.ref_count == 0)
+        if num_new_blocks + revived > self.pool.num_free_blocks:
+            return False
+        if cached:
+            self.pool.touch(cached)
+            seq.block_table.extend(block.block_id for block in cached)
+            seq.num_committed_blocks = len(cached)
+        seq.block_table.extend(block.block_id for block in self.pool.allocate(num_new_blocks))
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Offer the sequence's newly completed, computed blocks to the prefix cache."""
+        if not self.enable_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_committed_blocks:
+            return
+        bs = self.block_size
+        hashes = self._extend_hashes(seq)
+        blocks = self.pool.blocks
+        for i in range(seq.num_committed_blocks, num_full):
+            parent_id = self._canonical_parent(seq, i)
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache_block(blocks[seq.block_table[i]], hashes[i], parent_id, tokens)
+        seq.num_committed_blocks = num_full
+
+    def _canonical_parent(self, seq: Sequence, i: int) -> int:
+        """The block id a lookup walk would reach for block ``i - 1`` (a twin computed concurrently
+        may hold the cache entry instead of this sequence's own block)."""
+        if i == 0:
+            return -1
+        own = self.pool.blocks[seq.block_table[i - 1]]
+        if own.block_hash is not None:
+            return own.block_id
+        holder = self.pool.lookup(
+            seq.block_hashes[i - 1],
+            self._canonical_parent(seq, i - 1) if i - 1 else -1,
+            tuple(seq.token_ids[(i - 1) * self.block_size : i * self.block_size]),
+        )
+        return holder.block_id if holder is not None else own.block_id
+
+    def free(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table[::-1])
+        seq.block_table = []
+        seq.num_committed_blocks = 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None | bool:
+        """Let ``child`` share ``parent``'s computed blocks.
+
+        Full blocks are shared by reference; a partly filled last block is copied, since both will
+        write into it. Returns the ``(src, dst)`` block copy the runner must perform, None when no
+        copy is needed, or False when there is no free block for the copy.
+        """
+        bs = self.block_size
+        num_full = parent.num_computed_tokens // bs
+        partial = len(parent.block_table) > num_full
+        if partial and self.pool.num_free_blocks < 1:
+            return False
+        shared = [self.pool.blocks[b] for b in parent.block_table[:num_full]]
+        self.pool.touch(shared)
+        child.block_table = [b.block_id for b in shared]
+        child.num_committed_blocks = min(parent.num_committed_blocks, num_full)
+        child.block_hashes = list(parent.block_hashes[:num_full])
+        if not partial:
+            return None
+        (copy,) = self.pool.allocate(1)
+        child.block_table.append(copy.block_id)
+        return (parent.block_table[num_full], copy.block_id)
+
+    def reset_counters(self) -> None:
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0

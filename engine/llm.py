@@ -1,0 +1,110 @@
+"""The offline API: hand over a list of prompts, get every completion back (vLLM's ``LLM``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from schemas.sampling import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs: object) -> None:
+        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))  # type: ignore[arg-type]
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        priorities: Seq[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (all submitted at once, batched continuously); results in input order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts")
+        prio = list(priorities) if priorities is not None else [0] * len(prompt_list)
+        return self._run([(p, sp, pr) for p, sp, pr in zip(prompt_list, param_list, prio, strict=True)],
+                         use_tqdm)
+
+    def chat(
+        self,
+        conversations: Messages | Seq[Messages],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to chat conversations through the model's chat template."""
+        convs: list[Messages] = (
+            [conversations] if conversations and isinstance(conversations[0], dict) else list(conversations)  # type: ignore[list-item]
+        )
+        ids = [self.engine.chat_prompt_ids(c) for c in convs]
+        return self.generate(ids, params, use_tqdm=use_tqdm)
+
+    def _run(self, items: list[tuple[Prompt, SamplingParams, int]], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        order: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        try:
+            for prompt, sp, priority in items:
+                rid = f"llm-{next(self._ids)}"
+                engine.add_request(rid, prompt, sp, priority)
+                order.append(rid)
+                req = engine.requests[rid]
+                results[rid] = RequestOutput(
+                    rid, req.prompt, req.prompt_token_ids,
+                    [CompletionOutput(i, "", [], None, [] if sp.logprobs is not None else None)
+                     for i in range(sp.n)],
+                    0, finished=False,
+                )
+            bar = tqdm(total=len(order), disable=not use_tqdm, desc="generate", unit="req")
+            while engine.has_unfinished():
+                for delta in engine.step():
+                    out = results[delta.request_id]
+                    out.num_cached_tokens = delta.num_cached_tokens
+                    for d in delta.outputs:
+                        c = out.outputs[d.index]
+                        c.text += d.text
+                        c.token_ids.extend(d.token_ids)
+                        if d.finish_reason is not None:
+                            c.finish_reason = d.finish_reason
+                        if c.logprobs is not None and d.logprobs:
+                            c.logprobs.extend(d.logprobs)
+                    if delta.finished:
+                        out.finished = True
+                        bar.update(1)
+            bar.close()
+        finally:
+            for rid in order:
+                engine.abort(rid)  # no-op for finished ones; frees blocks if interrupted
+        return [results[rid] for rid in order]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        self = cls.__new__(cls)
+        self.engine = Engine(config)
+        self._ids = itertools.count()
+        return self

@@ -1,0 +1,139 @@
+"""Turns a scheduled batch into one forward pass over the flattened tokens, and owns the KV cache.
+
+Inputs are built with a handful of tensor ops (no Python loop over tokens): token ids are sliced
+per sequence, positions and slot mappings come from cumulative query lengths and block tables.
+Logits are computed only for the rows that will be sampled.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.loader import load_model
+from engine.model_config import ModelConfig
+from engine.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepTimings:
+    """Where the time of the steps went, in seconds, accumulated since the last reset."""
+
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    steps: int = 0
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.backend)
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks(self.model_config)
+        mc = self.model_config
+        shape = (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
+        self.timings = StepTimings()
+
+    def kv_bytes_per_block(self, mc: ModelConfig) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def _num_kv_blocks(self, mc: ModelConfig) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.kv_bytes_per_block(mc)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization)
+            if self.config.kv_cache_bytes is not None:
+                budget = min(budget, self.config.kv_cache_bytes)
+        else:
+            budget = self.config.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={budget} is smaller than one KV block ({per_block} bytes for this model)"
+            )
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor | None:
+        """Run the batch; returns float32 logits for the sequences at ``sample_rows`` (batch order),
+        or None when every sequence was a mid-prompt chunk (its KV still had to be written)."""
+        t0 = time.perf_counter()
+        input_ids, positions, meta = self.prepare_inputs(batch)
+        t1 = time.perf_counter()
+        self.model.ops.attention.prepare(meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits = None
+        if sample_rows:
+            last = meta.query_start_loc[1:].long() - 1
+            rows = last[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        self.timings.prepare_s += t1 - t0
+        self.timings.forward_s += t2 - t1
+        self.timings.steps += 1
+        return logits
+
+    def prepare_inputs(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        seqs, q_lens = batch.seqs, batch.num_new_tokens
+        token_ids: list[int] = []
+        computed: list[int] = []
+        seq_lens: list[int] = []
+        for seq, n in zip(seqs, q_lens, strict=True):
+            c = seq.num_computed_tokens
+            token_ids.extend(seq.token_ids[c : c + n])
+            computed.append(c)
+            seq_lens.append(c + n)
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
+
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens_t, 0, out=cu[1:])
+        offsets = torch.tensor(computed, dtype=torch.long) - cu[:-1].long()
+        num_tokens = len(token_ids)
+        positions = torch.arange(num_tokens, dtype=torch.long) + torch.repeat_interleave(
+            offsets, q_lens_t.long(), output_size=num_tokens
+        )
+        seq_index = torch.repeat_interleave(
+            torch.arange(len(seqs)), q_lens_t.long(), output_size=num_tokens
+        )
+        block_tables = torch.tensor(tables, dtype=torch.int32)
+        bs = self.block_size
+        slots = block_tables[seq_index, positions // bs].long() * bs + positions % bs
+
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=cu.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+            block_tables=block_tables.to(dev),
+            slot_mapping=slots.to(dev),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=list(q_lens),
+            seq_lens_cpu=seq_lens,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev)
+        return input_ids, positions.to(dev), meta
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (every layer) for forked samples that will write into their own copy."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]

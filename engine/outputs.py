@@ -1,0 +1,71 @@
+"""What the engine hands back: per-step deltas for streaming, and whole results for the offline API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# finish_reason values: "stop" (EOS, stop token or stop string), "length" (max_tokens or the
+# model's context), "abort" (aborted by the caller).
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one sampled position: the sampled token's and the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionDelta:
+    """What one sample (``index`` in 0..n-1) of a request produced during one engine step."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestDelta:
+    """Everything new about one request after an engine step; ``finished`` once all samples ended."""
+
+    request_id: str
+    outputs: list[CompletionDelta]
+    finished: bool
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int
+    finished: bool = True
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use by live requests
+    prefix_cache_hit_rate: float  # hit tokens / queried tokens since start
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_free_blocks: int
+    num_total_blocks: int

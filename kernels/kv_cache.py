@@ -1,0 +1,18 @@
+"""Writing the new tokens' K/V into the paged cache through the slot mapping: the torch reference."""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_cache_torch(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``k, v [N, KVH, D]`` at ``slot_mapping [N]`` of caches ``[num_blocks, block_size, KVH, D]``."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata
+from kernels import cpu_attention
 from kernels.kv_cache import write_kv_cache_torch
 
 
@@ -35,70 +36,51 @@ class AttentionBackend(Protocol):
 
 
 @dataclass
-class _PrefillPlan:
+class _Prefill:
     rows: slice  # this sequence's query rows in the flattened batch
-    slots: torch.Tensor  # [seq_len] cache slots of its whole context
-    mask: torch.Tensor | None  # [q_len, seq_len] causal mask (None when q_len == seq_len: plain causal)
+    blocks: torch.Tensor  # [num_blocks] its context's blocks, in order
+    seq_len: int
+    mask: torch.Tensor | None  # [q_len, seq_len] causal mask; None when the chunk is the whole context
 
 
 @dataclass
 class _TorchPlan:
-    decode_rows: torch.Tensor  # [Sd] query rows of single-token sequences
-    decode_slots: torch.Tensor  # [Sd, Lmax] cache slots of their contexts (padding repeats a valid slot)
-    decode_mask: torch.Tensor  # [Sd, 1, 1, Lmax] additive mask: 0 valid, -inf padding
-    prefills: list[_PrefillPlan]
-    all_decode: bool
+    decode_rows: torch.Tensor  # int64 [Sd] query rows of single-token sequences
+    decode_seq_lens: torch.Tensor  # int32 [Sd]
+    decode_tables: torch.Tensor  # int32 [Sd, max_blocks]
+    decode_max_len: int
+    prefills: list[_Prefill]
 
 
 class TorchAttention:
-    """CPU backend: decodes batched into one padded attention, prefill chunks one SDPA call each.
+    """CPU backend.
 
-    Index tensors are built once per step in ``prepare`` and reused by every layer, so a layer
-    costs one slot gather per K and V plus the attention itself.
+    Decode tokens (one query each, the bulk of a busy step) go through a C kernel that reads the
+    cache in place (``kernels/cpu_attention``) with one call for the whole batch; without a compiler,
+    or for non-float32 caches, a torch path gathers whole blocks instead. Prefill chunks are few per
+    step and compute-bound: each gathers its blocks once and runs one SDPA call.
     """
 
     name = "torch"
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        # The plan itself needs the block size, which only the cache tensors know: the first
-        # layer's forward builds it, the others reuse it.
         q_lens = meta.query_lens_cpu or (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
         starts = meta.query_start_loc.tolist()
-        meta.backend_state = _PlanInputs(q_lens, seq_lens, starts)
-
-    def _plan(self, meta: AttentionMetadata, block_size: int) -> _TorchPlan:
-        inputs: _PlanInputs = meta.backend_state
-        device = meta.block_tables.device
-        dec = [i for i, n in enumerate(inputs.q_lens) if n == 1]
-        pre = [i for i, n in enumerate(inputs.q_lens) if n > 1]
-        tables = meta.block_tables.long()
-        if dec:
-            dec_t = torch.tensor(dec, device=device)
-            lens = meta.seq_lens.long()[dec_t]
-            lmax = max(inputs.seq_lens[i] for i in dec)
-            pos = torch.arange(lmax, device=device)
-            valid = pos[None, :] < lens[:, None]
-            pos_c = torch.minimum(pos[None, :], lens[:, None] - 1)
-            slots = tables[dec_t[:, None], pos_c // block_size] * block_size + pos_c % block_size
-            mask = torch.zeros(valid.shape, dtype=torch.float32, device=device)
-            mask.masked_fill_(~valid, float("-inf"))
-            rows = meta.query_start_loc.long()[dec_t]
-        else:
-            rows = torch.empty(0, dtype=torch.long, device=device)
-            slots = torch.empty(0, 0, dtype=torch.long, device=device)
-            mask = torch.empty(0, 0, device=device)
-        prefills = []
-        for i in pre:
-            seq_len, q_len, start = inputs.seq_lens[i], inputs.q_lens[i], inputs.starts[i]
-            pos = torch.arange(seq_len, device=device)
-            s = tables[i, pos // block_size] * block_size + pos % block_size
-            m = None
-            if q_len != seq_len:
-                qpos = torch.arange(seq_len - q_len, seq_len, device=device)
-                m = pos[None, :] <= qpos[:, None]
-            prefills.append(_PrefillPlan(slice(start, start + q_len), s, m))
-        return _TorchPlan(rows, slots, mask[:, None, None, :], prefills, not pre)
+        dec = [i for i, n in enumerate(q_lens) if n == 1]
+        idx = torch.tensor(dec, dtype=torch.long)
+        prefills = [
+            _Prefill(slice(starts[i], starts[i] + q_lens[i]), meta.block_tables[i], seq_lens[i],
+                     _chunk_mask(q_lens[i], seq_lens[i], meta.block_tables.device))
+            for i, n in enumerate(q_lens) if n > 1
+        ]
+        meta.backend_state = _TorchPlan(
+            decode_rows=meta.query_start_loc.long()[idx].contiguous(),
+            decode_seq_lens=meta.seq_lens[idx].contiguous(),
+            decode_tables=meta.block_tables[idx].contiguous(),
+            decode_max_len=max((seq_lens[i] for i in dec), default=0),
+            prefills=prefills,
+        )
 
     def forward(
         self,
@@ -111,50 +93,64 @@ class TorchAttention:
         scale: float,
     ) -> torch.Tensor:
         write_kv_cache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
-        inputs: _PlanInputs = meta.backend_state
-        if inputs.plan is None:
-            inputs.plan = self._plan(meta, k_cache.shape[1])
-        plan = inputs.plan
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        num_heads = q.shape[1]
-        group = num_heads // num_kv_heads
-        out = q.new_empty(q.shape) if not plan.all_decode else None
-
+        plan: _TorchPlan = meta.backend_state
+        out = q.new_empty(q.shape)
         if plan.decode_rows.numel():
-            sd, lmax = plan.decode_slots.shape
-            kd = flat_k[plan.decode_slots].permute(0, 2, 1, 3)  # [Sd, KVH, L, D]
-            vd = flat_v[plan.decode_slots].permute(0, 2, 1, 3)
-            qd = q if plan.all_decode else q[plan.decode_rows]
-            qd = qd.view(sd, num_kv_heads, group, head_dim)
-            scores = torch.matmul(qd, kd.transpose(-1, -2)).mul_(scale)  # [Sd, KVH, G, L]
-            scores.add_(plan.decode_mask)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            od = torch.matmul(probs, vd).reshape(sd, num_heads, head_dim)
-            if plan.all_decode:
-                return od
-            assert out is not None
-            out[plan.decode_rows] = od
-        assert out is not None
+            if q.dtype == torch.float32 and q.stride(-1) == 1 and cpu_attention.available():
+                cpu_attention.paged_decode_attention(
+                    q, k_cache, v_cache, out, plan.decode_rows, plan.decode_seq_lens, plan.decode_tables, scale
+                )
+            else:
+                out[plan.decode_rows] = _decode_torch(q[plan.decode_rows], k_cache, v_cache, plan, scale)
         for p in plan.prefills:
-            kp = flat_k[p.slots].transpose(0, 1)  # [KVH, L, D]
-            vp = flat_v[p.slots].transpose(0, 1)
-            qp = q[p.rows].transpose(0, 1)  # [H, q_len, D]
-            o = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
-                enable_gqa=group > 1,
-            )
-            out[p.rows] = o.transpose(0, 1)
+            out[p.rows] = _prefill_torch(q[p.rows], k_cache, v_cache, p, scale)
         return out
 
 
-@dataclass
-class _PlanInputs:
-    q_lens: list[int]
-    seq_lens: list[int]
-    starts: list[int]
-    plan: _TorchPlan | None = None
+def _chunk_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
+    if q_len == seq_len:
+        return None
+    k_pos = torch.arange(seq_len, device=device)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+def _context(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``[..., num_blocks]`` block ids -> ``[..., KVH, num_blocks * block_size, D]`` (one copy)."""
+    gathered = cache[blocks]  # [..., nb, bs, KVH, D]
+    shape = gathered.shape
+    flat = gathered.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
+    return flat.transpose(-3, -2)
+
+
+def _decode_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _TorchPlan, scale: float
+) -> torch.Tensor:
+    block_size = k_cache.shape[1]
+    num_blocks = -(-plan.decode_max_len // block_size)
+    tables = plan.decode_tables[:, :num_blocks].long()
+    k = _context(k_cache, tables)  # [Sd, KVH, L, D]
+    v = _context(v_cache, tables)
+    pos = torch.arange(k.shape[2], device=q.device)
+    mask = (pos[None, :] < plan.decode_seq_lens[:, None].long())[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out[:, :, 0, :]
+
+
+def _prefill_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: _Prefill, scale: float
+) -> torch.Tensor:
+    num_blocks = -(-p.seq_len // k_cache.shape[1])
+    blocks = p.blocks[:num_blocks].long()
+    k = _context(k_cache, blocks)[:, : p.seq_len]  # [KVH, L, D]
+    v = _context(v_cache, blocks)[:, : p.seq_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[0],
+    )
+    return out.transpose(0, 1)
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

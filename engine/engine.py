@@ -96,9 +96,9 @@ class Engine:
         """Apply the model's chat template (already tokenised, so no second BOS is added)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        return [int(t) for t in ids]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids: list[int] = self.tokenizer(str(text), add_special_tokens=False)["input_ids"]
+        return ids
 
     def add_request(
         self,
@@ -238,11 +238,9 @@ class Engine:
         params = seq.params
         n_out = seq.num_output_tokens
         reason = None
-        if seq.detokenizer.stopped:
-            reason = "stop"
-        elif n_out >= params.min_tokens and (
+        if seq.detokenizer.stopped or (n_out >= params.min_tokens and (
             (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
-        ):
+        )):
             reason = "stop"
         elif n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"

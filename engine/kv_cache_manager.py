@@ -127,7 +127,7 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_committed_blocks = 0
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None | bool:
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | bool | None:
         """Let ``child`` share ``parent``'s computed blocks.
 
         Full blocks are shared by reference; a partly filled last block is copied, since both will

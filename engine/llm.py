@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
+from typing import cast
 
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -22,7 +24,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):  # type: ignore[no-untyped-def]
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     def generate(
@@ -33,11 +35,7 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt (all submitted at once, batched continuously); results in input order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list = _as_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
         else:
@@ -55,10 +53,11 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to chat conversations through the model's chat template."""
-        convs: list[Messages] = (
-            [conversations] if conversations and isinstance(conversations[0], dict) else list(conversations)  # type: ignore[list-item]
-        )
-        ids = [self.engine.chat_prompt_ids(c) for c in convs]
+        if conversations and isinstance(conversations[0], dict):
+            convs = [cast(Messages, conversations)]
+        else:
+            convs = list(cast(Seq[Messages], conversations))
+        ids: list[Prompt] = [self.engine.chat_prompt_ids(c) for c in convs]
         return self.generate(ids, params, use_tqdm=use_tqdm)
 
     def _run(self, items: list[tuple[Prompt, SamplingParams, int]], use_tqdm: bool) -> list[RequestOutput]:
@@ -108,3 +107,13 @@ class LLM:
         self.engine = Engine(config)
         self._ids = itertools.count()
         return self
+
+
+def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or many -> a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and isinstance(items[0], int):
+        return [cast(list[int], items)]
+    return cast(list[Prompt], items)

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.tiny_models import make_tiny_checkpoint
 from tests.tiny_tokenizer import make_tokenizer
+
+# Tests run tiny models (where thread start-up costs more than it saves) and often several
+# processes at once (worker tests): one intra-op thread each avoids oversubscribing the cores,
+# which with OpenMP's spinning threads slows everything down by an order of magnitude.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

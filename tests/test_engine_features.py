@@ -63,7 +63,7 @@ def test_seed_is_reproducible_inside_any_batch(llm: LLM) -> None:
     others = [[rng.randrange(1, 500) for _ in range(rng.randrange(3, 60))] for _ in range(30)]
     params = [SamplingParams(temperature=rng.choice([0, 0.7, 1.3]), seed=rng.choice([None, 7]),
                              max_tokens=rng.randrange(5, 30)) for _ in others]
-    outs = llm.generate(others[:15] + [[5, 6, 7, 8, 9]] + others[15:], params[:15] + [target] + params[15:])
+    outs = llm.generate([*others[:15], [5, 6, 7, 8, 9], *others[15:]], [*params[:15], target, *params[15:]])
     assert outs[15].outputs[0].token_ids == alone
     assert_no_leak(llm)
 

@@ -1,0 +1,164 @@
+"""Building blocks of pagedq's decoder: linear, embedding, RMSNorm and rotary modules.
+
+They differ from their ``torch.nn`` namesakes in two ways that matter for an inference engine:
+
+* parameters are allocated with ``torch.empty`` straight in the target dtype and device (no random
+  init, no float32 detour), because the loader overwrites every one of them anyway;
+* the math runs through an :class:`engine.ops.Ops` bundle, so a model runs on the torch reference
+  ops or on Triton kernels without code changes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_config import RopeScaling
+from engine.ops import Ops
+
+
+def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)``; merged projections (qkv, gate_up) are just a larger ``out_features``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
+        self.bias: nn.Parameter | None = (
+            _empty_param(out_features, dtype=dtype, device=device) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding table; also serves as the lm_head weight when embeddings are tied."""
+
+    def __init__(
+        self, num_embeddings: int, dim: int, dtype: torch.dtype, device: torch.device | None = None
+    ) -> None:
+        super().__init__()
+        self.weight = _empty_param(num_embeddings, dim, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, optionally fused with the residual add that precedes it.
+
+    The fused form (:meth:`forward_residual`) saves one full read/write of the hidden states per
+    norm, which is why decoder layers carry the residual separately instead of adding it eagerly.
+    """
+
+    def __init__(
+        self, size: int, eps: float, ops: Ops, dtype: torch.dtype, device: torch.device | None = None
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.ops = ops
+        self.weight = _empty_param(size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.ops.rms_norm(x, self.weight, self.eps)
+        return out
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: the next block's normed input and the new residual."""
+        out, new_residual = self.ops.rms_norm(x, self.weight, self.eps, residual)
+        assert new_residual is not None
+        return out, new_residual
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32), computed op for op like transformers.
+
+    Mirrors ``LlamaRotaryEmbedding.compute_default_rope_parameters``,
+    ``_compute_linear_scaling_rope_parameters`` and ``_compute_llama3_parameters`` so the cos/sin
+    tables, and hence float32 logits, agree with the reference bit for bit.
+    """
+    dim = head_dim
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    if rope_scaling is None:
+        return inv_freq
+    if rope_scaling.rope_type == "linear":
+        return inv_freq / rope_scaling.factor
+    if rope_scaling.rope_type == "llama3":
+        factor = rope_scaling.factor
+        low_freq_factor = rope_scaling.low_freq_factor
+        high_freq_factor = rope_scaling.high_freq_factor
+        old_context_len = rope_scaling.original_max_position_embeddings
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (beyond the pretraining context) are interpolated by ``factor``, short
+        # ones are kept, and the band in between is blended smoothly.
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+        is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+    raise ValueError(f"unsupported rope scaling type {rope_scaling.rope_type!r}")
+
+
+def build_cos_sin_cache(
+    head_dim: int, max_positions: int, rope_theta: float, rope_scaling: RopeScaling | None
+) -> torch.Tensor:
+    """``[max_positions, head_dim]`` float32: ``cos`` in the first half of each row, ``sin`` in the second.
+
+    Built once per model so kernels only gather rows by position; scaling is already folded into the
+    frequencies, so kernels never need to know about it.
+    """
+    inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)
+    positions = torch.arange(max_positions)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding applied to q and k by token position."""
+
+    cos_sin_cache: torch.Tensor
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        rope_theta: float,
+        rope_scaling: RopeScaling | None,
+        ops: Ops,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.ops = ops
+        cache = build_cos_sin_cache(head_dim, max_positions, rope_theta, rope_scaling)
+        # Kept in float32 whatever the model dtype: ops cast rows to q's dtype on use, as
+        # transformers does, so bf16 models see the same rounded values.
+        self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache)

@@ -1,0 +1,198 @@
+"""pagedq's decoder for Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3 checkpoints.
+
+These architectures differ only in details that :class:`~engine.model_config.ModelConfig` turns
+into flags (q/k/v and o biases, Qwen3's per-head q/k RMSNorm, tied embeddings, rope scaling), so
+one module covers them all.
+
+The forward pass runs over the *flattened* batch: every scheduled sequence's new tokens
+concatenated into ``N`` rows, prefill chunks and decode tokens alike, with no padding. Only
+attention needs to know where one sequence ends and the next begins (``AttentionMetadata``); every
+other op is row-wise. For CPU speed the q/k/v projections are one matmul and gate/up another, and
+residual adds are fused into the RMSNorms.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.layers import Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
+from engine.model_config import ModelConfig
+from engine.ops import Ops
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: merged qkv projection, rotary, paged attention through the ops' backend."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: Ops,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        device: torch.device | None,
+    ) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, dtype, device)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, dtype, device)
+        # One cos/sin table per model, shared by every layer (module dedup keeps it stored once).
+        self.rotary_emb = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3: RMSNorm over each head's vector, before rotary. Flattened to 2-D rows so any
+            # row-wise RMSNorm kernel applies.
+            q = self.q_norm(q.reshape(n * self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(n * self.num_kv_heads, self.head_dim))
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()
+        q, k = self.rotary_emb(positions, q, k)
+        k_cache, v_cache = kv_cache
+        out = self.ops.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """Gated SiLU MLP with gate and up projections merged into one matmul."""
+
+    def __init__(
+        self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device | None
+    ) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block. The residual travels separately so each norm can fuse the add before it."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: Ops,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        device: torch.device | None,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, ops, rotary, dtype, device)
+        self.mlp = LlamaMLP(config, ops, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp_out, residual)``; the caller adds them (fused into the next norm)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder plus lm_head. Parameters are uninitialized until the loader fills them."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: Ops,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            ops,
+            device,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, ops, self.rotary_emb, dtype, device) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        # Tied checkpoints share one tensor: no copy, and the loader fills it once.
+        self.lm_head_weight: nn.Parameter = (
+            self.embed_tokens.weight
+            if config.tie_word_embeddings
+            else nn.Parameter(
+                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+                requires_grad=False,
+            )
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[N, hidden]`` of the flattened batch.
+
+        The caller runs ``model.ops.attention.prepare(meta)`` once per step first (the backend's
+        per-step planning, shared by all layers; the model runner owns the step). Writes every new
+        token's K/V into ``kv_caches`` (one ``(k_cache, v_cache)`` per layer) as a side effect.
+        Logits are left to :meth:`compute_logits` so the caller computes them only for the rows it
+        samples from.
+        """
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if residual is None:  # no layers at all
+            return self.norm(hidden)
+        hidden, _ = self.norm.forward_residual(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [M, hidden]`` -> float32 logits ``[M, vocab]`` (matmul in the model dtype, like HF)."""
+        return F.linear(hidden, self.lm_head_weight).float()

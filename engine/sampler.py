@@ -1,0 +1,291 @@
+"""Batched sampling: one logits row per sequence, each row with its own ``SamplingParams``.
+
+Design choices, and why:
+
+* Every stage works on whole tensors; the only Python loops are over rows (building index lists,
+  drawing each seeded row's noise from its own generator), never over the vocabulary.
+* Stages no row needs are skipped, so an all-greedy batch costs one ``argmax`` and a plain
+  temperature-1 batch costs one softmax plus one noise draw.
+* Sampling uses the exponential race: ``argmax(p_i / E_i)`` with ``E_i ~ Exponential(1)`` picks ``i``
+  with probability ``p_i`` (the minimum of ``E_i / p_i`` is won proportionally to ``p_i``). Unlike
+  ``torch.multinomial`` over the whole batch, each row's randomness is a separate tensor of noise, so a
+  seeded row draws only from its own generator and yields the same tokens whatever shares its batch.
+  It also needs no renormalisation: filtered tokens just get probability 0.
+* Logprobs are taken from the raw logits (before penalties and temperature), as vLLM does, so they
+  describe the model rather than the sampling configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprobs
+from schemas.sampling import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingRow:
+    """One logits row's sampling context: its parameters, RNG and the tokens penalties look at."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled token per row, and its logprobs where the row's params asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def _splitmix64(x: int) -> int:
+    """A 64-bit mixing function: turns (seed, index) pairs into well-spread, distinct seeds."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def make_generator(
+    seed: int | None, index: int = 0, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """The generator for sample ``index`` of a request with ``seed``; None for unseeded requests.
+
+    Sample 0 uses ``seed`` itself, so an ``n=1`` request matches plain ``torch.manual_seed(seed)``
+    semantics; other samples get a seed derived by mixing ``(seed, index)``, so the ``n`` samples of a
+    seeded request differ from each other yet are each reproducible. ``device`` should be the device
+    the logits live on, so noise is drawn there without a host copy.
+    """
+    if seed is None:
+        return None
+    derived = seed & _MASK64 if index == 0 else _splitmix64((seed & _MASK64) ^ _splitmix64(index))
+    gen = torch.Generator(device=device)
+    gen.manual_seed(derived)
+    return gen
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Stack ragged id lists into a [R, max_len] int64 tensor, padded with ``pad`` (one host copy)."""
+    width = max(max((len(r) for r in rows), default=0), 1)
+    flat = [ids + [pad] * (width - len(ids)) for ids in rows]
+    return torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Apply repetition, frequency and presence penalties to ``logits`` [R, V] in place.
+
+    Token occurrence is built by scattering padded id tensors into a [R, V + 1] table whose extra
+    column absorbs padding (and any out-of-range id), so no row needs a Python loop over its tokens.
+    Repetition follows transformers (over prompt + output): positive logits are divided by the
+    penalty, the others multiplied. Frequency/presence follow OpenAI (over output only):
+    ``logit -= frequency * count + presence * (count > 0)``.
+    """
+    num_rows, vocab = logits.shape
+    device = logits.device
+
+    def clean(ids: torch.Tensor) -> torch.Tensor:
+        return torch.where((ids >= 0) & (ids < vocab), ids, vocab)
+
+    out_ids = clean(_padded([r.output_token_ids for r in rows], vocab, device))
+    counts = torch.zeros((num_rows, vocab + 1), dtype=logits.dtype, device=device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+
+    rep = [r.params.repetition_penalty for r in rows]
+    if any(p != 1.0 for p in rep):
+        prompt_ids = clean(_padded([r.prompt_token_ids for r in rows], vocab, device))
+        seen = torch.zeros((num_rows, vocab + 1), dtype=torch.bool, device=device)
+        seen.scatter_(1, prompt_ids, True)
+        seen = seen[:, :vocab] | (counts > 0)
+        penalty = torch.tensor(rep, dtype=logits.dtype, device=device).unsqueeze(1).expand_as(logits)
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where(seen, scaled, logits))
+
+    freq = [r.params.frequency_penalty for r in rows]
+    pres = [r.params.presence_penalty for r in rows]
+    if any(f != 0.0 for f in freq) or any(p != 0.0 for p in pres):
+        freq_t = torch.tensor(freq, dtype=logits.dtype, device=device).unsqueeze(1)
+        pres_t = torch.tensor(pres, dtype=logits.dtype, device=device).unsqueeze(1)
+        logits -= freq_t * counts + pres_t * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> None:
+    """Keep each row's ``k`` largest logits (ties at the k-th value kept); k <= 0 means off."""
+    vocab = logits.shape[1]
+    ks = [k if 0 < k < vocab else 0 for k in top_k]
+    kmax = max(ks)
+    if kmax == 0:
+        return
+    device = logits.device
+    values = torch.topk(logits, kmax, dim=1).values
+    k_idx = torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.long, device=device).unsqueeze(1)
+    kth = values.gather(1, k_idx)
+    active = torch.tensor([k > 0 for k in ks], dtype=torch.bool, device=device).unsqueeze(1)
+    logits.masked_fill_(active & (logits < kth), float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: list[float]) -> None:
+    """Keep the smallest set of most likely tokens whose probability mass reaches ``p`` (per row).
+
+    Only rows with ``p < 1`` are sorted: sorting is the most expensive stage and a no-op otherwise.
+    A token is dropped when the mass strictly before it already reaches ``p``, so the top token is
+    always kept.
+    """
+    idx = [i for i, p in enumerate(top_p) if p < 1.0]
+    if not idx:
+        return
+    device = logits.device
+    sel = torch.tensor(idx, dtype=torch.long, device=device)
+    sub = logits.index_select(0, sel)
+    probs = torch.softmax(sub, dim=1)
+    sorted_probs, order = torch.sort(probs, dim=1, descending=True, stable=True)
+    mass_before = torch.cumsum(sorted_probs, dim=1) - sorted_probs
+    p = torch.tensor([top_p[i] for i in idx], dtype=probs.dtype, device=device).unsqueeze(1)
+    drop_sorted = mass_before >= p
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    logits[sel] = sub.masked_fill(drop, float("-inf"))
+
+
+class Sampler:
+    """Turns a batch of logits into one token per row, honouring each row's ``SamplingParams``.
+
+    ``eos_token_ids`` are the tokens ``min_tokens`` must suppress (together with each row's
+    ``stop_token_ids``). ``generator`` is the RNG shared by unseeded rows (the torch default RNG when
+    None).
+    """
+
+    def __init__(self, eos_token_ids: set[int], generator: torch.Generator | None = None) -> None:
+        self.eos_token_ids = set(eos_token_ids)
+        self.generator = generator
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [M, V]; ``rows[i]`` describes row ``i``.
+
+        Stage order: penalties -> min_tokens masking -> greedy argmax -> temperature -> top-k -> top-p
+        -> min-p -> exponential race. ``logits`` is not modified.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        x = logits.float()
+        pen_idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        ban_rows, ban_toks = self._min_tokens_bans(rows, x.shape[1])
+        if (pen_idx or ban_rows) and x is logits:
+            x = x.clone()  # never modify the caller's logits (.float() already copied non-fp32 input)
+
+        if pen_idx:
+            sel = torch.tensor(pen_idx, dtype=torch.long, device=x.device)
+            sub = x.index_select(0, sel)
+            apply_penalties(sub, [rows[i] for i in pen_idx])
+            x[sel] = sub
+        if ban_rows:
+            rows_t = torch.tensor(ban_rows, dtype=torch.long, device=x.device)
+            toks_t = torch.tensor(ban_toks, dtype=torch.long, device=x.device)
+            x[rows_t, toks_t] = float("-inf")
+
+        token_ids = self._choose(x, rows)
+        return SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(logits, rows, token_ids))
+
+    def _min_tokens_bans(self, rows: list[SamplingRow], vocab: int) -> tuple[list[int], list[int]]:
+        """(row, token) pairs to set to -inf: EOS and stop tokens of rows short of ``min_tokens``.
+
+        ``ignore_eos`` only changes whether EOS stops a sequence, not this masking.
+        """
+        ban_rows: list[int] = []
+        ban_toks: list[int] = []
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) < r.params.min_tokens:
+                banned = [t for t in self.eos_token_ids.union(r.params.stop_token_ids) if 0 <= t < vocab]
+                ban_rows.extend([i] * len(banned))
+                ban_toks.extend(banned)
+        return ban_rows, ban_toks
+
+    def _choose(self, x: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """Greedy rows take the argmax; the others go through the filters and the exponential race."""
+        sample_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not sample_idx:
+            return [int(t) for t in x.argmax(dim=1).tolist()]
+        chosen = x.argmax(dim=1) if len(sample_idx) < len(rows) else None
+
+        device = x.device
+        params = [rows[i].params for i in sample_idx]
+        sel = torch.tensor(sample_idx, dtype=torch.long, device=device)
+        y = x.index_select(0, sel)
+        temps = [p.temperature for p in params]
+        if any(t != 1.0 for t in temps):
+            y /= torch.tensor(temps, dtype=y.dtype, device=device).unsqueeze(1)
+        apply_top_k(y, [p.top_k for p in params])
+        apply_top_p(y, [p.top_p for p in params])
+        probs = torch.softmax(y, dim=1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1)
+            threshold = threshold * probs.max(dim=1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+
+        noise = self._exponential_noise([rows[i].generator for i in sample_idx], probs)
+        sampled = (probs / noise).argmax(dim=1)
+        if chosen is None:
+            return [int(t) for t in sampled.tolist()]
+        chosen[sel] = sampled
+        return [int(t) for t in chosen.tolist()]
+
+    def _exponential_noise(
+        self, generators: list[torch.Generator | None], probs: torch.Tensor
+    ) -> torch.Tensor:
+        """Exponential(1) noise shaped like ``probs``: seeded rows from their own generator, the rest
+        from the shared one in a single draw. Clamped away from 0 so a filtered (p=0) token can never
+        become 0/0 = NaN, which argmax would pick."""
+        num_rows, vocab = probs.shape
+        device = probs.device
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            shared = self._draw((len(unseeded), vocab), self.generator, device)
+            if len(unseeded) == num_rows:
+                noise = shared
+            else:
+                noise[torch.tensor(unseeded, dtype=torch.long, device=device)] = shared
+        for i, gen in enumerate(generators):
+            if gen is not None:
+                noise[i] = self._draw((vocab,), gen, device)
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    @staticmethod
+    def _draw(shape: tuple[int, ...], gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
+        """Draw on the generator's own device (a CPU generator cannot fill a CUDA tensor)."""
+        gen_device = gen.device if gen is not None else device
+        out = torch.empty(shape, dtype=torch.float32, device=gen_device).exponential_(generator=gen)
+        return out.to(device)
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]
+    ) -> list[TokenLogprobs | None]:
+        """Sampled-token logprob and top-N alternatives from ``log_softmax`` of the raw logits."""
+        result: list[TokenLogprobs | None] = [None] * len(rows)
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not want:
+            return result
+        device = raw.device
+        sel = torch.tensor(want, dtype=torch.long, device=device)
+        lp = torch.log_softmax(raw.index_select(0, sel).float(), dim=1)
+        picked = torch.tensor([token_ids[i] for i in want], dtype=torch.long, device=device)
+        picked_lp = lp.gather(1, picked.unsqueeze(1)).squeeze(1).tolist()
+        top_n = max(rows[i].params.logprobs or 0 for i in want)
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if top_n > 0:
+            top = torch.topk(lp, min(top_n, lp.shape[1]), dim=1)
+            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+        for j, i in enumerate(want):
+            n = rows[i].params.logprobs or 0
+            pairs = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else []
+            result[i] = TokenLogprobs(token_id=token_ids[i], logprob=float(picked_lp[j]), top=pairs)
+        return result

@@ -1,0 +1,371 @@
+"""Wire models of protocol v1: the job a producer sends, the events a worker answers with, dead letters.
+
+Everything on the wire is JSON (never pickle), so producers in any language can speak it with plain Redis
+commands. Validation is strict (no ``"16"`` for ``16``, no ``true`` for ``1``) so that a malformed job is
+rejected with a message naming the field instead of being half-understood.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
+
+if TYPE_CHECKING:
+    from schemas.sampling import SamplingParams
+
+JOB_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+MAX_METADATA_BYTES = 4096
+INT32_MAX = 2**31 - 1
+
+JobId = Annotated[str, StringConstraints(pattern=JOB_ID_PATTERN)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+ReplyTo = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^\S+$")]
+
+SAMPLING_FIELDS: tuple[str, ...] = (
+    "n",
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "skip_special_tokens",
+)
+"""Job fields passed through, flat, to the engine's ``SamplingParams``."""
+
+FinishReason = Literal["stop", "length", "cancelled", "deadline"]
+ErrorCode = Literal[
+    "invalid_request", "prompt_too_long", "deadline_exceeded", "cancelled", "dead_lettered", "internal"
+]
+
+
+class InvalidJob(ValueError):
+    """A job payload that cannot be run; ``message`` is safe to send back to the producer."""
+
+    def __init__(self, message: str, code: ErrorCode = "invalid_request") -> None:
+        super().__init__(message)
+        self.message = message
+        self.code: ErrorCode = code
+
+
+class ChatMessage(BaseModel):
+    """One chat turn; the model's chat template turns a list of these into the prompt."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    content: str
+
+
+class JobRequest(BaseModel):
+    """A job as producers put it in field ``job`` of an entry of ``<ns>:jobs:<queue>``.
+
+    Sampling fields left out take the engine's defaults; ranges here are the wire contract, and the
+    engine's ``SamplingParams`` re-checks its own invariants when the worker builds it.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    id: JobId
+    prompt: Annotated[str, StringConstraints(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    prompt_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+
+    n: Annotated[int, Field(ge=1, le=64)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    ignore_eos: bool | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    skip_special_tokens: bool | None = None
+
+    stream: bool = True
+    reply_to: ReplyTo | None = None
+    priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)] = 0
+    timeout_s: Annotated[float, Field(gt=0.0)] | None = None
+    metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt_and_small_metadata(self) -> JobRequest:
+        given = [f for f in ("prompt", "messages", "prompt_token_ids") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "exactly one of prompt, messages, prompt_token_ids is required, got "
+                + (", ".join(given) or "none")
+            )
+        if self.metadata is not None:
+            try:
+                encoded = json.dumps(
+                    self.metadata, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+                )
+            except ValueError as exc:
+                raise ValueError(f"metadata is not valid JSON: {exc}") from exc
+            size = len(encoded.encode())
+            if size > MAX_METADATA_BYTES:
+                raise ValueError(f"metadata is {size} bytes of JSON, the limit is {MAX_METADATA_BYTES}")
+        if isinstance(self.stop, str) and not self.stop:
+            raise ValueError("stop must not be empty")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The sampling fields the producer set, for ``SamplingParams(**kwargs)``."""
+        return {f: getattr(self, f) for f in SAMPLING_FIELDS if getattr(self, f) is not None}
+
+    def sampling_params(self) -> SamplingParams:
+        """Build the engine's ``SamplingParams``; its own validation errors become :class:`InvalidJob`."""
+        from pydantic import ValidationError
+
+        from schemas.sampling import SamplingParams
+
+        try:
+            return SamplingParams(**self.sampling_kwargs())
+        except ValidationError as exc:
+            raise InvalidJob(describe_validation_error(exc)) from exc
+        except (ValueError, TypeError) as exc:
+            raise InvalidJob(str(exc)) from exc
+
+    def to_json(self) -> str:
+        """Compact JSON with unset optional fields left out, as producers should send it."""
+        return self.model_dump_json(exclude_none=True, exclude_defaults=True)
+
+
+def describe_validation_error(exc: Any, limit: int = 3) -> str:
+    """A short one-line description of a pydantic ``ValidationError`` (field path and message)."""
+    parts = []
+    for err in exc.errors()[:limit]:
+        loc = ".".join(str(p) for p in err.get("loc", ())) or "job"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    more = exc.error_count() - limit
+    if more > 0:
+        parts.append(f"and {more} more")
+    return "; ".join(parts)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def loads_strict(raw: str | bytes) -> Any:
+    """``json.loads`` that refuses NaN and Infinity, which Python accepts but JSON does not have."""
+    return json.loads(raw, parse_constant=_reject_constant)
+
+
+def _utf8(raw: str | bytes) -> bytes:
+    """The payload's bytes; a worker decodes with ``surrogateescape`` so invalid UTF-8 survives to here."""
+    return raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw
+
+
+def parse_job(raw: str | bytes, max_bytes: int) -> JobRequest:
+    """Decode and validate a job payload; every failure is an :class:`InvalidJob` with a clear message."""
+    from pydantic import ValidationError
+
+    data_bytes = _utf8(raw)
+    if len(data_bytes) > max_bytes:
+        raise InvalidJob(f"job payload is {len(data_bytes)} bytes, the limit is {max_bytes}")
+    try:
+        text = data_bytes.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidJob(f"job is not valid UTF-8: {exc.reason} at byte {exc.start}") from exc
+    try:
+        data = loads_strict(text)
+    except ValueError as exc:
+        raise InvalidJob(f"job is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidJob("job JSON is nested too deeply") from exc
+    if not isinstance(data, dict):
+        raise InvalidJob(f"job must be a JSON object, got {type(data).__name__}")
+    if "id" not in data:
+        raise InvalidJob("job has no id")
+    try:
+        return JobRequest.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidJob(describe_validation_error(exc)) from exc
+    except RecursionError as exc:  # absurdly nested JSON
+        raise InvalidJob("job is nested too deeply") from exc
+
+
+def salvage_reply_target(raw: str | bytes, max_bytes: int) -> tuple[str, str | None] | None:
+    """From a job that failed validation, recover ``(id, reply_to)`` if they are themselves valid.
+
+    Lets the worker send an ``error`` event to a producer whose job had, say, a bad ``temperature``;
+    returns None when no id can be trusted (the job then only goes to the dead-letter stream).
+    """
+    data_bytes = _utf8(raw)
+    if len(data_bytes) > 8 * max_bytes:  # an oversized job is still answered, within reason
+        data: Any = None
+    else:
+        try:
+            data = loads_strict(data_bytes.decode("utf-8", "replace"))
+        except (ValueError, RecursionError):
+            data = None
+    if not isinstance(data, dict):
+        return None
+    job_id = data.get("id")
+    reply_to = data.get("reply_to")
+    if not _valid(_JOB_ID, job_id) or (reply_to is not None and not _valid(_REPLY_TO, reply_to)):
+        return None
+    return str(job_id), None if reply_to is None else str(reply_to)
+
+
+_JOB_ID: TypeAdapter[str] = TypeAdapter(JobId)
+_REPLY_TO: TypeAdapter[str] = TypeAdapter(ReplyTo)
+
+
+def _valid(adapter: TypeAdapter[str], value: Any) -> bool:
+    try:
+        adapter.validate_python(value, strict=True)
+    except ValueError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- events
+
+
+class _Event(BaseModel):
+    # Readers ignore fields they do not know, so later protocol versions can add some.
+    model_config = ConfigDict(extra="ignore")
+
+    def to_json(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+
+class TokenEvent(_Event):
+    """New output of one choice during one engine step (several tokens may be coalesced)."""
+
+    type: Literal["token"] = "token"
+    id: str
+    attempt: int
+    index: int
+    text: str
+    token_ids: list[int]
+
+
+class TopLogprob(BaseModel):
+    token_id: int
+    logprob: float
+
+
+class Logprob(BaseModel):
+    """Log-probability of one sampled token and the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
+class Choice(BaseModel):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[Logprob] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class Timings(BaseModel):
+    """Seconds, all counted from the job's stream entry time (the Redis server clock)."""
+
+    queued_s: float
+    ttft_s: float | None = None
+    total_s: float
+
+
+class FinalEvent(_Event):
+    """The successful terminal event; also stored at ``<ns>:result:<id>``."""
+
+    type: Literal["final"] = "final"
+    id: str
+    attempt: int
+    choices: list[Choice]
+    usage: Usage
+    timings: Timings
+    metadata: dict[str, Any] | None = None
+    worker: str
+
+    @property
+    def text(self) -> str:
+        """Text of the first choice, for the common ``n == 1`` case."""
+        return self.choices[0].text if self.choices else ""
+
+
+class ErrorEvent(_Event):
+    """The failing terminal event; also stored at ``<ns>:result:<id>``."""
+
+    type: Literal["error"] = "error"
+    id: str
+    attempt: int
+    code: ErrorCode
+    message: str
+    metadata: dict[str, Any] | None = None
+    worker: str | None = None
+
+
+Event = Annotated[TokenEvent | FinalEvent | ErrorEvent, Field(discriminator="type")]
+TerminalEvent = FinalEvent | ErrorEvent
+_EVENT = TypeAdapter[TokenEvent | FinalEvent | ErrorEvent](Event)
+
+
+def parse_event(raw: str | bytes) -> TokenEvent | FinalEvent | ErrorEvent:
+    """Decode one event as found in field ``event`` of a reply stream entry or in a result key."""
+    return _EVENT.validate_json(raw)
+
+
+# ------------------------------------------------------------------------------------------ dead letters
+
+
+class DeadLetter(BaseModel):
+    """An entry of ``<ns>:dead:<queue>``: the raw job and why it was given up on.
+
+    Stored as flat stream fields (strings) so operators can read it with ``XRANGE`` and re-queue the
+    ``job`` field as is.
+    """
+
+    job: str
+    reason: str
+    code: str
+    attempts: int
+    worker: str
+    job_id: str = ""
+    entry_id: str = ""
+    ts_ms: int = Field(default_factory=lambda: int(time.time() * 1000))
+
+    def to_fields(self) -> dict[str, str]:
+        return {k: str(v) for k, v in self.model_dump().items()}
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str]) -> DeadLetter:
+        return cls.model_validate(fields, strict=False)
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """Round a timing for the wire; NaN/inf (clock trouble) become None rather than invalid JSON."""
+    if value is None or not math.isfinite(value):
+        return None
+    return round(value, 6)

@@ -3,14 +3,12 @@
 Design choices, and why:
 
 * Every stage works on whole tensors; the only Python loops are over rows (building index lists,
-  drawing each seeded row's noise from its own generator), never over the vocabulary.
+  drawing each seeded row from its own generator), never over the vocabulary.
 * Stages no row needs are skipped, so an all-greedy batch costs one ``argmax`` and a plain
-  temperature-1 batch costs one softmax plus one noise draw.
-* Sampling uses the exponential race: ``argmax(p_i / E_i)`` with ``E_i ~ Exponential(1)`` picks ``i``
-  with probability ``p_i`` (the minimum of ``E_i / p_i`` is won proportionally to ``p_i``). Unlike
-  ``torch.multinomial`` over the whole batch, each row's randomness is a separate tensor of noise, so a
-  seeded row draws only from its own generator and yields the same tokens whatever shares its batch.
-  It also needs no renormalisation: filtered tokens just get probability 0.
+  temperature-1 batch costs one softmax plus one multinomial draw.
+* Draws are inverse-CDF (``torch.multinomial``): unseeded rows share one call on the shared
+  generator; each seeded row is drawn alone from its own generator, so it yields the same tokens
+  whatever shares its batch. Filtered tokens just get probability 0.
 * Logprobs are taken from the raw logits (before penalties and temperature), as vLLM does, so they
   describe the model rather than the sampling configuration.
 """
@@ -169,7 +167,7 @@ class Sampler:
         """Sample one token per row of ``logits`` [M, V]; ``rows[i]`` describes row ``i``.
 
         Stage order: penalties -> min_tokens masking -> greedy argmax -> temperature -> top-k -> top-p
-        -> min-p -> exponential race. ``logits`` is not modified.
+        -> min-p -> multinomial draw. ``logits`` is not modified.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
@@ -207,7 +205,7 @@ class Sampler:
         return ban_rows, ban_toks
 
     def _choose(self, x: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """Greedy rows take the argmax; the others go through the filters and the exponential race."""
+        """Greedy rows take the argmax; the others go through the filters and a multinomial draw."""
         sample_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not sample_idx:
             return [int(t) for t in x.argmax(dim=1).tolist()]
@@ -229,40 +227,29 @@ class Sampler:
             threshold = threshold * probs.max(dim=1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
 
-        noise = self._exponential_noise([rows[i].generator for i in sample_idx], probs)
-        sampled = (probs / noise).argmax(dim=1)
+        sampled = self._multinomial(probs, [rows[i].generator for i in sample_idx])
         if chosen is None:
             return [int(t) for t in sampled.tolist()]
         chosen[sel] = sampled
         return [int(t) for t in chosen.tolist()]
 
-    def _exponential_noise(
-        self, generators: list[torch.Generator | None], probs: torch.Tensor
-    ) -> torch.Tensor:
-        """Exponential(1) noise shaped like ``probs``: seeded rows from their own generator, the rest
-        from the shared one in a single draw. Clamped away from 0 so a filtered (p=0) token can never
-        become 0/0 = NaN, which argmax would pick."""
-        num_rows, vocab = probs.shape
+    def _multinomial(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One draw per row: seeded rows from their own generator (so a seeded request's tokens never
+        depend on its batch), the rest from the shared one in a single call. Inverse-CDF sampling
+        needs one uniform number per row, where a Gumbel/exponential race needs one per vocabulary
+        entry: at a 49k vocabulary that random-number generation cost more than the model's head."""
         device = probs.device
-        noise = torch.empty_like(probs)
+        out = torch.empty(probs.shape[0], dtype=torch.long, device=device)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
-            shared = self._draw((len(unseeded), vocab), self.generator, device)
-            if len(unseeded) == num_rows:
-                noise = shared
-            else:
-                noise[torch.tensor(unseeded, dtype=torch.long, device=device)] = shared
+            idx = torch.tensor(unseeded, dtype=torch.long, device=device)
+            part = probs if len(unseeded) == len(generators) else probs.index_select(0, idx)
+            out[idx] = torch.multinomial(part, 1, generator=self.generator).squeeze(1).to(device)
         for i, gen in enumerate(generators):
             if gen is not None:
-                noise[i] = self._draw((vocab,), gen, device)
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-
-    @staticmethod
-    def _draw(shape: tuple[int, ...], gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
-        """Draw on the generator's own device (a CPU generator cannot fill a CUDA tensor)."""
-        gen_device = gen.device if gen is not None else device
-        out = torch.empty(shape, dtype=torch.float32, device=gen_device).exponential_(generator=gen)
-        return out.to(device)
+                row = probs[i].to(gen.device)  # a CPU generator draws on the CPU
+                out[i] = torch.multinomial(row, 1, generator=gen).to(device)[0]
+        return out
 
     @staticmethod
     def _logprobs(

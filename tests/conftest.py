@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,3 +35,32 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
         return built[arch]
 
     return get
+
+
+@dataclass
+class Prepared:
+    path: Path
+    models_dir: Path
+    log: list[str]
+    seconds: float
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prepared]:
+    """The default SmolLM2 model, really converted once per session into a tmp PAGEDQ_MODEL_DIR
+    (never the user's cache); skipped with the reason where its package cannot be installed."""
+    from engine.default_model import DefaultModelUnavailable, find_default_gguf, prepare_default_model
+
+    try:
+        find_default_gguf()
+    except DefaultModelUnavailable as exc:
+        pytest.skip(f"default model source not installed: {exc}")
+    models_dir = tmp_path_factory.mktemp("models")
+    lines: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDQ_MODEL_DIR", str(models_dir))
+        started = time.monotonic()
+        path = prepare_default_model(log=lines.append)
+        seconds = time.monotonic() - started
+    print(f"\nprepared {path} in {seconds:.1f}s")
+    yield Prepared(path, models_dir, lines, seconds)

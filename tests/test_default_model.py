@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from engine.default_model import (
     prepare_default_model,
     resolve_model_path,
 )
+from tests.conftest import Prepared
 
 pytestmark = pytest.mark.realmodel
 
@@ -44,28 +43,6 @@ CHAT_PROMPT = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 )
-
-
-@dataclass
-class Prepared:
-    path: Path
-    models_dir: Path
-    log: list[str]
-    seconds: float
-
-
-@pytest.fixture(scope="session")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prepared]:
-    """Convert the real GGUF once into a tmp PAGEDQ_MODEL_DIR; the env var is restored afterwards."""
-    models_dir = tmp_path_factory.mktemp("models")
-    lines: list[str] = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDQ_MODEL_DIR", str(models_dir))
-        started = time.monotonic()
-        path = prepare_default_model(log=lines.append)
-        seconds = time.monotonic() - started
-    print(f"\nprepared {path} in {seconds:.1f}s")
-    yield Prepared(path, models_dir, lines, seconds)
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,14 @@ DEMO_PROMPTS = [
 ]
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """The main job. Until the worker lands, an offline generation stands in."""
+    return _cmd_generate(argparse.Namespace(
+        prompt=[], model=args.model, max_tokens=args.max_tokens, temperature=0.0, seed=None,
+        dtype="auto", device="cpu", chat=True,
+    ))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedq", description="Queue-driven LLM inference worker (Redis streams, paged KV cache)."
@@ -76,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="send prompts raw, no chat template")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("demo", help="the main job end to end on the embedded defaults")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.set_defaults(func=_cmd_demo)
     return parser
 
 

@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels run on the CPU through the interpreter here. The variable must be set before
+# anything imports triton (transformers does, below), or triton's helpers are the compiled kind.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tests.tiny_models import make_tiny_checkpoint
 from tests.tiny_tokenizer import make_tokenizer
 

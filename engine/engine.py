@@ -64,6 +64,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
         torch.manual_seed(config.seed)
         log.info(
             "engine ready",

@@ -14,6 +14,7 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.scheduler import ScheduledBatch
@@ -41,6 +42,19 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         self.timings = StepTimings()
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """On CUDA with graphs enabled: capture the decode ladder (after the KV cache exists)."""
+        if self.device.type != "cuda" or not self.config.cuda_graphs:
+            return
+
+        def model_fn(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            self.model.ops.attention.prepare(meta)
+            return self.model(ids, pos, self.kv_caches, meta)
+
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(model_fn, self.device, max_num_seqs, max_model_len, self.block_size)
 
     def kv_bytes_per_block(self, mc: ModelConfig) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -71,8 +85,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         input_ids, positions, meta = self.prepare_inputs(batch)
         t1 = time.perf_counter()
-        self.model.ops.attention.prepare(meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.graphs is not None and self.graphs.can_run(meta.num_seqs, meta.max_query_len):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            self.model.ops.attention.prepare(meta)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = None
         if sample_rows:
             last = meta.query_start_loc[1:].long() - 1

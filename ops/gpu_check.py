@@ -44,7 +44,8 @@ def _parity(out: Path) -> dict[str, Any]:
         prompts = [torch.randint(1, 500, (int(n),), generator=gen).tolist()
                    for n in torch.randint(5, 300, (24,), generator=gen)]
         new_tokens = 32
-        hf = make_hf_model(path).to(device="cuda", dtype=torch.bfloat16)  # type: ignore[arg-type]
+        hf: Any = make_hf_model(path)
+        hf = hf.to(device="cuda", dtype=torch.bfloat16)
         refs = []
         with torch.inference_mode():
             for p in prompts:

@@ -37,11 +37,11 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    num_cached_tokens: int = 0
+    num_finished: int = 0  # samples that have ended (a request ends when all n have)
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+        return self.num_finished == self.params.n
 
 
 class Engine:
@@ -251,6 +251,7 @@ class Engine:
             seq.new_text += seq.detokenizer.flush()
         seq.finish_reason = reason
         self.scheduler.remove(seq)
+        self.requests[seq.request_id].num_finished += 1
 
     def _delta(self, req: Request) -> RequestDelta:
         outputs = []

@@ -1,11 +1,39 @@
-"""The ``pagedq`` command line: one console script, a subcommand per job."""
+"""The ``pagedq`` command line: one console script, a subcommand per job.
+
+Each subcommand's module is imported only when that subcommand runs, so ``pagedq --help`` and the
+light commands (``status``, ``submit``) do not pay for importing torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+# name -> (help, module, add-arguments function, run function)
+_COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "submit": ("submit one prompt or chat message and stream its tokens", "ops.queue_commands",
+               "add_submit_arguments", "run_submit"),
+    "batch": ("process an OpenAI Batch JSONL file (through the queue or --local)", "ops.batch",
+              "add_arguments", "run"),
+    "status": ("queues: backlog, pending, consumers, dead letters, live workers", "ops.queue_commands",
+               "add_status_arguments", "run_status"),
+    "dead": ("list or replay dead letters", "ops.queue_commands", "add_dead_arguments", "run_dead"),
+    "bench": ("benchmark pagedq against its peers, side by side", "ops.bench", "add_arguments", "run"),
+}
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for learning Python.",
+    "Explain what a paged KV cache is in one sentence.",
+]
 
 
 def _cmd_prepare_model(args: argparse.Namespace) -> int:
@@ -48,31 +76,66 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give me three tips for learning Python.",
-    "Explain what a paged KV cache is in one sentence.",
-]
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
-    """The main job. Until the worker lands, an offline generation stands in."""
-    return _cmd_generate(argparse.Namespace(
-        prompt=[], model=args.model, max_tokens=args.max_tokens, temperature=0.0, seed=None,
-        dtype="auto", device="cpu", chat=True,
-    ))
+    """The main job end to end: embedded Redis, one worker process, a producer streaming its jobs."""
+    from engine.default_model import resolve_model_path
+    from worker.client import PagedqClient
+    from worker.embedded_redis import EmbeddedRedis
+
+    model = str(resolve_model_path(args.model, log=print))  # prepare once, before the worker starts
+    data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="pagedq-demo-"))
+    redis_server = EmbeddedRedis(data_dir / "redis")
+    url = redis_server.start()
+    print(f"embedded Redis at {url} (data in {data_dir})")
+    env = {**os.environ, "PAGEDQ_REDIS_URL": url, "PAGEDQ_MODEL": model, "PAGEDQ_NAME": "demo-worker"}
+    log_path = data_dir / "worker.log"
+    print(f"worker logs in {log_path}")
+    with log_path.open("ab") as log_file:
+        worker = subprocess.Popen([sys.executable, "-m", "worker"], env=env, stdout=log_file, stderr=log_file)
+    try:
+        with PagedqClient(url) as client:
+            messages = [[{"role": "user", "content": p}] for p in DEMO_PROMPTS]
+            ids = client.submit_many(messages, max_tokens=args.max_tokens, temperature=0)
+            print(f"enqueued {len(ids)} jobs; streaming (they run batched in the worker)\n")
+            for prompt, job_id in zip(DEMO_PROMPTS, ids, strict=True):
+                print(f">>> {prompt}")
+                final = None
+                for item in client.stream(job_id, timeout=600):
+                    if isinstance(item, str):
+                        print(item, end="", flush=True)
+                    else:
+                        final = item
+                usage = getattr(final, "usage", None)
+                print(f"\n[{job_id}: {getattr(usage, 'completion_tokens', '?')} tokens]\n")
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+        redis_server.stop(force=True)
+    return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _worker_main(argv: Sequence[str]) -> int:
+    from worker.__main__ import main
+
+    return main(list(argv))
+
+
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedq", description="Queue-driven LLM inference worker (Redis streams, paged KV cache)."
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("prepare-model", help="convert the default SmolLM2 model once into the cache folder")
-    p.add_argument("--force", action="store_true", help="convert again even if already prepared")
-    p.set_defaults(func=_cmd_prepare_model)
+    sub.add_parser("worker", help="run a worker (see `pagedq worker --help`)", add_help=False)
+
+    p = sub.add_parser("demo", help="the main job end to end on the embedded defaults")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--data-dir", default=None, help="folder for the embedded Redis (default: a temp folder)")
+    p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("generate", help="offline generation in this process, streamed to the terminal")
     p.add_argument("prompt", nargs="*", help="prompts (default: a few demo questions)")
@@ -85,15 +148,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat", dest="chat", action="store_false", help="send prompts raw, no chat template")
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("demo", help="the main job end to end on the embedded defaults")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("prepare-model", help="convert the default SmolLM2 model once into the cache folder")
+    p.add_argument("--force", action="store_true", help="convert again even if already prepared")
+    p.set_defaults(func=_cmd_prepare_model)
+
+    for name, (help_text, module, add_fn, run_fn) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == selected:
+            mod = importlib.import_module(module)
+            getattr(mod, add_fn)(p)
+            run: Callable[[argparse.Namespace], int] = getattr(mod, run_fn)
+            p.set_defaults(func=run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] == "worker":
+        return _worker_main(args_list[1:])
+    selected = next((a for a in args_list if not a.startswith("-")), None)
+    args = build_parser(selected).parse_args(args_list)
     return int(args.func(args))
 
 

@@ -1,0 +1,467 @@
+"""``pagedq submit``, ``pagedq status`` and ``pagedq dead list|replay``: a producer and an operator's view.
+
+Each command is a pair ``add_<cmd>_arguments(parser)`` / ``run_<cmd>(args) -> exit code`` that ``ops/cli.py``
+wires in; ``python -m ops.queue_commands <cmd> ...`` runs them without it (tests use that).
+
+Everything here goes through wire protocol v1 (``worker/PROTOCOL.md``) and the key names of
+``worker/keys.py``: these commands are plain Redis clients, they never talk to a worker directly. Settings
+(``--redis-url``, ``--namespace``, ``--queue``) default to the same ``PAGEDQ_*`` environment the worker
+reads, so on one machine ``pagedq worker`` and ``pagedq submit`` find each other without flags; with no
+Redis URL at all, the embedded Redis of the default data folder is used, as the worker does.
+
+Exit codes: 0 success, 1 the job failed or Redis is unreachable, 2 bad arguments, 124 ``--wait-s`` ran out,
+130 interrupted (``submit`` cancels its job on Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from ops.settings import Settings, SettingsError, load_settings
+from schemas.jobs import DeadLetter, FinalEvent, describe_validation_error, salvage_reply_target
+from worker.keys import GROUP, JOB_FIELD, Keys
+
+# ------------------------------------------------------------------------------------------ common
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser, *, queue_help: str | None = None) -> None:
+    """``--redis-url``, ``--namespace`` and ``--queue``; unset ones come from ``PAGEDQ_*`` then defaults."""
+    parser.add_argument("--redis-url", default=None, help="redis://, rediss:// or unix:// URL "
+                        "(default: $PAGEDQ_REDIS_URL, else the embedded Redis of the default data folder)")
+    parser.add_argument("--namespace", default=None, help="key prefix (default: $PAGEDQ_NAMESPACE or pagedq)")
+    parser.add_argument("--queue", default=None, help=queue_help or "queue name (default: $PAGEDQ_QUEUE or default)")
+
+
+def settings_from_args(args: argparse.Namespace, **extra: Any) -> Settings:
+    """The shared settings model, from the environment overridden by the flags that were given."""
+    return load_settings(
+        redis_url=getattr(args, "redis_url", None),
+        namespace=getattr(args, "namespace", None),
+        queue=getattr(args, "queue", None),
+        **extra,
+    )
+
+
+def resolve_redis_url(settings: Settings) -> str:
+    """``settings.redis_url``, else the unix socket of the embedded Redis that ``pagedq worker`` starts in
+    ``data_dir`` when it has no URL (so a producer on the same machine needs no flag).
+
+    Raises ``SettingsError`` when neither is available: guessing ``localhost:6379`` would silently talk
+    to an unrelated Redis.
+    """
+    if settings.redis_url:
+        return settings.redis_url
+    from worker.embedded_redis import EmbeddedRedis
+
+    embedded = EmbeddedRedis(settings.data_dir)
+    if embedded.socket_path.exists():
+        return embedded.url
+    raise SettingsError(
+        f"no Redis: pass --redis-url or set PAGEDQ_REDIS_URL (no embedded Redis socket at {embedded.socket_path})"
+    )
+
+
+def connect(url: str, **kwargs: Any) -> redis.Redis:
+    """A str-decoding client; invalid UTF-8 in payloads survives (``surrogateescape``) so dead letters can be
+    replayed byte for byte."""
+    return redis.Redis.from_url(
+        url, decode_responses=True, encoding_errors="surrogateescape", socket_connect_timeout=5, **kwargs
+    )
+
+
+def _fail(prog: str, message: str, code: int = 1) -> int:
+    print(f"pagedq {prog}: {message}", file=sys.stderr)
+    return code
+
+
+def _ago(ms: float | None) -> str:
+    if ms is None:
+        return "-"
+    s = ms / 1000.0
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{s / 60:.1f}m"
+    return f"{s / 3600:.1f}h"
+
+
+def _table(rows: list[list[str]], indent: str = "    ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+# ------------------------------------------------------------------------------------------ submit
+
+
+def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Queue one job and stream its tokens to the terminal as workers produce them "
+        "(--json: print only the final event)."
+    )
+    parser.add_argument("prompt", help="the prompt (or, with --chat, the user message)")
+    parser.add_argument("--chat", action="store_true", help="send as a chat user message (chat template applied)")
+    parser.add_argument("--system", default=None, help="system message (implies --chat)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens to generate at most (default 16)")
+    parser.add_argument("--temperature", type=float, default=None, help="0 is greedy (default 1.0)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--n", type=int, default=None, help="number of choices (only choice 0 is streamed)")
+    parser.add_argument("--priority", type=int, default=None, help="higher is served first")
+    parser.add_argument("--timeout-s", type=float, default=None, help="job deadline, enforced by the worker")
+    parser.add_argument("--id", default=None, help="job id (idempotency key; default: a fresh UUID)")
+    parser.add_argument("--wait-s", type=float, default=None, help="give up waiting after this long (exit 124)")
+    parser.add_argument("--json", action="store_true", help="print the final event as JSON instead of streaming")
+    add_connection_arguments(parser)
+
+
+def _submit_fields(args: argparse.Namespace) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if args.chat or args.system is not None:
+        messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+        fields["messages"] = [*messages, {"role": "user", "content": args.prompt}]
+    else:
+        fields["prompt"] = args.prompt
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "priority",
+                 "timeout_s", "id"):
+        value = getattr(args, name)
+        if value is not None:
+            fields[name] = value
+    # Streaming is what this command is for; with --json nobody reads token events, so none are sent.
+    fields["stream"] = not args.json
+    return fields
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    from worker.client import JobFailed, PagedqClient, Restart
+
+    try:
+        settings = settings_from_args(args)
+        url = resolve_redis_url(settings)
+    except SettingsError as exc:
+        return _fail("submit", str(exc), 2)
+    client = PagedqClient(connect(url), namespace=settings.namespace, queue=settings.queue)
+    try:
+        try:
+            job_id = client.submit(**_submit_fields(args))
+        except ValidationError as exc:
+            return _fail("submit", describe_validation_error(exc), 2)
+        except redis.RedisError as exc:
+            return _fail("submit", f"cannot reach Redis at {url}: {exc}")
+        out = sys.stdout
+        try:
+            if args.json:
+                final: FinalEvent = client.result(job_id, timeout=args.wait_s)
+                out.write(final.to_json() + "\n")
+                out.flush()
+                return 0
+            wrote_text = False
+            ends_newline = True
+            for item in client.stream(job_id, timeout=args.wait_s):
+                if isinstance(item, str):
+                    out.write(item)
+                    out.flush()  # the point of this command: every delta shows up as it arrives
+                    wrote_text = wrote_text or bool(item)
+                    ends_newline = item.endswith("\n") if item else ends_newline
+                elif isinstance(item, Restart):
+                    out.write("\n")
+                    print(f"[worker lost; attempt {item.attempt} started the text again]", file=sys.stderr)
+                else:
+                    if wrote_text and not ends_newline:
+                        out.write("\n")
+                    out.flush()
+                    _print_summary(item)
+            return 0
+        except JobFailed as exc:
+            if args.json:
+                out.write(exc.event.to_json() + "\n")
+                out.flush()
+            return _fail("submit", f"job {job_id} failed ({exc.code}): {exc.event.message}")
+        except TimeoutError:
+            return _fail("submit", f"no result for job {job_id} within {args.wait_s}s (it stays queued)", 124)
+        except KeyboardInterrupt:
+            client.cancel(job_id)
+            print(f"\npagedq submit: cancelled job {job_id}", file=sys.stderr)
+            return 130
+        except redis.RedisError as exc:
+            return _fail("submit", f"lost Redis while waiting for job {job_id}: {exc}")
+    finally:
+        client.close()
+
+
+def _print_summary(final: FinalEvent) -> None:
+    choice = final.choices[0] if final.choices else None
+    t = final.timings
+    parts = [
+        f"job {final.id}",
+        f"finish_reason={choice.finish_reason}" if choice else "no choices",
+        f"{final.usage.prompt_tokens} prompt + {final.usage.completion_tokens} completion tokens",
+        f"ttft {t.ttft_s:.3f}s" if t.ttft_s is not None else "no tokens",
+        f"total {t.total_s:.3f}s",
+        f"worker {final.worker}",
+    ]
+    print("[" + ", ".join(parts) + "]", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------ status
+
+
+def add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Per queue: backlog (jobs stream length), pending (delivered, not yet acked), consumers with idle "
+        "times, dead letters, and live workers from their heartbeats."
+    )
+    add_connection_arguments(parser, queue_help="only this queue (default: every queue of the namespace)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _queues(r: redis.Redis, namespace: str) -> list[str]:
+    """Queue names that have a jobs stream, a dead-letter stream or a live worker in the namespace."""
+    found: set[str] = set()
+    for kind in ("jobs", "dead"):
+        prefix = f"{namespace}:{kind}:"
+        for key in r.scan_iter(match=prefix + "*", count=1000):
+            name = key[len(prefix):]
+            if ":" not in name:
+                found.add(name)
+    prefix = f"{namespace}:worker:"
+    for key in r.scan_iter(match=prefix + "*", count=1000):
+        found.add(key[len(prefix):].split(":", 1)[0])
+    return sorted(found)
+
+
+def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """One queue's numbers, straight from Redis (works whether or not any worker is alive)."""
+    now_ms = time.time() * 1000
+    status: dict[str, Any] = {"queue": keys.queue, "stream": keys.jobs, "backlog": 0, "pending": 0, "lag": None,
+                              "consumers": [], "dead_letters": 0, "workers": []}
+    if r.exists(keys.jobs):
+        status["backlog"] = int(r.xlen(keys.jobs))
+        try:
+            status["pending"] = int(r.xpending(keys.jobs, GROUP)["pending"])
+            groups = {g["name"]: g for g in r.xinfo_groups(keys.jobs)}
+            lag = groups.get(GROUP, {}).get("lag")  # Redis >= 7: entries never delivered to the group
+            status["lag"] = None if lag is None else int(lag)
+            status["consumers"] = [
+                {"name": c["name"], "pending": int(c["pending"]), "idle_ms": int(c["idle"]),
+                 "inactive_ms": None if c.get("inactive") in (None, -1) else int(c["inactive"])}
+                for c in r.xinfo_consumers(keys.jobs, GROUP)
+            ]
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):  # no worker ever joined: everything is backlog
+                raise
+    status["dead_letters"] = int(r.xlen(keys.dead)) if r.exists(keys.dead) else 0
+    workers = []
+    for key in sorted(r.scan_iter(match=keys.heartbeat_pattern, count=1000)):
+        raw = r.get(key)
+        if raw is None:
+            continue  # expired between SCAN and GET
+        try:
+            beat = json.loads(raw)
+        except ValueError:
+            beat = {}
+        name = key.rsplit(":", 1)[-1]
+        ts = beat.get("ts")
+        workers.append({
+            "name": name,
+            **{k: beat.get(k) for k in ("state", "model", "running", "waiting", "unstarted", "in_flight",
+                                        "kv_cache_usage", "jobs_final", "jobs_error")},
+            "last_seen_ms": None if not isinstance(ts, (int, float)) else max(0.0, now_ms - ts * 1000),
+        })
+    status["workers"] = workers
+    return status
+
+
+def run_status(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+        url = resolve_redis_url(settings)
+    except SettingsError as exc:
+        return _fail("status", str(exc), 2)
+    r = connect(url)
+    try:
+        queues = [args.queue] if args.queue else _queues(r, settings.namespace)
+        statuses = [queue_status(r, Keys(settings.namespace, q)) for q in queues]
+    except redis.RedisError as exc:
+        return _fail("status", f"cannot read from Redis at {url}: {exc}")
+    finally:
+        r.close()
+    if args.json:
+        print(json.dumps({"namespace": settings.namespace, "queues": statuses}, indent=2))
+        return 0
+    if not statuses:
+        print(f"namespace {settings.namespace}: no queues, no workers")
+        return 0
+    for st in statuses:
+        print("\n".join(_format_status(settings.namespace, st)))
+    return 0
+
+
+def _format_status(namespace: str, st: dict[str, Any]) -> list[str]:
+    lag = "" if st["lag"] is None else f", {st['lag']} not yet delivered"
+    lines = [
+        f"queue {st['queue']} ({namespace})",
+        f"  backlog       {st['backlog']} job(s) in {st['stream']} ({st['pending']} pending in workers{lag})",
+        f"  dead letters  {st['dead_letters']}",
+    ]
+    if st["consumers"]:
+        lines.append(f"  consumers     {len(st['consumers'])}")
+        rows = [["NAME", "PENDING", "IDLE", "INACTIVE"]]
+        rows += [[c["name"], str(c["pending"]), _ago(c["idle_ms"]), _ago(c["inactive_ms"])] for c in st["consumers"]]
+        lines += _table(rows)
+    else:
+        lines.append("  consumers     none")
+    if st["workers"]:
+        lines.append(f"  live workers  {len(st['workers'])}")
+        rows = [["NAME", "STATE", "RUNNING", "WAITING", "IN FLIGHT", "KV USED", "DONE", "FAILED", "LAST SEEN"]]
+        for w in st["workers"]:
+            kv = w.get("kv_cache_usage")
+            rows.append([
+                w["name"], str(w.get("state") or "?"), str(w.get("running", "?")), str(w.get("waiting", "?")),
+                str(w.get("in_flight", "?")), f"{kv:.0%}" if isinstance(kv, (int, float)) else "?",
+                str(w.get("jobs_final", "?")), str(w.get("jobs_error", "?")), _ago(w["last_seen_ms"]) + " ago",
+            ])
+        lines += _table(rows)
+    else:
+        lines.append("  live workers  none")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------- dead
+
+
+def add_dead_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Dead letters of a queue: invalid jobs and jobs out of attempts."
+    sub = parser.add_subparsers(dest="dead_command", required=True, metavar="{list,replay}")
+    p = sub.add_parser("list", help="show dead letters, oldest first",
+                       description="Show the dead letters of a queue, oldest first.")
+    add_connection_arguments(p)
+    p.add_argument("--count", type=int, default=20, help="show at most this many (default 20; 0: all)")
+    p.add_argument("--json", action="store_true", help="one JSON object per dead letter, with the raw job")
+    p = sub.add_parser(
+        "replay", help="re-queue dead letters",
+        description="Re-queue dead letters as new jobs: their stored error result and reply stream are "
+                    "deleted first (otherwise the job id's result would make workers skip them), then "
+                    "the raw job is added to the jobs stream and the dead letter removed (--keep keeps it).",
+    )
+    add_connection_arguments(p)
+    p.add_argument("entries", nargs="*", help="dead-letter entry ids (as `dead list` shows them)")
+    p.add_argument("--all", action="store_true", help="replay every dead letter of the queue")
+    p.add_argument("--keep", action="store_true", help="keep the dead letters after re-queueing")
+
+
+def run_dead(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+        url = resolve_redis_url(settings)
+    except SettingsError as exc:
+        return _fail("dead", str(exc), 2)
+    keys = Keys(settings.namespace, settings.queue)
+    r = connect(url)
+    try:
+        if args.dead_command == "list":
+            return _dead_list(r, keys, args)
+        return _dead_replay(r, keys, args)
+    except redis.RedisError as exc:
+        return _fail("dead", f"Redis error at {url}: {exc}")
+    finally:
+        r.close()
+
+
+def _letters(r: redis.Redis, keys: Keys, count: int | None) -> list[tuple[str, DeadLetter]]:
+    entries: Any = r.xrange(keys.dead, count=count)
+    return [(entry_id, DeadLetter.from_fields(fields)) for entry_id, fields in entries]
+
+
+def _dead_list(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
+    total = int(r.xlen(keys.dead))
+    letters = _letters(r, keys, args.count or None)
+    if args.json:
+        for entry_id, d in letters:
+            print(json.dumps({"entry": entry_id, **d.model_dump()}, ensure_ascii=False))
+        return 0
+    shown = f" (showing the first {len(letters)})" if len(letters) < total else ""
+    print(f"{total} dead letter(s) in {keys.dead}{shown}")
+    if not letters:
+        return 0
+    rows = [["ENTRY", "TIME (UTC)", "JOB ID", "CODE", "ATTEMPTS", "REASON"]]
+    for entry_id, d in letters:
+        when = datetime.fromtimestamp(d.ts_ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        reason = d.reason if len(d.reason) <= 70 else d.reason[:67] + "..."
+        rows.append([entry_id, when, d.job_id or "-", d.code, str(d.attempts), reason])
+    print("\n".join(_table(rows, indent="")))
+    return 0
+
+
+def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
+    if bool(args.entries) == bool(args.all):
+        return _fail("dead replay", "name dead-letter entry ids, or pass --all", 2)
+    if args.all:
+        letters = _letters(r, keys, None)
+    else:
+        letters = []
+        for entry_id in args.entries:
+            found: Any = r.xrange(keys.dead, min=entry_id, max=entry_id)
+            if not found:
+                return _fail("dead replay", f"no dead letter {entry_id} in {keys.dead}", 1)
+            letters.append((entry_id, DeadLetter.from_fields(found[0][1])))
+    replayed = 0
+    for entry_id, d in letters:
+        pipe = r.pipeline(transaction=True)
+        target = salvage_reply_target(d.job, 1 << 30)
+        if target is None:
+            print(f"warning: {entry_id} has no valid job id; it will be dead-lettered again unless fixed",
+                  file=sys.stderr)
+        else:
+            job_id, reply_to = target
+            # The dead-lettered error is stored as the job's result: left there, workers would treat the
+            # replay as a duplicate and skip it, and readers would see the old error in the reply stream.
+            pipe.delete(keys.result(job_id), keys.reply(job_id))
+            if reply_to is not None and reply_to.startswith(keys.reply("")):
+                pipe.delete(reply_to)
+        pipe.xadd(keys.jobs, {JOB_FIELD: d.job})
+        if not args.keep:
+            pipe.xdel(keys.dead, entry_id)
+        new_id = pipe.execute()[-2 if not args.keep else -1]
+        print(f"{entry_id} -> {keys.jobs} {new_id}" + (f" (job {d.job_id})" if d.job_id else ""))
+        replayed += 1
+    print(f"replayed {replayed} dead letter(s)", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A stand-alone parser with the three commands (``ops/cli.py`` mounts the same functions)."""
+    parser = argparse.ArgumentParser(prog="pagedq")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, add, run in (
+        ("submit", add_submit_arguments, run_submit),
+        ("status", add_status_arguments, run_status),
+        ("dead", add_dead_arguments, run_dead),
+    ):
+        p = sub.add_parser(name)
+        add(p)
+        p.set_defaults(func=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

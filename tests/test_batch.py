@@ -1,0 +1,407 @@
+"""``pagedq batch``: OpenAI Batch JSONL through two real worker processes, through ``--local``, and resumed
+after a SIGKILL. Plus the request/response mapping, resumption bookkeeping and progress output on their own.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ops import batch
+from ops.batch import BatchLine, LineError, Progress, parse_line, read_done, response_body
+from schemas.jobs import Choice, FinalEvent, Logprob, Timings, TopLogprob, Usage
+from tests.redis_servers import RedisServer, make_server
+from tests.worker_harness import ENGINE_KW, REPO, Ctx, WorkerProcess, wait_for
+
+ENGINE_FLAGS = [
+    "--max-num-seqs", str(ENGINE_KW["max_num_seqs"]),
+    "--max-num-batched-tokens", str(ENGINE_KW["max_num_batched_tokens"]),
+    "--kv-cache-bytes", str(ENGINE_KW["kv_cache_bytes"]),
+    "--dtype", "float32", "--device", "cpu",
+]  # fmt: skip
+
+
+def chat(cid: str, content: Any, **body: Any) -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "tiny", "messages": [{"role": "user", "content": content}], **body}})
+
+
+def completion(cid: str, prompt: Any, **body: Any) -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "tiny", "prompt": prompt, **body}})
+
+
+@dataclass
+class BatchFile:
+    path: Path
+    greedy: set[str]  # custom_ids whose answer is deterministic
+    malformed: dict[int, str | None]  # line number -> custom_id (None when the line has none)
+
+
+def make_batch_file(path: Path, n: int = 200) -> BatchFile:
+    """Chat and completions lines (greedy, a few sampled, some with logprobs) and some malformed ones."""
+    rng = random.Random(7)
+    words = ["the", "sea", "robot", "paged", "cache", "token", "model", "batch", "queue", "worker"]
+    lines: list[str] = []
+    greedy: set[str] = set()
+    malformed: dict[int, str | None] = {}
+    bad = [
+        lambda cid: "{this is not json",
+        lambda cid: json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "no id"}}),
+        lambda cid: chat(cid, "hi", temperature="hot"),
+        lambda cid: json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}),
+        lambda cid: chat(cid, "hi", tools=[{"type": "function"}]),
+        lambda cid: completion(cid, ["two", "prompts"]),
+        lambda cid: chat(cid, [{"type": "image_url", "image_url": {"url": "http://x"}}]),
+        lambda cid: completion(cid, "x", max_tokens=0),
+    ]
+    for i in range(n):
+        cid = f"req-{i:03d}"
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 9)))
+        max_tokens = rng.randint(3, 10)
+        if i % 17 == 5:
+            lines.append(bad[(i // 17) % len(bad)](cid))
+            raw = json.loads(lines[-1]) if lines[-1].startswith("{\"") else {}
+            malformed[i + 1] = raw.get("custom_id") if isinstance(raw, dict) else None
+            continue
+        sampled = i % 23 == 3
+        extra: dict[str, Any] = {"temperature": 0.9} if sampled else {"temperature": 0}
+        if i % 11 == 0:
+            extra |= {"logprobs": True, "top_logprobs": 2} if i % 2 else {"logprobs": 2}
+        if i % 2:
+            line = chat(cid, text, max_completion_tokens=max_tokens, **extra)
+        elif i % 13 == 4:
+            line = completion(cid, [rng.randrange(3, 500) for _ in range(5)], max_tokens=max_tokens, **extra)
+        else:
+            line = completion(cid, text, max_tokens=max_tokens, **extra)
+        lines.append(line)
+        if not sampled:
+            greedy.add(cid)
+    path.write_text("\n".join(lines) + "\n\n")  # a trailing blank line is ignored
+    return BatchFile(path, greedy, malformed)
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def answers(path: Path) -> dict[str, Any]:
+    """custom_id -> what must not depend on where a greedy request ran (texts, reasons, token counts)."""
+    out = {}
+    for rec in records(path):
+        body = rec["response"]["body"]
+        choices = []
+        for c in body["choices"]:
+            text = c["text"] if body["object"] == "text_completion" else c["message"]["content"]
+            lp = c["logprobs"]
+            tokens = None if lp is None else (lp["tokens"] if "tokens" in lp else [t["token"] for t in lp["content"]])
+            choices.append((text, c["finish_reason"], tokens))
+        out[rec["custom_id"]] = (choices, body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
+    return out
+
+
+def complete_lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def error_keys(path: Path) -> list[str | int]:
+    return [r["custom_id"] if r["custom_id"] is not None else r["error"]["line"] for r in records(path)]
+
+
+def subprocess_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDQ_")}
+    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    return env
+
+
+# ------------------------------------------------------------------------------------ mapping (no I/O)
+
+
+def _parse(raw: str) -> BatchLine:
+    return parse_line(raw, 1, run_key="k", default_max_tokens=99)
+
+
+def test_chat_and_completion_lines_map_to_jobs() -> None:
+    line = _parse(chat("a", [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
+                       max_tokens=5, max_completion_tokens=7, temperature=0, logprobs=True, top_logprobs=3,
+                       stop="END", seed=1, top_k=5, min_p=0.1, repetition_penalty=1.1, user="u", n=2))
+    job = line.job
+    assert line.kind == "chat" and line.model == "tiny" and line.custom_id == "a"
+    assert job.messages is not None and job.messages[0].content == "Hi\nthere"
+    assert (job.max_tokens, job.logprobs, job.stop, job.seed, job.top_k, job.n) == (7, 3, "END", 1, 5, 2)
+    assert job.stream is False and job.id.startswith("batch-")
+    assert _parse(chat("a", "Hi", logprobs=False)).job.logprobs is None
+    assert _parse(chat("a", "Hi")).job.max_tokens == 99  # the default when the request gives none
+
+    job = _parse(completion("b", [[5, 6, 7]], max_tokens=None, logprobs=2, frequency_penalty=0.5)).job
+    assert job.prompt_token_ids == [5, 6, 7] and job.max_tokens == 99 and job.logprobs == 2
+    assert _parse(completion("b", ["one prompt"])).job.prompt == "one prompt"
+    # The job id is stable for the same request and differs when anything differs.
+    assert _parse(completion("b", "p")).job.id == _parse(completion("b", "p")).job.id
+    assert _parse(completion("b", "p")).job.id != _parse(completion("c", "p")).job.id
+    assert _parse(completion("b", "p")).job.id != _parse(completion("b", "q")).job.id
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle", "custom_id"),
+    [
+        ("{nope", "not valid JSON", None),
+        ("[1, 2]", "JSON object", None),
+        (json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}), "custom_id", None),
+        (json.dumps({"custom_id": "x", "method": "GET", "url": "/v1/completions", "body": {}}), "POST", "x"),
+        (json.dumps({"custom_id": "x", "url": "/v1/embeddings", "body": {}}), "url must be", "x"),
+        (json.dumps({"custom_id": "x", "url": "/v1/completions", "body": []}), "body must be", "x"),
+        (json.dumps({"custom_id": "x", "url": "/v1/completions", "body": {}, "extra": 1}), "unknown field", "x"),
+        (completion("x", "p", stream=True), "stream", "x"),
+        (completion("x", "p", echo=True), "echo", "x"),
+        (completion("x", ["a", "b"]), "one prompt per line", "x"),
+        (completion("x", 5), "body.prompt", "x"),
+        (chat("x", "hi", response_format={"type": "json_object"}), "response_format", "x"),
+        (chat("x", "hi", top_logprobs=2), "requires body.logprobs", "x"),
+        (chat("x", [{"type": "image_url"}]), "only text parts", "x"),
+        (chat("x", "hi", temperature="hot"), "temperature", "x"),
+        (chat("x", "hi", max_tokens=0), "max_tokens", "x"),
+        (chat("x", "hi", temperature=float("nan")), "not valid JSON", None),
+    ],
+)
+def test_bad_lines_are_rejected_with_a_reason(raw: str, needle: str, custom_id: str | None) -> None:
+    with pytest.raises(LineError) as info:
+        _parse(raw)
+    assert needle in info.value.message
+    assert info.value.custom_id == custom_id
+
+
+def _final(logprobs: bool) -> FinalEvent:
+    lps = [Logprob(token_id=5, logprob=-0.5, top=[TopLogprob(token_id=5, logprob=-0.5),
+                                                   TopLogprob(token_id=6, logprob=-1.5)]),
+           Logprob(token_id=7, logprob=-0.1, top=[])]
+    return FinalEvent(
+        id="j1", attempt=1, worker="w",
+        choices=[Choice(index=0, text="ab", token_ids=[5, 7], finish_reason="stop",
+                        logprobs=lps if logprobs else None)],
+        usage=Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1),
+        timings=Timings(queued_s=0, total_s=0.1),
+    )
+
+
+def test_response_bodies_are_openai_shaped() -> None:
+    text = {5: "a", 6: "c", 7: "b"}.__getitem__
+    body = response_body(_parse(chat("x", "hi")), _final(True), "served", text)
+    assert body["object"] == "chat.completion" and body["model"] == "tiny" and body["id"] == "chatcmpl-j1"
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "ab"} and choice["finish_reason"] == "stop"
+    first = choice["logprobs"]["content"][0]
+    assert first["token"] == "a" and first["logprob"] == -0.5 and first["bytes"] == [97]
+    assert [t["token"] for t in first["top_logprobs"]] == ["a", "c"]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 1}}
+
+    line = parse_line(json.dumps({"custom_id": "y", "url": "/v1/completions", "body": {"prompt": "p"}}), 1,
+                      run_key="k", default_max_tokens=4)
+    body = response_body(line, _final(True), "served", batch.token_id_text)
+    assert body["object"] == "text_completion" and body["model"] == "served"
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["token_id:5", "token_id:7"] and lp["text_offset"] == [0, 10]
+    assert lp["top_logprobs"][0] == {"token_id:5": -0.5, "token_id:6": -1.5}
+    assert response_body(line, _final(False), "s", text)["choices"][0]["logprobs"] is None
+
+
+def test_read_done_cuts_a_torn_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "out.jsonl"
+    good = [json.dumps({"custom_id": "a"}), json.dumps({"custom_id": None, "error": {"line": 7}})]
+    path.write_text("\n".join(good) + '\n{"custom_id": "b", "resp')
+    assert read_done(path) == ({"a"}, {7})
+    assert path.read_text() == "\n".join(good) + "\n"
+    assert read_done(tmp_path / "missing.jsonl") == (set(), set())
+
+
+def test_duplicate_custom_ids_are_refused_up_front(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join([completion("a", "x"), completion("b", "y"), completion("a", "z"), "{bad"]) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert batch.main([str(inp), str(out), "--local"]) == 2
+    err = capsys.readouterr().err
+    assert "duplicate custom_id" in err and "'a' (lines 1, 3)" in err
+    assert not out.exists() and not (tmp_path / "out.errors.jsonl").exists()
+
+
+def test_progress_is_a_bar_on_a_terminal_and_log_lines_otherwise() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    p = Progress(total=4, initial=1, mode="auto", interval_s=10, stream=tty)
+    assert p.mode == "bar"
+    for _ in range(3):
+        p.update(True, tokens=10)
+    p.close("summary")
+    assert "4/4" in tty.getvalue() and "tok_s" in tty.getvalue() and "summary" in tty.getvalue()
+
+    log = io.StringIO()
+    p = Progress(total=4, initial=0, mode="auto", interval_s=0, stream=log)
+    assert p.mode == "log"
+    p.update(True, tokens=5)
+    p.update(False)
+    p.close("summary")
+    lines = log.getvalue().splitlines()
+    assert "batch: 1/4 done (25.0%), 0 errors" in lines[0] and "ETA" in lines[0]
+    assert "batch: 2/4 done (50.0%), 1 errors" in lines[1]
+    assert "finished: 2/4" in lines[2] and lines[3] == "summary"
+
+
+# ------------------------------------------------------------------------------------ local and queue
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model: Any) -> Path:
+    return Path(tiny_model("llama_gqa"))
+
+
+@pytest.fixture(scope="module")
+def batch_file(tmp_path_factory: pytest.TempPathFactory) -> BatchFile:
+    return make_batch_file(tmp_path_factory.mktemp("batch") / "requests.jsonl")
+
+
+@pytest.fixture(scope="module")
+def local_output(batch_file: BatchFile, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The whole file through ``--local`` (in this process), once for the module."""
+    out = tmp_path_factory.mktemp("local") / "local.jsonl"
+    started = time.monotonic()
+    code = batch.main([str(batch_file.path), str(out), "--local", "--model", str(model_dir), *ENGINE_FLAGS,
+                       "--progress", "none"])
+    print(f"--local batch of 200 lines: {time.monotonic() - started:.1f}s")
+    assert code == 0
+    return out
+
+
+def check_complete(batch_file: BatchFile, out: Path) -> None:
+    """Every line answered exactly once: valid ones in OUTPUT, malformed ones in the errors file."""
+    errors = out.with_name(out.name.replace(".jsonl", ".errors.jsonl"))
+    ok = [r["custom_id"] for r in records(out)]
+    failed = error_keys(errors)
+    counts = Counter(ok + failed)
+    assert all(c == 1 for c in counts.values()), [k for k, c in counts.items() if c > 1]
+    expected_errors = {cid if cid is not None else line for line, cid in batch_file.malformed.items()}
+    assert set(failed) == expected_errors
+    assert len(ok) + len(failed) == 200
+    for rec in records(errors):
+        assert rec["response"] is None and rec["error"]["message"] and rec["error"]["line"] in batch_file.malformed
+    for rec in records(out):
+        assert rec["error"] is None and rec["response"]["status_code"] == 200
+
+
+def test_local_batch_answers_every_line_and_reports_malformed_ones(batch_file: BatchFile, local_output: Path) -> None:
+    check_complete(batch_file, local_output)
+    errors = {r["error"]["line"]: r["error"] for r in records(local_output.with_name("local.errors.jsonl"))}
+    assert errors[6]["code"] == "invalid_json"
+    assert any("temperature" in e["message"] for e in errors.values())
+    assert any("tools" in e["message"] for e in errors.values())
+    sample = answers(local_output)
+    with_lp = [cid for cid, (choices, _, _) in sample.items() if choices[0][2] is not None]
+    assert with_lp and all(not t.startswith("token_id:") for cid in with_lp for t in sample[cid][0][0][2])
+
+
+def test_local_batch_resumes_from_a_partial_output(
+    batch_file: BatchFile, local_output: Path, model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "partial.jsonl"
+    kept = local_output.read_text().splitlines()[:50]
+    out.write_text("\n".join(kept) + "\n")
+    code = batch.main([str(batch_file.path), str(out), "--local", "--model", str(model_dir), *ENGINE_FLAGS,
+                       "--progress", "none"])
+    assert code == 0
+    check_complete(batch_file, out)
+    assert out.read_text().splitlines()[:50] == kept  # what was there is kept as is
+    reference = answers(local_output)
+    got = answers(out)
+    assert {cid: got[cid] for cid in batch_file.greedy & set(got)} == {
+        cid: reference[cid] for cid in batch_file.greedy & set(got)
+    }
+    # Nothing left to do: the run ends at once, without loading a model.
+    assert batch.main([str(batch_file.path), str(out), "--local", "--model", "/nonexistent"]) == 0
+
+
+@pytest.fixture(scope="module")
+def queue(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ctx]:
+    """A Debian redis-server and two worker processes (steps slowed a little so a run can be killed)."""
+    tmp = tmp_path_factory.mktemp("queue")
+    server: RedisServer = make_server("debian", tmp / "redis")
+    ctx = Ctx(server)
+    procs = [WorkerProcess(ctx, model_dir, tmp, f"bw{i}", test_step_delay_s=0.01) for i in range(2)]
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield ctx
+    finally:
+        for p in procs:
+            p.close()
+        ctx.close()
+        server.stop()
+
+
+def run_batch(ctx: Ctx, batch_file: BatchFile, out: Path, model_dir: Path, *extra: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "ops.batch", str(batch_file.path), str(out), "--redis-url", ctx.server.url,
+            "--namespace", ctx.ns, "--tokenizer", str(model_dir), *extra]
+    return subprocess.Popen(argv, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_two_workers_give_the_same_output_as_local(
+    queue: Ctx, batch_file: BatchFile, local_output: Path, model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "queued.jsonl"
+    started = time.monotonic()
+    proc = run_batch(queue, batch_file, out, model_dir, "--log-interval-s", "0.5")
+    stdout, stderr = proc.communicate(timeout=300)
+    print(f"queue batch of 200 lines through 2 workers: {time.monotonic() - started:.1f}s")
+    assert proc.returncode == 0, stderr
+    check_complete(batch_file, out)
+    assert "batch: finished: 200/200 done" in stderr  # not a terminal: log lines, not a bar
+    assert stdout == ""
+    local, queued = answers(local_output), answers(out)
+    assert set(local) == set(queued)
+    assert {c: queued[c] for c in batch_file.greedy} == {c: local[c] for c in batch_file.greedy}
+    served = {r["response"]["body"]["model"] for r in records(out)}
+    assert served == {"tiny"}
+    # Both workers took part.
+    workers = {queue.result(r["response"]["request_id"]).worker for r in records(out)}
+    assert workers == {"bw0", "bw1"}
+
+
+def test_killed_run_resumes_with_each_custom_id_exactly_once(
+    queue: Ctx, batch_file: BatchFile, local_output: Path, model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "killed.jsonl"
+    proc = run_batch(queue, batch_file, out, model_dir, "--max-in-flight", "4", "--progress", "none")
+    try:
+        wait_for(lambda: complete_lines(out) >= 30 or proc.poll() is not None, timeout=300, what="30 answers")
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    assert proc.returncode == -9, "the run ended before it could be killed"
+    written = complete_lines(out) + complete_lines(tmp_path / "killed.errors.jsonl")
+    assert written < 200
+    with open(out, "a") as f:  # what a kill in the middle of a write leaves behind
+        f.write('{"id": "batch_req_torn", "custom_id": "req-001", "respo')
+
+    proc = run_batch(queue, batch_file, out, model_dir, "--progress", "log")
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert f"resuming: {written} of 200 lines" in stderr
+    check_complete(batch_file, out)
+    local, resumed = answers(local_output), answers(out)
+    assert {c: resumed[c] for c in batch_file.greedy} == {c: local[c] for c in batch_file.greedy}
+    assert queue.r.xlen(queue.keys.jobs) == 0  # nothing left behind in the queue

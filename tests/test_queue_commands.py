@@ -1,0 +1,279 @@
+"""``pagedq submit`` / ``status`` / ``dead list|replay`` against a real Redis and a real (in-process) worker.
+
+``submit`` runs as a real subprocess on a pseudo-terminal, with the worker stepped by hand from the test, so
+"tokens reach the terminal while the job is still running" is checked without any timing assumption: the
+worker is paused mid-generation and the terminal must already show the text produced so far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ops import queue_commands
+from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, parse_event
+from tests.redis_servers import RedisServer, redis_server  # noqa: F401
+from tests.worker_harness import REPO, Ctx, inprocess_worker, make_engine, wait_for
+from worker.consumer import Worker
+from worker.keys import EVENT_FIELD, JOB_FIELD, Keys
+
+# One server kind is enough here: these commands are plain Redis clients (the worker tests cover both).
+DEBIAN = pytest.mark.parametrize("redis_server", ["debian"], indirect=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Any) -> Any:
+    return make_engine(Path(tiny_model("llama_gqa")))
+
+
+@pytest.fixture
+def ctx(redis_server: RedisServer) -> Iterator[Ctx]:  # noqa: F811
+    c = Ctx(redis_server)
+    yield c
+    c.close()
+
+
+def cli(ctx: Ctx, *argv: str) -> list[str]:
+    return [*argv, "--redis-url", ctx.server.url, "--namespace", ctx.ns]
+
+
+def subprocess_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDQ_")}
+    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    return env
+
+
+def json_in(out: str) -> Any:
+    """The JSON document a command printed, skipping log lines of the in-process worker (structlog's default
+    logger prints to stdout too)."""
+    start = out.index("{\n") if out.startswith("{\n") else out.index("\n{\n") + 1
+    return json.JSONDecoder().raw_decode(out, start)[0]
+
+
+def json_lines(out: str) -> list[Any]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def reply_events(ctx: Ctx, job_id: str) -> list[Any]:
+    return [parse_event(f[EVENT_FIELD]) for _, f in ctx.r.xrange(ctx.keys.reply(job_id))]
+
+
+# ------------------------------------------------------------------------------------------ status
+
+
+@DEBIAN
+def test_status_shows_backlog_dead_letter_consumers_and_workers(
+    ctx: Ctx, engine: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with inprocess_worker(ctx, engine, name="w-status") as worker:
+        ctx.r.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": "bad-1", "prompt": 5})})
+        wait_for(lambda: ctx.r.xlen(ctx.keys.dead) == 1, what="the invalid job's dead letter")
+        bulk = Keys(ctx.ns, "bulk")  # a queue nobody serves: its jobs stay in the backlog
+        for i in range(3):
+            ctx.r.xadd(bulk.jobs, {JOB_FIELD: json.dumps({"id": f"b{i}", "prompt": "hi"})})
+        wait_for(lambda: "w-status" in ctx.heartbeats(), what="heartbeat")
+
+        assert queue_commands.main(cli(ctx, "status", "--json")) == 0
+        report = json_in(capsys.readouterr().out)
+        queues = {q["queue"]: q for q in report["queues"]}
+        assert set(queues) == {"default", "bulk"}
+        assert queues["bulk"]["backlog"] == 3 and queues["bulk"]["pending"] == 0
+        assert queues["bulk"]["consumers"] == [] and queues["bulk"]["workers"] == []
+        assert queues["default"]["dead_letters"] == 1
+        assert [c["name"] for c in queues["default"]["consumers"]] == ["w-status"]
+        assert queues["default"]["consumers"][0]["idle_ms"] >= 0
+        live = queues["default"]["workers"]
+        assert [w["name"] for w in live] == ["w-status"] and live[0]["state"] == "ready"
+
+        assert queue_commands.main(cli(ctx, "status")) == 0
+        text = capsys.readouterr().out
+        assert "queue bulk" in text and "queue default" in text
+        assert "backlog       3 job(s)" in text
+        assert "dead letters  1" in text
+        assert "w-status" in text and "live workers  1" in text
+        assert worker.counts["error"] == 1
+
+
+@DEBIAN
+def test_status_of_an_empty_namespace(ctx: Ctx, capsys: pytest.CaptureFixture[str]) -> None:
+    assert queue_commands.main(cli(ctx, "status")) == 0
+    assert "no queues" in capsys.readouterr().out
+    assert queue_commands.main(cli(ctx, "status", "--queue", "nothing", "--json")) == 0
+    (q,) = json_in(capsys.readouterr().out)["queues"]
+    assert q["backlog"] == 0 and q["dead_letters"] == 0
+
+
+# -------------------------------------------------------------------------------------------- dead
+
+
+@DEBIAN
+def test_dead_list_and_replay(ctx: Ctx, engine: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    # A valid job that ran out of attempts, exactly as a worker leaves it: dead letter + error result.
+    raw = json.dumps({"id": "tired-1", "prompt": "Hello there", "max_tokens": 4, "temperature": 0})
+    letter = DeadLetter(job=raw, reason="delivered 4 times, more than max_attempts=3", code="dead_lettered",
+                        attempts=4, worker="w-old", job_id="tired-1", entry_id="1-0")
+    entry = ctx.r.xadd(ctx.keys.dead, letter.to_fields())
+    error = ErrorEvent(id="tired-1", attempt=4, code="dead_lettered", message=letter.reason, worker="w-old")
+    ctx.r.set(ctx.keys.result("tired-1"), error.to_json())
+    ctx.r.xadd(ctx.keys.reply("tired-1"), {EVENT_FIELD: error.to_json()})
+    ctx.r.xadd(ctx.keys.dead, DeadLetter(job="{oops", reason="job is not valid JSON", code="invalid_request",
+                                         attempts=1, worker="w-old").to_fields())
+
+    assert queue_commands.main(cli(ctx, "dead", "list")) == 0
+    text = capsys.readouterr().out
+    assert "2 dead letter(s)" in text and entry in text and "tired-1" in text and "dead_lettered" in text
+    assert queue_commands.main(cli(ctx, "dead", "list", "--json", "--count", "1")) == 0
+    (row,) = json_lines(capsys.readouterr().out)
+    assert row["entry"] == entry and row["job"] == raw
+
+    assert queue_commands.main(cli(ctx, "dead", "replay")) == 2  # neither ids nor --all
+    assert queue_commands.main(cli(ctx, "dead", "replay", "9-9")) == 1
+    capsys.readouterr()
+    with inprocess_worker(ctx, engine, name="w-replay"):
+        assert queue_commands.main(cli(ctx, "dead", "replay", entry)) == 0
+        final = ctx.client.result("tired-1", timeout=60)
+    assert isinstance(final, FinalEvent) and final.usage.completion_tokens == 4
+    assert ctx.r.xlen(ctx.keys.dead) == 1  # the invalid one is still there
+    assert [e.type for e in reply_events(ctx, "tired-1") if e.type != "token"] == ["final"]  # old error gone
+
+
+# ------------------------------------------------------------------------------------------ submit
+
+
+class PtyProcess:
+    """A subprocess whose stdout and stderr are a pseudo-terminal; output is collected by a thread."""
+
+    def __init__(self, argv: list[str]) -> None:
+        master, slave = pty.openpty()
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=subprocess_env(), stdin=subprocess.DEVNULL,
+                                     stdout=slave, stderr=slave, close_fds=True)
+        os.close(slave)
+        self.master = master
+        self.chunks: list[bytes] = []
+        self.lock = threading.Lock()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = os.read(self.master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                return
+            if not data:
+                return
+            with self.lock:
+                self.chunks.append(data)
+
+    def output(self) -> str:
+        with self.lock:
+            return b"".join(self.chunks).decode("utf-8", "replace").replace("\r", "")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        self.reader.join(10)
+        os.close(self.master)
+
+
+def _clean(text: str) -> str:
+    return text.replace("\r", "")
+
+
+@DEBIAN
+def test_submit_streams_tokens_to_a_terminal_as_they_arrive(ctx: Ctx, engine: Any) -> None:
+    worker = Worker(ctx.settings(name="w-pty"), engine)
+    worker.startup()
+    p = PtyProcess([sys.executable, "-m", "ops.queue_commands", "submit", "Once upon a time",
+                    "--max-tokens", "40", "--temperature", "0", "--id", "pty-1",
+                    "--redis-url", ctx.server.url, "--namespace", ctx.ns])
+    try:
+        # Step the worker until some tokens were published, then pause it mid-generation.
+        def some_tokens() -> list[Any]:
+            worker.tick()
+            events = reply_events(ctx, "pty-1")
+            return events if len(events) >= 3 else []
+
+        events = wait_for(some_tokens, timeout=120, interval=0, what="first token events")
+        assert all(e.type == "token" for e in events), "the job must still be running"
+        so_far = _clean("".join(e.text for e in events))
+        assert so_far
+        # The job is paused (nobody steps the engine): its text so far must already be on the terminal.
+        wait_for(lambda: so_far in p.output(), timeout=60, what=f"{so_far!r} on the terminal")
+        assert p.proc.poll() is None
+        assert not any(e.type == "final" for e in reply_events(ctx, "pty-1"))
+
+        def finished() -> bool:
+            worker.tick()
+            return p.proc.poll() is not None
+
+        wait_for(finished, timeout=120, interval=0, what="submit to exit")
+        assert p.proc.returncode == 0, p.output()
+        final = ctx.result("pty-1")
+        assert isinstance(final, FinalEvent) and final.usage.completion_tokens == 40
+        p.reader.join(10)
+        out = p.output()
+        assert out.startswith(_clean(final.text)), out
+        assert "finish_reason=length" in out and "40 completion tokens" in out
+    finally:
+        p.close()
+        worker.request_stop(force=True)
+        while not worker.tick():
+            pass
+        worker.shutdown()
+
+
+@DEBIAN
+def test_submit_json_prints_the_final_event(ctx: Ctx, engine: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    with inprocess_worker(ctx, engine, name="w-json"):
+        code = queue_commands.main(cli(ctx, "submit", "Hi", "--chat", "--system", "Be brief", "--max-tokens", "5",
+                                       "--temperature", "0", "--json", "--wait-s", "60", "--id", "json-1"))
+        assert code == 0
+        (raw,) = json_lines(capsys.readouterr().out)
+        final = parse_event(json.dumps(raw))
+        assert isinstance(final, FinalEvent) and final.id == "json-1"
+        assert final.usage.completion_tokens == 5
+        assert reply_events(ctx, "json-1")[0].type == "final"  # --json asks for no token events
+
+        code = queue_commands.main(cli(ctx, "submit", "Hi", "--max-tokens", "0"))
+        assert code == 2 and "max_tokens" in capsys.readouterr().err
+        code = queue_commands.main(cli(ctx, "submit", "x" * 5000, "--json", "--wait-s", "60", "--id", "long-1"))
+        captured = capsys.readouterr()
+        assert code == 1 and "prompt_too_long" in captured.err
+        assert [e["type"] for e in json_lines(captured.out)] == ["error"]
+
+
+def test_submit_without_redis_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEDQ_REDIS_URL", raising=False)
+    monkeypatch.setenv("PAGEDQ_DATA_DIR", str(tmp_path))
+    assert queue_commands.main(["submit", "hi"]) == 2
+    assert "no Redis" in capsys.readouterr().err
+
+
+@DEBIAN
+def test_ctrl_c_in_submit_cancels_the_job(ctx: Ctx) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ops.queue_commands", *cli(ctx, "submit", "nobody serves this", "--id", "ctrl-c")],
+        cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for(lambda: ctx.r.xlen(ctx.keys.jobs) == 1, timeout=60, what="the job in the stream")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "cancelled job ctrl-c" in err
+    assert ctx.r.exists(ctx.keys.cancel("ctrl-c"))

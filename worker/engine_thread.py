@@ -1,0 +1,466 @@
+"""One engine, many callers: the engine's step loop on a dedicated thread, fed through a thread-safe ``submit``.
+
+Why a thread of its own: ``engine.Engine`` is single-threaded by design (no locks on the hot path), and
+continuous batching only happens when many requests sit in the *same* engine at once. Front doors that run
+each request on a caller thread of their own (Celery's ``threads`` pool, ``pagedq batch --local``) must
+therefore not call the engine themselves: they hand a validated :class:`~schemas.jobs.JobRequest` to this
+thread and wait on the returned :class:`JobHandle`. The engine thread admits every submitted job at its
+next step, so N callers waiting at once are N sequences in one batch, not N turns.
+
+What comes back is exactly wire protocol v1 (``worker/PROTOCOL.md``): optional ``token`` events and one
+terminal ``final`` or ``error`` event, built from the same pydantic models as the Redis worker's, so a Celery
+result and a queue result are the same JSON. ``attempt`` is always 1 (nothing is redelivered here) and
+timings count from :meth:`EngineThread.submit` (there is no stream entry time).
+
+Failure policy, simpler than the queue worker's on purpose: an exception from ``engine.step()`` fails every
+job in the engine with error ``internal`` (there is no redelivery here to retry with; the caller's own
+retry policy, e.g. Celery's, decides), then the loop goes on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from engine.outputs import CompletionDelta, EngineStats, RequestDelta
+from schemas.jobs import (
+    Choice,
+    ErrorCode,
+    ErrorEvent,
+    FinalEvent,
+    FinishReason,
+    InvalidJob,
+    JobRequest,
+    Logprob,
+    Timings,
+    TokenEvent,
+    TopLogprob,
+    Usage,
+    finite_or_none,
+)
+
+log = structlog.get_logger("pagedq.engine_thread")
+
+TerminalEvent = FinalEvent | ErrorEvent
+Event = TokenEvent | FinalEvent | ErrorEvent
+
+
+class StepEngine(Protocol):
+    """The part of ``engine.Engine`` this thread drives (a protocol so tests may pass a fake engine)."""
+
+    tokenizer: Any
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: Any, priority: int = 0) -> Any: ...
+    def step(self) -> list[RequestDelta]: ...
+    def abort(self, request_id: str) -> Any: ...
+    def has_unfinished(self) -> bool: ...
+    def num_waiting(self) -> int: ...
+    def num_running(self) -> int: ...
+    def stats(self) -> EngineStats: ...
+
+
+def default_worker_name() -> str:
+    """``<host>-<pid>``, the ``worker`` field of the events this thread produces."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class JobHandle:
+    """What :meth:`EngineThread.submit` returns: a future of the terminal event, and (when asked for) the
+    stream of every event in order.
+
+    ``future`` resolves to a :class:`FinalEvent` or :class:`ErrorEvent` (never raises: failures are error
+    events, as on the wire). With ``stream=True``, iterating the handle yields the ``token`` events and then
+    the terminal one.
+    """
+
+    def __init__(self, job: JobRequest, stream: bool) -> None:
+        self.job = job
+        self.future: Future[TerminalEvent] = Future()
+        self.events: queue.SimpleQueue[Event] | None = queue.SimpleQueue() if stream else None
+
+    @property
+    def id(self) -> str:
+        return self.job.id
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout: float | None = None) -> TerminalEvent:
+        """The terminal event; raises ``TimeoutError`` if it has not come within ``timeout`` seconds."""
+        return self.future.result(timeout)
+
+    def __iter__(self) -> Iterator[Event]:
+        if self.events is None:
+            raise ValueError("submit(..., stream=True) to iterate over events")
+        while True:
+            event = self.events.get()
+            yield event
+            if not isinstance(event, TokenEvent):
+                return
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, out: CompletionDelta) -> None:
+        self.text.append(out.text)
+        self.token_ids.extend(out.token_ids)
+        for lp in out.logprobs or ():
+            top = [TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
+            self.logprobs.append(Logprob(token_id=lp.token_id, logprob=lp.logprob, top=top))
+        if out.finish_reason:
+            self.finish_reason = out.finish_reason
+
+
+@dataclass(eq=False)
+class _Active:
+    """A submitted job from the moment the engine thread sees it until its terminal event."""
+
+    handle: JobHandle
+    submitted: float  # time.time() at submit
+    request_id: str = ""
+    started: float | None = None
+    first_token: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    choices: dict[int, _Choice] = field(default_factory=dict)
+
+    @property
+    def job(self) -> JobRequest:
+        return self.handle.job
+
+    @property
+    def deadline(self) -> float | None:
+        timeout = self.job.timeout_s
+        return None if timeout is None else self.submitted + timeout
+
+
+class EngineThread:
+    """Owns ``engine`` and steps it on one daemon thread; :meth:`submit` and :meth:`cancel` are thread-safe.
+
+    ``max_num_seqs`` (the engine's) rejects jobs with a larger ``n`` up front: such a job could never be
+    scheduled. Use as a context manager, or :meth:`start` / :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        engine: StepEngine,
+        *,
+        worker_name: str | None = None,
+        max_num_seqs: int | None = None,
+        thread_name: str = "pagedq-engine",
+        idle_wait_s: float = 0.1,
+    ) -> None:
+        self.engine = engine
+        self.worker_name = worker_name or default_worker_name()
+        self.max_num_seqs = max_num_seqs
+        self.idle_wait_s = idle_wait_s
+        self._inbox: deque[tuple[str, JobHandle]] = deque()  # ("submit" | "cancel", handle)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self._active: dict[JobHandle, _Active] = {}
+        self._by_request: dict[str, _Active] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._lock = threading.Lock()  # orders submit() against stop() so no job is left unanswered
+        self.counts: dict[str, int] = {"final": 0, "error": 0, "steps": 0, "step_failures": 0}
+        self.max_running = 0
+        self._snapshot: dict[str, Any] = {}
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def start(self) -> EngineThread:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop stepping; jobs still in flight end with error ``internal`` ("engine stopped")."""
+        with self._lock:
+            self._closed = True
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._fail_all("internal", "the engine thread stopped before the job finished")
+
+    def __enter__(self) -> EngineThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---------------------------------------------------------------------------- caller API
+
+    def submit(self, job: JobRequest, *, stream: bool = False) -> JobHandle:
+        """Queue ``job`` for the engine; returns at once. The engine picks it up at its next step."""
+        handle = JobHandle(job, stream)
+        with self._lock:
+            if self._closed:
+                self._resolve(handle, self._error(job, "internal", "the engine thread is stopped"))
+                return handle
+            self._inbox.append(("submit", handle))
+        self._wake.set()
+        return handle
+
+    def cancel(self, handle: JobHandle) -> None:
+        """Stop a job: one that produced tokens ends ``final`` with finish_reason ``cancelled`` and its partial
+        text, one that did not with error ``cancelled``. No-op once it has ended."""
+        self._inbox.append(("cancel", handle))
+        self._wake.set()
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-ready counters: engine load at the last step, and ``max_running``, the most sequences the
+        engine ran in one step since start (> 1 is the evidence of batching)."""
+        return {
+            "worker": self.worker_name,
+            "max_running": self.max_running,
+            "in_flight": len(self._active) + len(self._inbox),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            **{f"jobs_{k}" if k in ("final", "error") else k: v for k, v in self.counts.items()},
+            **self._snapshot,
+        }
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        log.info("engine_thread.started", worker=self.worker_name)
+        while not self._stop.is_set():
+            try:
+                self._iteration()
+            except Exception:  # a bug here must not kill the only engine thread of the process
+                log.exception("engine_thread.loop_error")
+                self._fail_all("internal", "engine thread error (see the worker log)")
+                time.sleep(0.1)
+        log.info("engine_thread.stopped", **self.counts)
+
+    def _iteration(self) -> None:
+        if not self._inbox and not self.engine.has_unfinished() and not self._active:
+            self._wake.wait(self.idle_wait_s)
+        self._wake.clear()
+        while self._inbox:
+            kind, handle = self._inbox.popleft()
+            if kind == "submit":
+                self._start(handle)
+            else:
+                self._cancel(handle)
+        self._expire_deadlines()
+        if self.engine.has_unfinished():
+            self._step()
+
+    def _start(self, handle: JobHandle) -> None:
+        job = handle.job
+        active = _Active(handle, submitted=time.time())
+        try:
+            n = job.n or 1
+            if self.max_num_seqs is not None and n > self.max_num_seqs:
+                raise InvalidJob(f"n={n} is larger than this engine's max_num_seqs={self.max_num_seqs}")
+            params = job.sampling_params()
+            prompt = self._prompt(job)
+            request_id = f"{job.id}#{next(self._ids)}"
+            self.engine.add_request(request_id, prompt, params, priority=job.priority)
+        except InvalidJob as exc:
+            self._finish(active, self._error(job, exc.code, exc.message))
+            return
+        except Exception as exc:
+            if type(exc).__name__ == "PromptTooLongError":
+                self._finish(active, self._error(job, "prompt_too_long", str(exc)))
+            elif isinstance(exc, (ValueError, TypeError)):
+                self._finish(active, self._error(job, "invalid_request", str(exc)))
+            else:
+                log.exception("engine_thread.add_request_failed", job_id=job.id)
+                self._finish(active, self._error(job, "internal", f"could not start: {exc!r}"))
+            return
+        active.request_id = request_id
+        active.started = time.time()
+        self._active[handle] = active
+        self._by_request[request_id] = active
+
+    def _prompt(self, job: JobRequest) -> str | list[int]:
+        """Text, token ids, or chat messages through the model's chat template (as the queue worker does)."""
+        if job.prompt is not None:
+            return job.prompt
+        if job.prompt_token_ids is not None:
+            return list(job.prompt_token_ids)
+        assert job.messages is not None
+        messages = [m.model_dump() for m in job.messages]
+        try:
+            chat = getattr(self.engine, "chat_prompt_ids", None)
+            if chat is not None:
+                return list(chat(messages))
+            ids = self.engine.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:  # no template, roles the template refuses...
+            raise InvalidJob(f"messages: {exc}") from exc
+        return list(ids)
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception as exc:
+            self.counts["step_failures"] += 1
+            log.exception("engine_thread.step_failed", jobs=[a.job.id for a in self._active.values()])
+            for active in list(self._active.values()):
+                self._abort(active)
+                self._finish(active, self._error(active.job, "internal", f"engine step failed: {exc!r}"))
+            return
+        self.counts["steps"] += 1
+        finished_seqs = 0
+        now = time.time()
+        for delta in deltas:
+            current = self._by_request.get(delta.request_id)
+            if current is None:
+                continue
+            current.prompt_tokens = len(delta.prompt_token_ids)
+            current.cached_tokens = delta.num_cached_tokens
+            stream = current.handle.events
+            for out in delta.outputs:
+                if (out.text or out.token_ids) and current.first_token is None:
+                    current.first_token = now
+                current.choices.setdefault(out.index, _Choice()).add(out)
+                if out.finish_reason is not None:
+                    finished_seqs += 1
+                if stream is not None and (out.text or out.token_ids):
+                    stream.put(
+                        TokenEvent(id=current.job.id, attempt=1, index=out.index, text=out.text,
+                                   token_ids=list(out.token_ids))
+                    )
+            if delta.finished:
+                self._by_request.pop(delta.request_id, None)
+                self._finish(current, self._final(current, None))
+        # Sequences that ended during this step were part of its batch too.
+        self.max_running = max(self.max_running, self.engine.num_running() + finished_seqs)
+        self._snapshot = self._engine_snapshot()
+
+    def _engine_snapshot(self) -> dict[str, Any]:
+        try:
+            st = self.engine.stats()
+        except Exception:
+            return {}
+        return {
+            "running": st.running,
+            "waiting": st.waiting,
+            "kv_cache_usage": round(st.kv_cache_usage, 4),
+            "num_free_blocks": st.num_free_blocks,
+            "num_total_blocks": st.num_total_blocks,
+            "prefix_cache_hit_rate": round(st.prefix_cache_hit_rate, 4),
+            "num_preemptions": st.num_preemptions,
+        }
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for active in list(self._active.values()):
+            deadline = active.deadline
+            if deadline is not None and now >= deadline:
+                self._stop_job(active, "deadline")
+
+    def _cancel(self, handle: JobHandle) -> None:
+        active = self._active.get(handle)
+        if active is not None:
+            self._stop_job(active, "cancelled")
+
+    def _stop_job(self, active: _Active, reason: FinishReason) -> None:
+        self._abort(active)
+        if active.first_token is not None:
+            self._finish(active, self._final(active, reason))
+        elif reason == "cancelled":
+            self._finish(active, self._error(active.job, "cancelled", "cancelled before it produced a token"))
+        else:
+            msg = f"deadline of {active.job.timeout_s}s passed before the first token"
+            self._finish(active, self._error(active.job, "deadline_exceeded", msg))
+
+    def _abort(self, active: _Active) -> None:
+        if active.request_id:
+            self._by_request.pop(active.request_id, None)
+            try:
+                self.engine.abort(active.request_id)
+            except Exception:
+                log.exception("engine_thread.abort_failed", request_id=active.request_id)
+
+    # ---------------------------------------------------------------------------- endings
+
+    def _final(self, active: _Active, stop_reason: FinishReason | None) -> FinalEvent:
+        job = active.job
+        choices = []
+        for index in range(job.n or 1):
+            ch = active.choices.get(index, _Choice())
+            reason = ch.finish_reason
+            if reason not in ("stop", "length"):
+                reason = stop_reason or ("cancelled" if reason == "abort" else "stop")
+            choices.append(
+                Choice(
+                    index=index,
+                    text="".join(ch.text),
+                    token_ids=ch.token_ids,
+                    finish_reason=reason,  # type: ignore[arg-type]
+                    logprobs=ch.logprobs if job.logprobs is not None else None,
+                )
+            )
+        now = time.time()
+        start = active.started if active.started is not None else now
+        ttft = None if active.first_token is None else active.first_token - active.submitted
+        return FinalEvent(
+            id=job.id,
+            attempt=1,
+            choices=choices,
+            usage=Usage(
+                prompt_tokens=active.prompt_tokens,
+                completion_tokens=sum(len(c.token_ids) for c in choices),
+                cached_tokens=active.cached_tokens,
+            ),
+            timings=Timings(
+                queued_s=finite_or_none(max(0.0, start - active.submitted)) or 0.0,
+                ttft_s=finite_or_none(ttft),
+                total_s=finite_or_none(max(0.0, now - active.submitted)) or 0.0,
+            ),
+            metadata=job.metadata,
+            worker=self.worker_name,
+        )
+
+    def _error(self, job: JobRequest, code: ErrorCode, message: str) -> ErrorEvent:
+        return ErrorEvent(id=job.id, attempt=1, code=code, message=message, metadata=job.metadata,
+                          worker=self.worker_name)
+
+    def _finish(self, active: _Active, event: TerminalEvent) -> None:
+        self._active.pop(active.handle, None)
+        self.counts["final" if isinstance(event, FinalEvent) else "error"] += 1
+        self._resolve(active.handle, event)
+
+    @staticmethod
+    def _resolve(handle: JobHandle, event: TerminalEvent) -> None:
+        if handle.future.done():
+            return
+        if handle.events is not None:
+            handle.events.put(event)
+        handle.future.set_result(event)
+
+    def _fail_all(self, code: ErrorCode, message: str) -> None:
+        """Answer every job still held (engine thread stopped or broken): nobody waits forever."""
+        while self._inbox:
+            kind, handle = self._inbox.popleft()
+            if kind == "submit":
+                self._resolve(handle, self._error(handle.job, code, message))
+        for active in list(self._active.values()):
+            self._abort(active)
+            self._finish(active, self._error(active.job, code, message))

@@ -46,9 +46,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
 """Job fields passed through, flat, to the engine's ``SamplingParams``."""
 
 FinishReason = Literal["stop", "length", "cancelled", "deadline"]
-ErrorCode = Literal[
-    "invalid_request", "prompt_too_long", "deadline_exceeded", "cancelled", "dead_lettered", "internal"
-]
+ErrorCode = Literal["invalid_request", "prompt_too_long", "deadline_exceeded", "cancelled", "dead_lettered", "internal"]
 
 
 class InvalidJob(ValueError):
@@ -111,14 +109,11 @@ class JobRequest(BaseModel):
         given = [f for f in ("prompt", "messages", "prompt_token_ids") if getattr(self, f) is not None]
         if len(given) != 1:
             raise ValueError(
-                "exactly one of prompt, messages, prompt_token_ids is required, got "
-                + (", ".join(given) or "none")
+                "exactly one of prompt, messages, prompt_token_ids is required, got " + (", ".join(given) or "none")
             )
         if self.metadata is not None:
             try:
-                encoded = json.dumps(
-                    self.metadata, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-                )
+                encoded = json.dumps(self.metadata, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
             except ValueError as exc:
                 raise ValueError(f"metadata is not valid JSON: {exc}") from exc
             size = len(encoded.encode())

@@ -16,8 +16,13 @@ class _NoDetok:
 
 def make_seq(tokens: list[int], rid: str = "r") -> Sequence:
     return Sequence(
-        request_id=rid, index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens),
-        params=SamplingParams(), priority=0, detokenizer=_NoDetok(),  # type: ignore[arg-type]
+        request_id=rid,
+        index=0,
+        token_ids=list(tokens),
+        num_prompt_tokens=len(tokens),
+        params=SamplingParams(),
+        priority=0,
+        detokenizer=_NoDetok(),  # type: ignore[arg-type]
     )
 
 

@@ -13,8 +13,9 @@ from kernels import cpu_attention
 from kernels.paged_attention import paged_attention_torch
 
 
-def random_batch(rng: random.Random, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 decode_only: bool) -> tuple[torch.Tensor, ...]:
+def random_batch(
+    rng: random.Random, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, decode_only: bool
+) -> tuple[torch.Tensor, ...]:
     num_blocks = 96
     num_seqs = rng.randint(1, 6)
     seq_lens = [rng.randint(1, 90) for _ in range(num_seqs)]
@@ -23,11 +24,22 @@ def random_batch(rng: random.Random, num_heads: int, num_kv_heads: int, head_dim
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    slots = [tables[i][p // block_size] * block_size + p % block_size
-             for i, (n, q) in enumerate(zip(seq_lens, q_lens, strict=True)) for p in range(n - q, n)]
+    slots = [
+        tables[i][p // block_size] * block_size + p % block_size
+        for i, (n, q) in enumerate(zip(seq_lens, q_lens, strict=True))
+        for p in range(n - q, n)
+    ]
     cu = torch.tensor([0, *torch.cumsum(torch.tensor(q_lens), 0).tolist()], dtype=torch.int32)
-    meta = AttentionMetadata(cu, torch.tensor(seq_lens, dtype=torch.int32), block_tables, torch.tensor(slots),
-                             max(q_lens), max(seq_lens), q_lens, seq_lens)
+    meta = AttentionMetadata(
+        cu,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables,
+        torch.tensor(slots),
+        max(q_lens),
+        max(seq_lens),
+        q_lens,
+        seq_lens,
+    )
     n = len(slots)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
@@ -41,8 +53,9 @@ def random_batch(rng: random.Random, num_heads: int, num_kv_heads: int, head_dim
 @pytest.mark.parametrize("use_c", [True, False])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 1, 32)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_matches_reference(use_c: bool, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_matches_reference(
+    use_c: bool, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if use_c and not cpu_attention.available():
         pytest.skip("no C compiler: the torch fallback is what runs here")
     if not use_c:
@@ -51,10 +64,20 @@ def test_matches_reference(use_c: bool, num_heads: int, num_kv_heads: int, head_
     torch.manual_seed(rng.randrange(1000))
     for trial in range(8):
         meta, q, k, v, k_cache, v_cache = random_batch(
-            rng, num_heads, num_kv_heads, head_dim, block_size, decode_only=trial % 2 == 0)
+            rng, num_heads, num_kv_heads, head_dim, block_size, decode_only=trial % 2 == 0
+        )
         backend = TorchAttention()
         backend.prepare(meta)
         out = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
-        ref = paged_attention_torch(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                    meta.block_tables, head_dim**-0.5, meta.max_query_len, meta.max_seq_len)
+        ref = paged_attention_torch(
+            q,
+            k_cache,
+            v_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            head_dim**-0.5,
+            meta.max_query_len,
+            meta.max_seq_len,
+        )
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

@@ -151,9 +151,7 @@ def test_chat_answer_is_sensible(converted: tuple[Any, Any]) -> None:
     import torch
 
     model, tokenizer = converted
-    inputs = tokenizer.apply_chat_template(
-        CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
+    inputs = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=30, do_sample=False)
     new = out[0][inputs["input_ids"].shape[1] :].tolist()

@@ -23,9 +23,7 @@ SAMPLES = [
     "mixed 中文 and English 😀 with ñ accents\nnew line\ttab",
     "こんにちは 안녕하세요 Привет",
 ]
-HYPOTHESIS = settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +64,7 @@ def test_tiny_tokenizer_shape(tok: PreTrainedTokenizerFast) -> None:
     assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [1, 2]
     for text in ["😀", "🎉", "中", "好"]:
         assert len(tok.encode(text, add_special_tokens=False)) >= 2, text  # split across byte tokens
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     for text in SAMPLES:
         assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
@@ -119,16 +115,12 @@ def test_random_ids_concatenate_to_decode(
         assert not any(REPLACEMENT in d for d in deltas)
 
 
-_TEXT = st.lists(
-    st.sampled_from([*"abc xyz,.!\n", "é", "ñ", "中", "好", "😀", "🎉", "👍🏽", "the", " world"])
-)
+_TEXT = st.lists(st.sampled_from([*"abc xyz,.!\n", "é", "ñ", "中", "好", "😀", "🎉", "👍🏽", "the", " world"]))
 
 
 @HYPOTHESIS
 @given(pieces=_TEXT, sizes=st.lists(st.integers(1, 3), min_size=1, max_size=4))
-def test_no_replacement_char_ever_streamed(
-    tok: PreTrainedTokenizerFast, pieces: list[str], sizes: list[int]
-) -> None:
+def test_no_replacement_char_ever_streamed(tok: PreTrainedTokenizerFast, pieces: list[str], sizes: list[int]) -> None:
     text = "".join(pieces)
     _, deltas = _stream(tok, tok.encode(text, add_special_tokens=False), sizes=sizes)
     assert "".join(deltas) == text
@@ -156,9 +148,7 @@ def test_decode_windows_stay_short(tok: PreTrainedTokenizerFast, monkeypatch: py
 # ---------------------------------------------------------------- stop strings
 
 
-def _check_stop(
-    tok: PreTrainedTokenizerFast, text: str, stop: list[str], sizes: list[int] | None = None
-) -> None:
+def _check_stop(tok: PreTrainedTokenizerFast, text: str, stop: list[str], sizes: list[int] | None = None) -> None:
     """Stream ``text`` with ``stop``: exact cut before the earliest stop, never a partial stop released."""
     ids = tok.encode(text, add_special_tokens=False)
     hits = [i for i in (text.find(s) for s in stop) if i >= 0]

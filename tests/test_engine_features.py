@@ -61,8 +61,12 @@ def test_seed_is_reproducible_inside_any_batch(llm: LLM) -> None:
     alone = llm.generate([[5, 6, 7, 8, 9]], target)[0].outputs[0].token_ids
     rng = random.Random(3)
     others = [[rng.randrange(1, 500) for _ in range(rng.randrange(3, 60))] for _ in range(30)]
-    params = [SamplingParams(temperature=rng.choice([0, 0.7, 1.3]), seed=rng.choice([None, 7]),
-                             max_tokens=rng.randrange(5, 30)) for _ in others]
+    params = [
+        SamplingParams(
+            temperature=rng.choice([0, 0.7, 1.3]), seed=rng.choice([None, 7]), max_tokens=rng.randrange(5, 30)
+        )
+        for _ in others
+    ]
     outs = llm.generate([*others[:15], [5, 6, 7, 8, 9], *others[15:]], [*params[:15], target, *params[15:]])
     assert outs[15].outputs[0].token_ids == alone
     assert_no_leak(llm)
@@ -80,12 +84,10 @@ def test_n_samples_share_prompt_blocks(llm: LLM) -> None:
     greedy1 = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0]
     greedy3 = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, n=3))[0]
     assert [c.token_ids for c in greedy3.outputs] == [greedy1.outputs[0].token_ids] * 3
-    sampled = llm.generate([prompt], SamplingParams(temperature=1.5, max_tokens=16, n=4, seed=11,
-                                                    ignore_eos=True))[0]
+    sampled = llm.generate([prompt], SamplingParams(temperature=1.5, max_tokens=16, n=4, seed=11, ignore_eos=True))[0]
     assert sorted(c.index for c in sampled.outputs) == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
-    again = llm.generate([prompt], SamplingParams(temperature=1.5, max_tokens=16, n=4, seed=11,
-                                                  ignore_eos=True))[0]
+    again = llm.generate([prompt], SamplingParams(temperature=1.5, max_tokens=16, n=4, seed=11, ignore_eos=True))[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in sampled.outputs]
     assert_no_leak(llm)
 
@@ -119,8 +121,9 @@ def test_streaming_deltas_concatenate(llm: LLM) -> None:
     engine = llm.engine
     rng = random.Random(9)
     for i in range(6):
-        engine.add_request(f"s{i}", [rng.randrange(1, 500) for _ in range(10)],
-                           SamplingParams(temperature=1.0, seed=i, max_tokens=30))
+        engine.add_request(
+            f"s{i}", [rng.randrange(1, 500) for _ in range(10)], SamplingParams(temperature=1.0, seed=i, max_tokens=30)
+        )
     deltas: dict[str, list[str]] = {}
     ids: dict[str, list[int]] = {}
     while engine.has_unfinished():

@@ -40,10 +40,14 @@ def hf_reference(path: Path, prompts: list[list[int]], max_new: list[int]) -> li
             for ids, n in zip(prompts, max_new, strict=True):
                 x = torch.tensor([ids])
                 y = model.generate(
-                    x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                    min_new_tokens=0, pad_token_id=0,
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=n,
+                    do_sample=False,
+                    min_new_tokens=0,
+                    pad_token_id=0,
                 )
-                outs.append(y[0, len(ids):].tolist())
+                outs.append(y[0, len(ids) :].tolist())
         _reference_cache[key] = outs
     return _reference_cache[key]
 

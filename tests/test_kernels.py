@@ -133,9 +133,7 @@ def make_paged_batch(
     return PagedBatch(q, k_new, v_new, k_cache, v_cache, meta)
 
 
-def random_lens(
-    seed: int, num_seqs: int, block_size: int, max_q: int, max_ctx: int
-) -> tuple[list[int], list[int]]:
+def random_lens(seed: int, num_seqs: int, block_size: int, max_q: int, max_ctx: int) -> tuple[list[int], list[int]]:
     """Mixed batch: alternating decodes (q_len 1) and prefill chunks; contexts off the block grid."""
     gen = _gen(seed)
     q_lens, seq_lens = [], []
@@ -155,8 +153,15 @@ def run_attention(batch: PagedBatch, num_splits: int | None = None) -> tuple[tor
     m = batch.meta
     head_dim = batch.q.shape[-1]
     args = (
-        batch.q, batch.k_cache, batch.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
-        head_dim**-0.5, m.max_query_len, m.max_seq_len,
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        m.query_start_loc,
+        m.seq_lens,
+        m.block_tables,
+        head_dim**-0.5,
+        m.max_query_len,
+        m.max_seq_len,
     )
     return paged_attention_triton(*args, num_splits=num_splits), paged_attention_torch(*args)
 
@@ -184,8 +189,14 @@ ATTN_CASES = [
     ATTN_CASES,
 )
 def test_paged_attention_mixed_batch(
-    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-    num_seqs: int, max_q: int, max_ctx: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    num_seqs: int,
+    max_q: int,
+    max_ctx: int,
 ) -> None:
     seed = num_heads * 1000 + head_dim + block_size
     q_lens, seq_lens = random_lens(seed, num_seqs, block_size, max_q, max_ctx)
@@ -252,9 +263,7 @@ def test_triton_backend_matches_torch_backend() -> None:
     """Full backend step (cache write + attention) on strided q/k/v views of one fused qkv tensor."""
     num_heads, num_kv_heads, head_dim, block_size = 6, 2, 64, 16
     q_lens, seq_lens = [7, 1, 1, 12], [7, 30, 17, 40]
-    ref_batch = make_paged_batch(
-        q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float16, seed=3
-    )
+    ref_batch = make_paged_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float16, seed=3)
     gen = _gen(99)
     n = sum(q_lens)
     width = (num_heads + 2 * num_kv_heads) * head_dim

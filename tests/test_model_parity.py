@@ -246,10 +246,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         load_model(tmp_path, torch.float32, CPU, "torch")
     message = str(info.value)
     assert "GPT2LMHeadModel" in message
-    assert all(
-        a in message
-        for a in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-    )
+    assert all(a in message for a in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"))
     assert isinstance(info.value, ValueError)
 
 

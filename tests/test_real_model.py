@@ -27,13 +27,14 @@ def test_greedy_equals_transformers(prepared: Prepared, llm: LLM) -> None:
         ids = tokenizer(prompt, return_tensors="pt")
         with torch.inference_mode():
             ref = model.generate(**ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        assert out.outputs[0].token_ids == ref[0, ids["input_ids"].shape[1]:].tolist(), prompt
+        assert out.outputs[0].token_ids == ref[0, ids["input_ids"].shape[1] :].tolist(), prompt
     assert "Paris" in ours[0].outputs[0].text
 
 
 def test_chat_answers_sensibly(llm: LLM) -> None:
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=32)
+    )[0].outputs[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
 

@@ -64,10 +64,7 @@ def test_top_k_1_equals_greedy_including_ties() -> None:
     logits = torch.randn(16, V, generator=gen)
     logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie: both must pick the first index
     greedy = Sampler({EOS}).sample(logits, [_row(temperature=0) for _ in range(16)]).token_ids
-    rows = [
-        _row(make_generator(i) if i % 2 else None, temperature=0.5 + i / 4, top_k=1, top_p=0.9)
-        for i in range(16)
-    ]
+    rows = [_row(make_generator(i) if i % 2 else None, temperature=0.5 + i / 4, top_k=1, top_p=0.9) for i in range(16)]
     assert Sampler({EOS}).sample(logits, rows).token_ids == greedy
     assert greedy[3] == 10
 
@@ -211,9 +208,7 @@ def test_penalties_match_reference() -> None:
     torch.testing.assert_close(penalised, expected)
     # Through the Sampler (greedy copies of the rows): the argmax is taken on the penalised logits.
     greedy_rows = [
-        SamplingRow(
-            r.params.model_copy(update={"temperature": 0.0}), None, r.prompt_token_ids, r.output_token_ids
-        )
+        SamplingRow(r.params.model_copy(update={"temperature": 0.0}), None, r.prompt_token_ids, r.output_token_ids)
         for r in rows
     ]
     assert Sampler({EOS}).sample(logits, greedy_rows).token_ids == expected.argmax(dim=1).tolist()

@@ -22,8 +22,14 @@ def test_triton_backend_greedy_parity(tiny_model: Callable[[str], Path]) -> None
     with torch.inference_mode():
         for prompt, out in zip(prompts, outs, strict=True):
             x = torch.tensor([prompt])
-            ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-            assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+            ref = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
     stats = llm.stats()
     assert stats.num_free_blocks == stats.num_total_blocks

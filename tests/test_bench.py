@@ -1,0 +1,196 @@
+"""The benchmark harness (``pagedq bench``, code in ``ops/bench``).
+
+The end-to-end test runs ``--quick`` (tiny random model, a few requests, every system, every workload) in a
+subprocess and checks the report's structure and that every system that ran produced exactly the tokens it
+was asked for. Nothing here asserts a timing or a ratio: these machines are shared and noisy, and speed
+targets are goals reported by the harness, not test conditions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ops.bench import report as rep
+from ops.bench import workloads as wl
+from ops.bench.systems import SYSTEM_NAMES, SystemResult
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------- workloads
+
+
+class _SplitTokenizer:
+    """Word-level stand-in tokenizer: deterministic ids below ``vocab``."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [4 + sum(map(ord, w)) % (self.vocab - 4) for w in text.split()]
+
+
+def test_mixed_is_deterministic_and_within_ranges() -> None:
+    source = wl.TextSource(_SplitTokenizer(1000), 1000)
+    assert source.real_text
+    a = wl.mixed(50, 7, source)
+    b = wl.mixed(50, 7, source)
+    assert [r.prompt_ids for r in a.requests] == [r.prompt_ids for r in b.requests]
+    assert [r.max_tokens for r in a.requests] == [r.max_tokens for r in b.requests]
+    spec = wl.MixedSpec()
+    for r in a.requests:
+        assert spec.prompt_lo <= len(r.prompt_ids) <= spec.prompt_hi
+        assert spec.output_lo <= r.max_tokens <= spec.output_hi
+        assert all(0 <= t < 1000 for t in r.prompt_ids)
+    assert wl.mixed(50, 8, source).requests != a.requests
+
+
+def test_long_tailed_lengths_are_mostly_short() -> None:
+    rng = random.Random(0)
+    values = [wl.long_tailed(rng, 16, 512, 96.0) for _ in range(2000)]
+    assert min(values) >= 16 and max(values) <= 512
+    median = sorted(values)[len(values) // 2]
+    assert median < sum(values) / len(values)  # right-skewed
+    assert max(values) > 3 * median
+
+
+def test_prefix_documents_share_the_instruction() -> None:
+    source = wl.TextSource(_SplitTokenizer(1000), 1000)
+    w = wl.prefix(10, 0, source, prefix_len=64, unique_lo=8, unique_hi=16, output_len=5)
+    shared = w.requests[0].prompt_ids[:64]
+    for r in w.requests:
+        assert r.prompt_ids[:64] == shared
+        assert 64 + 8 <= len(r.prompt_ids) <= 64 + 16
+        assert r.max_tokens == 5
+
+
+def test_online_arrivals_increase() -> None:
+    source = wl.TextSource(None, 300)
+    assert not source.real_text  # no tokenizer: random ids
+    w = wl.online(20, 0, source, rate=5.0)
+    arrivals = [r.arrival_s for r in w.requests]
+    assert arrivals[0] == 0.0
+    assert arrivals == sorted(arrivals)
+    assert all(4 <= t < 300 for r in w.requests for t in r.prompt_ids)
+
+
+# ------------------------------------------------------------------------------------- report
+
+
+def _result(name: str, outputs: list[list[int]], workload: wl.Workload, wall: float) -> SystemResult:
+    res = SystemResult(name, "ok", wall_s=wall)
+    res.outputs = outputs
+    res.check(workload)
+    return res
+
+
+def test_check_flags_wrong_lengths_and_derive_counts_only_useful_tokens() -> None:
+    workload = wl.Workload("mixed", [wl.BenchRequest([1, 2, 3], 4), wl.BenchRequest([1, 2], 2)])
+    good = _result("pagedq", [[5, 6, 7, 8], [9, 9]], workload, wall=2.0)
+    assert good.tokens_ok and good.output_tokens == 6 and good.processed_tokens == 11
+    short = _result("hf-cb", [[5, 6, 7, 8], [9]], workload, wall=1.0)
+    assert not short.tokens_ok and short.bad_requests == 1 and short.output_tokens == 5
+
+    flops = rep.FlopModel(matmul_params=1000, lm_head_params=100)
+    rec = rep.derive(good, flops, peak_flops=1e6)
+    assert rec["output_tok_s"] == 3.0 and rec["total_tok_s"] == 5.5
+    assert rec["flop_util"] == pytest.approx(2 * 1000 * 11 / 2.0 / 1e6, abs=1e-4)
+    # exact: decoder on 11 - 2 tokens, lm_head on the 6 outputs
+    assert rec["flop_util_exact"] == pytest.approx(2 * (900 * 9 + 100 * 6) / 2.0 / 1e6, abs=1e-4)
+
+    agree = rep.agreement(good, short)
+    assert agree["identical"] == 0.5 and agree["common_prefix"] == 1.0
+
+
+def test_ratios_and_targets() -> None:
+    records: dict[str, dict[str, Any]] = {
+        "pagedq": {"status": "ok", "output_tok_s": 100.0, "flop_util": 0.7},
+        "hf-static": {"status": "ok", "output_tok_s": 10.0},
+        "hf-cb": {"status": "ok", "output_tok_s": 25.0},
+        "pagedq-redis": {"status": "ok", "output_tok_s": 97.0},
+        "vllm": {"status": "skipped", "reason": "not installed"},
+    }
+    ratios = rep.ratios(records)
+    assert ratios == {"pagedq/hf-static": 10.0, "pagedq/hf-cb": 4.0, "pagedq-redis/pagedq": 0.97}
+    report = {"workloads": {"mixed": {"systems": records, "ratios": ratios}}}
+    met = {t["target"].split(" (")[0]: t["met"] for t in rep.targets(report)}
+    assert met["pagedq >= 5x hf-static"] is True
+    assert met["pagedq >= 5x hf-cb"] is False
+    values = {t["target"]: t["value"] for t in rep.targets(report)}
+    assert values["useful-FLOP utilisation >= 60% (pagedq, mixed)"] == 0.7
+    assert values["prefix caching >= 3x without (prefix)"] is None
+
+
+# --------------------------------------------------------------------------------- end to end
+
+
+def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
+    """``--quick`` with every system and workload: structure, and every system made all its tokens."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.bench", "--quick", "--threads", "1", "--json", str(out),
+         "--work-dir", str(tmp_path / "work")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "out tok/s" in proc.stdout and "targets" in proc.stdout
+
+    report = json.loads(out.read_text())
+    assert {"meta", "matmul_peak", "model", "workloads", "targets"} <= report.keys()
+    assert report["matmul_peak"]["gflop_s"] > 0
+    assert report["meta"]["quick"] is True
+    assert set(report["workloads"]) == {"mixed", "prefix", "online"}
+
+    mixed = report["workloads"]["mixed"]
+    assert set(mixed["systems"]) == set(SYSTEM_NAMES)
+    assert mixed["systems"]["vllm"]["status"] == "skipped" and mixed["systems"]["vllm"]["reason"]
+    redis_ran = mixed["systems"]["pagedq-redis"]["status"] == "ok"
+    if not redis_ran:
+        assert mixed["systems"]["pagedq-redis"]["status"] == "skipped"
+        assert mixed["systems"]["pagedq-redis"]["reason"]
+    for wname, w in report["workloads"].items():
+        summary = w["workload"]
+        assert summary["requests"] > 0 and summary["output_tokens"] > 0
+        for sname, rec in w["systems"].items():
+            assert rec["status"] in ("ok", "skipped"), (wname, sname, rec)
+            if rec["status"] != "ok":
+                continue
+            assert rec["tokens_ok"] is True, (wname, sname)
+            assert rec["bad_requests"] == 0
+            assert rec["requests"] == summary["requests"]
+            assert rec["output_tokens"] == summary["output_tokens"], (wname, sname)
+            assert rec["output_tok_s"] > 0 and rec["wall_s"] > 0
+            assert rec["flop_util"] > 0
+
+    for sname in ("pagedq", "hf-static", "hf-cb"):
+        assert mixed["systems"][sname]["status"] == "ok", sname
+        assert f"pagedq/{sname}" in mixed["ratios"] or sname == "pagedq"
+    pq = mixed["systems"]["pagedq"]
+    assert {"forward", "schedule", "sample", "detokenize", "prepare_inputs"} <= pq["breakdown"]["shares"].keys()
+    assert pq["breakdown"]["steps"] > 0
+    assert 0 < pq["kv"]["peak_usage"] <= 1 and 0 < pq["kv"]["block_fill_at_peak"] <= 1
+    assert "hit_rate" in pq["prefix_cache"]
+
+    prefix = report["workloads"]["prefix"]
+    assert prefix["systems"]["pagedq-nocache"]["prefix_cache"]["enabled"] is False
+    assert "pagedq/pagedq-nocache" in prefix["ratios"]
+
+    online = report["workloads"]["online"]["systems"]["pagedq-redis"]
+    if redis_ran:
+        assert online["status"] == "ok"
+        stats = online["online"]
+        assert stats["ttft_ms"]["p50"] > 0 and stats["jobs_per_s"] > 0
+        assert stats["streamed_tokens"] == report["workloads"]["online"]["workload"]["output_tokens"]
+        assert "pagedq-redis/pagedq" in mixed["ratios"]
+
+    assert [t["target"] for t in report["targets"]]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

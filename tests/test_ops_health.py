@@ -1,0 +1,117 @@
+"""The worker's HTTP port, end to end: real ``python -m worker`` processes with the tiny model.
+
+* ``/readyz`` is 503 while the model loads (a slow engine factory) and 200 once the group is joined;
+  ``/healthz`` is already 200 then, since the process is alive and Redis answers.
+* ``/healthz`` turns 503 within 5 s of Redis going away and 200 again after it returns.
+* ``/metrics`` counts the worker's jobs, and its JSON log has one canonical ``job.finished`` line per
+  job, with no prompt text in any line.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.ops_helpers import http_get, metric_sum
+from tests.redis_servers import RedisServer, free_port, fresh_redis_server, redis_server  # noqa: F401
+from tests.worker_harness import Ctx, WorkerProcess, job_counts, wait_for
+
+SECRET = "zebra-quasar-7731"  # in every prompt; must never reach the log
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny_model: Any) -> Path:
+    return Path(tiny_model("llama_gqa"))
+
+
+def _start(ctx: Ctx, model: Path, tmp: Path, name: str, **settings: Any) -> tuple[WorkerProcess, int]:
+    port = free_port()
+    proc = WorkerProcess(ctx, model, tmp, name, metrics_port=port, **settings)
+    return proc, port
+
+
+@pytest.fixture
+def fresh_ctx(fresh_redis_server: RedisServer) -> Iterator[Ctx]:  # noqa: F811
+    c = Ctx(fresh_redis_server)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def ctx(redis_server: RedisServer) -> Iterator[Ctx]:  # noqa: F811
+    c = Ctx(redis_server)
+    yield c
+    c.close()
+
+
+def test_ready_after_load_and_health_follows_redis(fresh_ctx: Ctx, model_dir: Path, tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setenv("PAGEDQ_TEST_LOAD_DELAY_S", "4")
+    proc, port = _start(fresh_ctx, model_dir, tmp_path, "w-health", engine_factory="tests.ops_helpers:slow_engine")
+    try:
+        # the port opens before the model loads: alive and healthy, not ready
+        status, _ = wait_for(lambda: (s := http_get(port, "/healthz"))[0] and s, 60, 0.05, "the metrics port")
+        assert status == 200
+        code, body = http_get(port, "/readyz")
+        assert code == 503, body
+        assert "loading" in body
+        wait_for(lambda: http_get(port, "/readyz")[0] == 200, 90, 0.1, "/readyz 200")
+        proc.wait_ready()
+
+        fresh_ctx.server.stop()
+        gone = time.monotonic()
+        wait_for(lambda: http_get(port, "/healthz")[0] == 503, 5.0, 0.1, "/healthz 503 after Redis stopped")
+        went_unhealthy_s = time.monotonic() - gone
+        assert http_get(port, "/readyz")[0] == 200  # readiness is about the model and group, not Redis
+        fresh_ctx.server.start()
+        wait_for(lambda: http_get(port, "/healthz")[0] == 200, 10.0, 0.1, "/healthz 200 after Redis returned")
+        print(f"healthz unhealthy {went_unhealthy_s:.2f}s after Redis went away")
+        assert proc.proc.poll() is None
+        assert proc.terminate() == 0
+    except BaseException:
+        print(proc.log())
+        raise
+    finally:
+        proc.close()
+
+
+def test_metrics_and_canonical_log_lines(ctx: Ctx, model_dir: Path, tmp_path: Path) -> None:
+    proc, port = _start(ctx, model_dir, tmp_path, "w-logs")
+    try:
+        proc.wait_ready()
+        prompts = [f"{SECRET} question number {i}" for i in range(12)]
+        ids = ctx.client.submit_many(prompts, max_tokens=4, temperature=0.0)
+        wait_for(lambda: all(c == (1, True) for c in job_counts(ctx.r, ctx.keys, ids).values()), 90, 0.1, "jobs")
+        text = wait_for(
+            lambda: (t := http_get(port, "/metrics")[1]) and metric_sum(t, "pagedq_jobs_total") == len(ids) and t,
+            10, 0.1, "metrics to count the jobs",
+        )  # fmt: skip
+        assert metric_sum(text, "pagedq_jobs_total", outcome="final") == len(ids)
+        assert metric_sum(text, "pagedq_generation_tokens_total") == 4 * len(ids)
+        assert metric_sum(text, "pagedq_prompt_tokens_total") > 0
+        assert metric_sum(text, "pagedq_time_to_first_token_seconds_count") == len(ids)
+        assert metric_sum(text, "pagedq_e2e_request_latency_seconds_count") == len(ids)
+        assert metric_sum(text, "pagedq_request_queue_time_seconds_count") == len(ids)
+        assert metric_sum(text, "pagedq_inter_token_latency_seconds_count") == 3 * len(ids)
+        for name in ("pagedq_requests_running", "pagedq_kv_cache_usage_ratio", "pagedq_stream_pending_entries",
+                     "pagedq_stream_backlog_entries", "pagedq_prefix_cache_queries_total",
+                     "pagedq_redis_reconnects_total", "pagedq_redeliveries_total", "pagedq_dead_letters_total"):
+            assert name in text, name  # fmt: skip
+        assert proc.terminate() == 0
+    finally:
+        proc.close()
+    raw = proc.log_path.read_text()
+    assert SECRET not in raw, "prompt text leaked into the log"
+    lines = proc.log_lines()
+    finished = [line for line in lines if line.get("event") == "job.finished"]
+    assert Counter(line["job_id"] for line in finished) == Counter(ids), "one canonical line per job"
+    for line in finished:
+        assert line["worker"] == "w-logs" and line["outcome"] == "final"
+        for key in ("queued_s", "ttft_s", "total_s", "prompt_tokens", "completion_tokens", "tok_s",
+                    "finish_reason", "attempt"):
+            assert key in line, (key, line)  # fmt: skip
+        assert line["completion_tokens"] == 4 and line["finish_reason"] == "length" and line["attempt"] == 1

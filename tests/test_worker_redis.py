@@ -1,0 +1,284 @@
+"""Publisher (Lua terminal atomicity), reclaimer, producer client and embedded Redis against real servers.
+
+No engine here: these tests play the worker's part with the same building blocks the worker uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from schemas.jobs import Choice, DeadLetter, ErrorEvent, FinalEvent, Timings, TokenEvent, Usage, parse_event
+from tests.redis_servers import (  # noqa: F401
+    RedisServer,
+    fresh_redis_server,
+    redis_server,
+    unique_namespace,
+)
+from worker.client import AsyncPagedqClient, JobFailed, PagedqClient, Restart
+from worker.embedded_redis import EmbeddedRedis
+from worker.keys import EVENT_FIELD, GROUP, JOB_FIELD, Keys
+from worker.publisher import Outbox, Publisher, Terminal
+from worker.reclaimer import Reclaimer, ensure_group
+
+
+def _final(job_id: str, text: str, attempt: int = 1, worker: str = "w1") -> FinalEvent:
+    return FinalEvent(
+        id=job_id,
+        attempt=attempt,
+        choices=[Choice(index=0, text=text, token_ids=[1, 2], finish_reason="stop")],
+        usage=Usage(prompt_tokens=3, completion_tokens=2),
+        timings=Timings(queued_s=0.0, ttft_s=0.01, total_s=0.02),
+        worker=worker,
+    )
+
+
+class Fixture:
+    def __init__(self, server: RedisServer) -> None:
+        self.server = server
+        self.ns = unique_namespace()
+        self.keys = Keys(self.ns, "default")
+        self.r: Any = server.client()
+        ensure_group(self.r, self.keys)
+        self.pub = Publisher(self.r, self.keys, result_ttl_s=60, reply_ttl_s=30, reply_maxlen=1000)
+
+    def add(self, job: dict[str, object]) -> str:
+        return str(self.r.xadd(self.keys.jobs, {JOB_FIELD: json.dumps(job)}))
+
+    def reply_events(self, job_id: str) -> list[object]:
+        return [parse_event(f[EVENT_FIELD]) for _, f in self.r.xrange(self.keys.reply(job_id))]
+
+
+@pytest.fixture
+def fx(redis_server: RedisServer) -> Fixture:  # noqa: F811
+    return Fixture(redis_server)
+
+
+# ------------------------------------------------------------------------------------------- publisher
+
+
+def test_terminal_is_atomic_and_written_once(fx: Fixture) -> None:
+    entry = fx.add({"id": "j1", "prompt": "x"})
+    rec = Reclaimer(fx.r, fx.keys, "w1", reclaim_idle_s=30)
+    assert [d.entry_id for d in rec.read_new(10, None)] == [entry]
+
+    outbox = Outbox(
+        tokens=[
+            (
+                fx.keys.reply("j1"),
+                TokenEvent(id="j1", attempt=1, index=0, text="ab", token_ids=[1, 2]).to_json(),
+            )
+        ]
+    )
+    outbox.terminals.append(Terminal(entry, "j1", fx.keys.reply("j1"), _final("j1", "ab")))
+    assert fx.pub.flush(outbox) == []
+    assert not outbox
+    # Result key, reply stream (token then final), TTLs, ack and deletion all happened together.
+    assert parse_event(fx.r.get(fx.keys.result("j1"))) == _final("j1", "ab")
+    assert 0 < fx.r.ttl(fx.keys.result("j1")) <= 60
+    assert 0 < fx.r.ttl(fx.keys.reply("j1")) <= 30
+    assert [e.type for e in fx.reply_events("j1")] == ["token", "final"]  # type: ignore[attr-defined]
+    assert fx.r.xpending(fx.keys.jobs, GROUP)["pending"] == 0
+    assert fx.r.xlen(fx.keys.jobs) == 0
+
+    # A second delivery of the same job (another worker, a retry after a lost reply) writes nothing.
+    entry2 = fx.add({"id": "j1", "prompt": "x"})
+    rec.read_new(10, None)
+    assert fx.pub.terminal(Terminal(entry2, "j1", fx.keys.reply("j1"), _final("j1", "other", attempt=2))) is False
+    assert parse_event(fx.r.get(fx.keys.result("j1"))).attempt == 1
+    assert len(fx.reply_events("j1")) == 2
+    assert fx.r.xpending(fx.keys.jobs, GROUP)["pending"] == 0
+
+
+def test_terminal_with_dead_letter_and_foreign_reply_key(fx: Fixture) -> None:
+    entry = fx.add({"id": "j2", "prompt": "x"})
+    Reclaimer(fx.r, fx.keys, "w1", reclaim_idle_s=30).read_new(10, None)
+    foreign = f"{fx.ns}-foreign-string"
+    fx.r.set(foreign, "not a stream")
+    err = ErrorEvent(id="j2", attempt=3, code="dead_lettered", message="gave up", worker="w1")
+    dead = DeadLetter(job='{"id":"j2"}', reason="gave up", code="dead_lettered", attempts=3, worker="w1", job_id="j2")
+    assert fx.pub.terminal(Terminal(entry, "j2", foreign, err, dead=dead)) is True
+    assert fx.r.get(foreign) == "not a stream"  # a non-stream reply_to is left alone
+    assert parse_event(fx.r.get(fx.keys.result("j2"))) == err
+    ((_, fields),) = fx.r.xrange(fx.keys.dead)
+    assert DeadLetter.from_fields(fields).attempts == 3 and fields["job_id"] == "j2"
+
+
+def test_dead_only_and_script_reload_after_flush(fx: Fixture) -> None:
+    entry = fx.add({"no": "id"})
+    Reclaimer(fx.r, fx.keys, "w1", reclaim_idle_s=30).read_new(10, None)
+    fx.r.script_flush()  # as after a Redis restart: scripts are reloaded transparently
+    dead = DeadLetter(job='{"no":"id"}', reason="job has no id", code="invalid_request", attempts=1, worker="w1")
+    outbox = Outbox(dead_only=[(entry, dead)])
+    assert fx.pub.flush(outbox) == []
+    assert fx.pub.flush(Outbox(dead_only=[(entry, dead)])) == []  # idempotent: acked already
+    assert fx.r.xlen(fx.keys.dead) == 1
+    assert fx.r.xpending(fx.keys.jobs, GROUP)["pending"] == 0
+
+
+# ------------------------------------------------------------------------------------------- reclaimer
+
+
+def test_reclaim_dead_consumer_but_never_a_live_one(fx: Fixture) -> None:
+    ids = [fx.add({"id": f"r{i}", "prompt": "x"}) for i in range(4)]
+    live = Reclaimer(fx.r, fx.keys, "live", reclaim_idle_s=0.3)
+    dead = Reclaimer(fx.r, fx.keys, "dead", reclaim_idle_s=0.3)
+    thief = Reclaimer(fx.r, fx.keys, "thief", reclaim_idle_s=0.3)
+    assert len(live.read_new(2, None)) == 2
+    assert len(dead.read_new(2, None)) == 2
+    for _ in range(5):  # the live worker keeps its entries fresh, the dead one does not
+        time.sleep(0.1)
+        assert live.keep_fresh(ids[:2]) == []
+    claimed = thief.autoclaim(10)
+    assert sorted(d.entry_id for d in claimed) == sorted(ids[2:])
+    assert all(d.attempt == 2 for d in claimed)
+    # The dead worker, come back, learns it no longer owns them; the live one still owns its own.
+    assert sorted(dead.keep_fresh(ids[2:])) == sorted(ids[2:])
+    assert live.keep_fresh(ids[:2]) == []
+
+
+def test_own_pending_first_retry_and_release(fx: Fixture) -> None:
+    ids = [fx.add({"id": f"p{i}", "prompt": "x"}) for i in range(3)]
+    first = Reclaimer(fx.r, fx.keys, "same-name", reclaim_idle_s=30)
+    first.read_new(3, None)
+    again = Reclaimer(fx.r, fx.keys, "same-name", reclaim_idle_s=30)  # the restarted process
+    got, cursor = again.read_own_pending("0", 2)
+    assert [d.entry_id for d in got] == ids[:2] and all(d.attempt == 2 for d in got)
+    got2, cursor = again.read_own_pending(str(cursor), 2)
+    assert [d.entry_id for d in got2] == ids[2:]
+    assert again.read_own_pending(str(cursor), 2) == ([], None)
+
+    retried = again.retry(ids[0])
+    assert retried is not None and retried.attempt == 3 and retried.fields is not None
+
+    # Released entries are immediately claimable, with the delivery count chosen by the releaser.
+    assert again.release({ids[0]: 2, ids[1]: None}) == 2
+    other = Reclaimer(fx.r, fx.keys, "other", reclaim_idle_s=30)
+    claimed = {d.entry_id: d.attempt for d in other.autoclaim(10)}
+    assert claimed == {ids[0]: 3, ids[1]: 3}
+
+
+def test_autoclaim_acks_deleted_entries(fx: Fixture) -> None:
+    entry = fx.add({"id": "gone", "prompt": "x"})
+    Reclaimer(fx.r, fx.keys, "a", reclaim_idle_s=0.05).read_new(1, None)
+    fx.r.xdel(fx.keys.jobs, entry)
+    time.sleep(0.1)
+    assert Reclaimer(fx.r, fx.keys, "b", reclaim_idle_s=0.05).autoclaim(10) == []
+    assert fx.r.xpending(fx.keys.jobs, GROUP)["pending"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- client
+
+
+def _fake_worker(
+    fx: Fixture, events: list[list[TokenEvent | FinalEvent | ErrorEvent]], delay: float = 0.05
+) -> threading.Thread:
+    """Publishes batches of events to reply streams, as a worker would, from another thread."""
+
+    def run() -> None:
+        for batch in events:
+            time.sleep(delay)
+            outbox = Outbox()
+            for e in batch:
+                if isinstance(e, TokenEvent):
+                    outbox.tokens.append((fx.keys.reply(e.id), e.to_json()))
+                else:
+                    outbox.terminals.append(Terminal("", e.id, fx.keys.reply(e.id), e))
+            fx.pub.flush(outbox)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_client_submit_stream_result_cancel(fx: Fixture) -> None:
+    client = PagedqClient(fx.server.client(), namespace=fx.ns)
+    job_id = client.submit("Hello", max_tokens=4, temperature=0, metadata={"k": 1})
+    ((_, fields),) = fx.r.xrange(fx.keys.jobs)
+    assert json.loads(fields[JOB_FIELD]) == {
+        "id": job_id, "prompt": "Hello", "max_tokens": 4, "temperature": 0.0, "metadata": {"k": 1}
+    }  # fmt: skip
+    ids = client.submit_many(
+        ["a", [1, 2], {"messages": [{"role": "user", "content": "hi"}], "priority": 2}], max_tokens=2
+    )
+    assert len(ids) == 3 and fx.r.xlen(fx.keys.jobs) == 4
+
+    tok = lambda text, attempt=1: TokenEvent(id=job_id, attempt=attempt, index=0, text=text, token_ids=[1])
+    final = _final(job_id, "Hello there", attempt=2)
+    _fake_worker(fx, [[tok("Hel")], [tok("lo")], [tok("Hello", 2)], [tok(" there", 2), final]])
+    got = list(client.stream(job_id, timeout=10))
+    assert got == ["Hel", "lo", " there", final]
+    assert client.result(job_id, timeout=1) == final  # from the result key now
+
+    with pytest.raises(TimeoutError):
+        client.result("never-submitted", timeout=0.3)
+
+    client.cancel(ids[0])
+    assert fx.r.get(fx.keys.cancel(ids[0])) == "1" and 0 < fx.r.ttl(fx.keys.cancel(ids[0])) <= 86_400
+
+    err = ErrorEvent(id=ids[1], attempt=1, code="invalid_request", message="bad")
+    _fake_worker(fx, [[err]])
+    with pytest.raises(JobFailed) as failed:
+        client.result(ids[1], timeout=10)
+    assert failed.value.code == "invalid_request"
+
+
+def test_client_stream_divergent_redelivery_yields_restart(fx: Fixture) -> None:
+    client = PagedqClient(fx.server.client(), namespace=fx.ns, block_ms=100)
+    job_id = client.submit("x")
+    tok = lambda text, attempt: TokenEvent(id=job_id, attempt=attempt, index=0, text=text, token_ids=[1])
+    final = _final(job_id, "BC", attempt=2)
+    _fake_worker(fx, [[tok("A", 1)], [tok("B", 2)], [tok("C", 2), final]])
+    assert list(client.stream(job_id, timeout=10)) == ["A", Restart(2), "B", "C", final]
+
+
+def test_async_client(fx: Fixture) -> None:
+    async def main() -> None:
+        client = AsyncPagedqClient(fx.server.url, namespace=fx.ns)
+        try:
+            job_id = await client.submit([{"role": "user", "content": "hi"}], max_tokens=3)
+            (ids,) = [await client.submit_many(["a", "b"])]
+            assert len(ids) == 2
+            tok = TokenEvent(id=job_id, attempt=1, index=0, text="yo", token_ids=[7])
+            final = _final(job_id, "yo")
+            _fake_worker(fx, [[tok], [final]])
+            got = [item async for item in client.stream(job_id, timeout=10)]
+            assert got == ["yo", final]
+            assert await client.result(job_id, timeout=1) == final
+            await client.cancel(ids[0])
+            assert await client.redis.exists(fx.keys.cancel(ids[0])) == 1
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+# -------------------------------------------------------------------------------------- embedded redis
+
+
+def test_embedded_redis_persists_across_restart_and_is_reused(tmp_path: Path) -> None:
+    data = tmp_path / "a-rather-long-folder-name-to-push-the-socket-path" / ("x" * 60) / "redis-data"
+    server = EmbeddedRedis(data)
+    url = server.start()
+    try:
+        assert len(str(server.socket_path)) <= 100
+        r = redis.Redis.from_url(url, decode_responses=True)
+        r.xadd("s", {"k": "v"})
+        assert r.config_get("appendonly")["appendonly"] == "yes"
+        assert EmbeddedRedis(data).start() == url  # a second worker on the folder reuses the server
+        r.close()
+        server.stop()
+        assert server.process is None
+        server.start()
+        r = redis.Redis.from_url(url, decode_responses=True)
+        assert r.xlen("s") == 1  # the AOF brought the stream back
+        r.close()
+    finally:
+        server.stop(force=True)

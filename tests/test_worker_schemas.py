@@ -1,0 +1,243 @@
+"""Wire protocol v1 models, settings and the client's stream state machine: pure, no Redis, fast."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ops.settings import SettingsError, load_settings
+from schemas.jobs import (
+    Choice,
+    DeadLetter,
+    ErrorEvent,
+    FinalEvent,
+    InvalidJob,
+    JobRequest,
+    Timings,
+    TokenEvent,
+    Usage,
+    parse_event,
+    parse_job,
+    salvage_reply_target,
+)
+from worker.client import JobFailed, Restart, StreamState, build_job
+from worker.keys import Keys
+
+LIMIT = 1 << 20
+
+
+def test_documented_example_parses() -> None:
+    job = parse_job('{"id":"a1","prompt":"Hello","max_tokens":16,"temperature":0}', LIMIT)
+    assert job.id == "a1" and job.prompt == "Hello" and job.max_tokens == 16
+    assert job.sampling_kwargs() == {"max_tokens": 16, "temperature": 0.0}
+    params = job.sampling_params()
+    assert params.max_tokens == 16 and params.greedy
+
+
+def test_full_job_round_trips() -> None:
+    fields = {
+        "id": "x.y:z-1_2",
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "seed": 7,
+        "stop": ["\n\n"],
+        "stop_token_ids": [2],
+        "ignore_eos": False,
+        "min_tokens": 1,
+        "logprobs": 3,
+        "n": 2,
+        "stream": False,
+        "reply_to": "my:replies",
+        "priority": 5,
+        "timeout_s": 2.5,
+        "metadata": {"user": "u1", "tags": [1, 2]},
+    }
+    job = parse_job(json.dumps(fields), LIMIT)
+    assert json.loads(job.to_json()) == fields
+    assert job.sampling_params().n == 2
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ("not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"prompt": "x"}', "no id"),
+        ('{"id": "", "prompt": "x"}', "id"),
+        ('{"id": "has space", "prompt": "x"}', "id"),
+        ('{"id": "' + "a" * 129 + '", "prompt": "x"}', "id"),
+        ('{"id": 5, "prompt": "x"}', "id"),
+        ('{"id": "a"}', "exactly one of prompt, messages, prompt_token_ids"),
+        ('{"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}', "exactly one"),
+        ('{"id": "a", "prompt": ""}', "prompt"),
+        ('{"id": "a", "prompt": 5}', "prompt"),
+        ('{"id": "a", "messages": []}', "messages"),
+        ('{"id": "a", "messages": [{"role": "user"}]}', "messages.0.content"),
+        ('{"id": "a", "prompt_token_ids": [1, -2]}', "prompt_token_ids.1"),
+        ('{"id": "a", "prompt_token_ids": [1, true]}', "prompt_token_ids.1"),
+        ('{"id": "a", "prompt": "x", "max_tokens": "16"}', "max_tokens"),
+        ('{"id": "a", "prompt": "x", "max_tokens": 0}', "max_tokens"),
+        ('{"id": "a", "prompt": "x", "max_tokens": 1.5}', "max_tokens"),
+        ('{"id": "a", "prompt": "x", "temperature": -1}', "temperature"),
+        ('{"id": "a", "prompt": "x", "temperature": "hot"}', "temperature"),
+        ('{"id": "a", "prompt": "x", "top_p": 0}', "top_p"),
+        ('{"id": "a", "prompt": "x", "top_p": 1e400}', "top_p"),
+        ('{"id": "a", "prompt": "x", "temperature": NaN}', "NaN"),
+        ('{"id": "a", "prompt": "x", "n": 0}', "n"),
+        ('{"id": "a", "prompt": "x", "logprobs": 21}', "logprobs"),
+        ('{"id": "a", "prompt": "x", "stream": "yes"}', "stream"),
+        ('{"id": "a", "prompt": "x", "priority": 1.5}', "priority"),
+        ('{"id": "a", "prompt": "x", "timeout_s": 0}', "timeout_s"),
+        ('{"id": "a", "prompt": "x", "metadata": [1]}', "metadata"),
+        ('{"id": "a", "prompt": "x", "metadata": {"k": "' + "v" * 5000 + '"}}', "metadata is"),
+        ('{"id": "a", "prompt": "x", "reply_to": "has space"}', "reply_to"),
+        ('{"id": "a", "prompt": "x", "max_token": 3}', "max_token"),
+        ('{"id": "a", "prompt": "x", "stop": ""}', "stop"),
+        ('{"id": "a", "prompt": "x", "min_tokens": 9, "max_tokens": 3}', "min_tokens"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ],
+)
+def test_malformed_jobs_are_rejected_with_a_clear_message(payload: str, message: str) -> None:
+    with pytest.raises(InvalidJob) as err:
+        parse_job(payload, LIMIT).sampling_params()
+    assert message in err.value.message
+    assert err.value.code == "invalid_request"
+
+
+def test_size_limit_and_invalid_utf8() -> None:
+    with pytest.raises(InvalidJob, match="bytes, the limit is 100"):
+        parse_job(json.dumps({"id": "a", "prompt": "x" * 200}), 100)
+    raw = b'{"id":"a","prompt":"\xff"}'.decode("utf-8", "surrogateescape")
+    with pytest.raises(InvalidJob, match="UTF-8"):
+        parse_job(raw, LIMIT)
+    assert salvage_reply_target(raw, LIMIT) == ("a", None)
+
+
+def test_salvage_reply_target() -> None:
+    assert salvage_reply_target('{"id": "j1", "temperature": "x"}', LIMIT) == ("j1", None)
+    assert salvage_reply_target('{"id": "j1", "reply_to": "r:1", "n": -1}', LIMIT) == ("j1", "r:1")
+    assert salvage_reply_target('{"id": "j 1"}', LIMIT) is None
+    assert salvage_reply_target('{"id": "j1", "reply_to": 3}', LIMIT) is None
+    assert salvage_reply_target("[]", LIMIT) is None
+    assert salvage_reply_target("{", LIMIT) is None
+
+
+def _final(text: str, attempt: int = 1) -> FinalEvent:
+    return FinalEvent(
+        id="j",
+        attempt=attempt,
+        choices=[Choice(index=0, text=text, token_ids=[1], finish_reason="stop")],
+        usage=Usage(prompt_tokens=1, completion_tokens=1),
+        timings=Timings(queued_s=0.0, ttft_s=0.1, total_s=0.2),
+        worker="w",
+    )
+
+
+def test_events_round_trip_and_ignore_unknown_fields() -> None:
+    for event in (
+        TokenEvent(id="j", attempt=1, index=0, text="hi", token_ids=[5]),
+        _final("hi"),
+        ErrorEvent(id="j", attempt=2, code="cancelled", message="m", worker="w"),
+    ):
+        assert parse_event(event.to_json()) == event
+        data = json.loads(event.to_json())
+        assert list(data)[:3] == ["type", "id", "attempt"]
+        data["future_field"] = 1
+        assert parse_event(json.dumps(data)) == event
+
+
+def test_dead_letter_fields_round_trip() -> None:
+    dead = DeadLetter(job="{}", reason="r", code="invalid_request", attempts=2, worker="w", job_id="j")
+    fields = dead.to_fields()
+    assert all(isinstance(v, str) for v in fields.values())
+    assert DeadLetter.from_fields(fields) == dead
+
+
+def _tok(text: str, attempt: int = 1, index: int = 0) -> TokenEvent:
+    return TokenEvent(id="j", attempt=attempt, index=index, text=text, token_ids=[1])
+
+
+def _run(events: list[TokenEvent | FinalEvent | ErrorEvent]) -> list[object]:
+    state = StreamState()
+    out: list[object] = []
+    for e in events:
+        out += state.feed(e)
+    return out
+
+
+def test_stream_state_plain() -> None:
+    final = _final("Hello world")
+    assert _run([_tok("Hel"), _tok("lo"), _tok(" world", index=1), _tok(" world"), final]) == [
+        "Hel",
+        "lo",
+        " world",
+        final,
+    ]
+
+
+def test_stream_state_redelivery_same_text_is_not_repeated() -> None:
+    final = _final("abcdef", attempt=2)
+    out = _run([_tok("ab"), _tok("cd"), _tok("a", 2), _tok("bc", 2), _tok("def", 2), final])
+    assert out == ["ab", "cd", "ef", final]
+    assert "".join(x for x in out if isinstance(x, str)) == final.text
+
+
+def test_stream_state_redelivery_divergent_text_restarts() -> None:
+    final = _final("xyz", attempt=2)
+    out = _run([_tok("ab"), _tok("x", 2), _tok("yz", 2), _tok("late", 1), final])
+    assert out == ["ab", Restart(2), "x", "yz", final]
+
+
+def test_stream_state_final_fills_missing_deltas_and_errors_raise() -> None:
+    final = _final("abc")
+    assert _run([_tok("a"), final]) == ["a", "bc", final]
+    with pytest.raises(JobFailed) as err:
+        _run([_tok("a"), ErrorEvent(id="j", attempt=1, code="dead_lettered", message="gave up")])
+    assert err.value.code == "dead_lettered"
+
+
+def test_build_job_dispatches_on_prompt_type() -> None:
+    assert build_job("hi").prompt == "hi"
+    assert build_job([1, 2, 3]).prompt_token_ids == [1, 2, 3]
+    msgs = [{"role": "user", "content": "hi"}]
+    job = build_job(msgs, max_tokens=4, id="fixed")
+    assert job.messages is not None and job.messages[0].content == "hi" and job.id == "fixed"
+    assert len(build_job("x").id) == 32
+    assert isinstance(build_job("x", temperature=0), JobRequest)
+
+
+def test_keys_and_reserved_reply_targets() -> None:
+    keys = Keys("pq", "q1")
+    assert keys.jobs == "pq:jobs:q1" and keys.dead == "pq:dead:q1"
+    assert keys.reply("a") == "pq:reply:a" and keys.result("a") == "pq:result:a"
+    assert keys.cancel("a") == "pq:cancel:a"
+    assert keys.reply_allowed("pq:reply:other") and keys.reply_allowed("elsewhere:x")
+    assert not keys.reply_allowed("pq:jobs:q1") and not keys.reply_allowed("pq:result:a")
+    with pytest.raises(ValueError):
+        Keys("a:b")
+
+
+def test_settings_errors_name_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDQ_MAX_NUM_SEQS", "-1")
+    with pytest.raises(SettingsError, match=r"max_num_seqs \(PAGEDQ_MAX_NUM_SEQS\)"):
+        load_settings()
+    monkeypatch.delenv("PAGEDQ_MAX_NUM_SEQS")
+    with pytest.raises(SettingsError, match="PAGEDQ_REDIS_URL"):
+        load_settings(redis_url="http://localhost")
+    with pytest.raises(SettingsError, match="PAGEDQ_REDIS_URL"):
+        load_settings(redis_url="redis://localhost:notaport")
+    with pytest.raises(SettingsError, match="PAGEDQ_RECLAIM_IDLE_S"):
+        load_settings(reclaim_idle_s=0)
+    with pytest.raises(SettingsError, match="unknown setting"):
+        load_settings(bogus=1)
+    s = load_settings(redis_url="rediss://user:secret@host:6380/1", max_num_seqs="8")
+    assert s.max_num_seqs == 8
+    assert "secret" not in json.dumps(s.redacted()) and "***" in s.redacted()["redis_url"]

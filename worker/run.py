@@ -1,0 +1,116 @@
+"""Process entry point of a worker: logging, Redis (given or embedded), engine, signals, the loop.
+
+``run_worker(settings)`` is what ``pagedq worker`` calls; it returns the process exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+import structlog
+
+from ops.health import HealthServer, start_health_server
+from ops.settings import Settings
+from worker.consumer import EngineLike, Worker
+from worker.embedded_redis import EmbeddedRedis
+from worker.keys import Keys
+
+log = structlog.get_logger("pagedq.worker")
+
+
+def configure_logging(settings: Settings) -> None:
+    """structlog to stderr: JSON lines when not on a terminal (or when asked), readable on one."""
+    level = getattr(logging, settings.log_level.upper())
+    as_json = settings.log_format == "json" or (settings.log_format == "auto" and not sys.stderr.isatty())
+    renderer: Any = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def build_engine(settings: Settings) -> EngineLike:
+    """pagedq's engine from the settings, or ``engine_factory(settings)`` when that is set."""
+    if settings.engine_factory:
+        module, _, attr = settings.engine_factory.partition(":")
+        factory: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+        engine: EngineLike = factory(settings)
+        return engine
+    import torch
+
+    from engine import Engine, EngineConfig
+
+    device = settings.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return Engine(  # type: ignore[return-value]
+        EngineConfig(
+            model=settings.model,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            kv_cache_bytes=settings.kv_cache_bytes,
+            block_size=settings.block_size,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            max_model_len=settings.max_model_len,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            dtype=settings.dtype,
+            device=device,
+        )
+    )
+
+
+def run_worker(settings: Settings) -> int:
+    """Run a worker until SIGTERM/SIGINT (graceful drain; a second signal stops at once). Exit code."""
+    configure_logging(settings)
+    log.info("worker.config", **settings.redacted())
+    embedded: EmbeddedRedis | None = None
+    url = settings.redis_url
+    if not url:
+        embedded = EmbeddedRedis(settings.data_dir)
+        url = embedded.start()
+        log.info("worker.embedded_redis", url=url, data_dir=str(settings.data_dir), hint="point producers here")
+    health: HealthServer | None = None
+    try:
+        if settings.metrics_port:  # before the model loads: /healthz answers, /readyz says "loading"
+            keys = Keys(settings.namespace, settings.queue)
+            health = start_health_server(settings.metrics_host, settings.metrics_port, url, keys)
+            log.info("worker.metrics", host=settings.metrics_host, port=health.port)
+        engine = build_engine(settings)
+        worker = Worker(settings, engine, url)
+        if health is not None:
+            worker.metrics = health.metrics
+            health.attach(lambda: worker.status)
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            log.info("worker.signal", signal=signal.Signals(signum).name)
+            worker.request_stop()
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return worker.run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    except Exception:
+        log.exception("worker.failed")
+        return 1
+    finally:
+        if health is not None:
+            health.stop()
+        if embedded is not None:
+            embedded.stop()

@@ -3,7 +3,7 @@
 Each command is a pair ``add_<cmd>_arguments(parser)`` / ``run_<cmd>(args) -> exit code`` that ``ops/cli.py``
 wires in; ``python -m ops.queue_commands <cmd> ...`` runs them without it (tests use that).
 
-Everything here goes through wire protocol v1 (``worker/PROTOCOL.md``) and the key names of
+Everything here goes through wire protocol v1 (``README.md``, "Wire protocol v1") and the key names of
 ``worker/keys.py``: these commands are plain Redis clients, they never talk to a worker directly. Settings
 (``--redis-url``, ``--namespace``, ``--queue``) default to the same ``PAGEDQ_*`` environment the worker
 reads, so on one machine ``pagedq worker`` and ``pagedq submit`` find each other without flags; with no

@@ -10,7 +10,7 @@ Worker side::
     PAGEDQ_REDIS_URL=redis://host:6379/0 PAGEDQ_MODEL=/models/x \\
         celery -A worker.celery_app worker --pool threads --concurrency 18
 
-``kwargs`` are the job fields of wire protocol v1 (``worker/PROTOCOL.md``), validated by the same
+``kwargs`` are the job fields of wire protocol v1 (``README.md``, "Wire protocol v1"), validated by the same
 :class:`~schemas.jobs.JobRequest` (``id`` defaults to the Celery task id); the task's result is the very
 ``final`` / ``error`` event JSON a queue producer gets. Failures are *returned* as error events, not raised:
 the caller gets one JSON shape whatever happened, and Celery's retry machinery is not triggered by bad input.

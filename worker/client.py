@@ -1,6 +1,6 @@
 """Producer client for pagedq, sync (:class:`PagedqClient`) and asyncio (:class:`AsyncPagedqClient`).
 
-It only speaks wire protocol v1 (see ``worker/PROTOCOL.md``) over plain Redis commands, so anything it does
+It only speaks wire protocol v1 (see ``README.md``, "Wire protocol v1") over plain Redis commands, so anything it does
 can be done from any language. Both clients share the pure parts (building jobs, following a reply stream
 across redeliveries) and differ only in how they wait on Redis.
 

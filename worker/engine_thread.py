@@ -7,7 +7,7 @@ therefore not call the engine themselves: they hand a validated :class:`~schemas
 thread and wait on the returned :class:`JobHandle`. The engine thread admits every submitted job at its
 next step, so N callers waiting at once are N sequences in one batch, not N turns.
 
-What comes back is exactly wire protocol v1 (``worker/PROTOCOL.md``): optional ``token`` events and one
+What comes back is exactly wire protocol v1 (``README.md``, "Wire protocol v1"): optional ``token`` events and one
 terminal ``final`` or ``error`` event, built from the same pydantic models as the Redis worker's, so a Celery
 result and a queue result are the same JSON. ``attempt`` is always 1 (nothing is redelivered here) and
 timings count from :meth:`EngineThread.submit` (there is no stream entry time).

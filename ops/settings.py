@@ -202,5 +202,7 @@ def _describe(exc: ValidationError) -> str:
     if err.get("type") == "extra_forbidden":
         return f"unknown setting {field}"
     got = err.get("input")
+    if isinstance(got, str) and "://" in got:  # never echo a password, even of a malformed URL
+        got = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", got)
     shown = "" if isinstance(got, dict) or got is None or ", got " in msg else f", got {got!r}"
     return f"invalid setting {field} ({ENV_PREFIX}{field.upper()}): {msg}{shown}"

@@ -129,6 +129,14 @@ def test_ratios_and_targets() -> None:
     assert values["prefix caching >= 3x without (prefix)"] is None
 
 
+def test_runner_lists_the_same_systems_without_importing_torch() -> None:
+    from ops.bench import runner
+
+    assert runner.SYSTEM_NAMES == SYSTEM_NAMES
+    code = "import sys, ops.bench; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0
+
+
 # --------------------------------------------------------------------------------- end to end
 
 

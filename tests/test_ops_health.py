@@ -49,7 +49,9 @@ def ctx(redis_server: RedisServer) -> Iterator[Ctx]:  # noqa: F811
     c.close()
 
 
-def test_ready_after_load_and_health_follows_redis(fresh_ctx: Ctx, model_dir: Path, tmp_path: Path, monkeypatch: Any) -> None:
+def test_ready_after_load_and_health_follows_redis(
+    fresh_ctx: Ctx, model_dir: Path, tmp_path: Path, monkeypatch: Any
+) -> None:
     monkeypatch.setenv("PAGEDQ_TEST_LOAD_DELAY_S", "4")
     proc, port = _start(fresh_ctx, model_dir, tmp_path, "w-health", engine_factory="tests.ops_helpers:slow_engine")
     try:
@@ -97,9 +99,16 @@ def test_metrics_and_canonical_log_lines(ctx: Ctx, model_dir: Path, tmp_path: Pa
         assert metric_sum(text, "pagedq_e2e_request_latency_seconds_count") == len(ids)
         assert metric_sum(text, "pagedq_request_queue_time_seconds_count") == len(ids)
         assert metric_sum(text, "pagedq_inter_token_latency_seconds_count") == 3 * len(ids)
-        for name in ("pagedq_requests_running", "pagedq_kv_cache_usage_ratio", "pagedq_stream_pending_entries",
-                     "pagedq_stream_backlog_entries", "pagedq_prefix_cache_queries_total",
-                     "pagedq_redis_reconnects_total", "pagedq_redeliveries_total", "pagedq_dead_letters_total"):
+        for name in (
+            "pagedq_requests_running",
+            "pagedq_kv_cache_usage_ratio",
+            "pagedq_stream_pending_entries",
+            "pagedq_stream_backlog_entries",
+            "pagedq_prefix_cache_queries_total",
+            "pagedq_redis_reconnects_total",
+            "pagedq_redeliveries_total",
+            "pagedq_dead_letters_total",
+        ):
             assert name in text, name  # fmt: skip
         assert proc.terminate() == 0
     finally:
@@ -111,7 +120,15 @@ def test_metrics_and_canonical_log_lines(ctx: Ctx, model_dir: Path, tmp_path: Pa
     assert Counter(line["job_id"] for line in finished) == Counter(ids), "one canonical line per job"
     for line in finished:
         assert line["worker"] == "w-logs" and line["outcome"] == "final"
-        for key in ("queued_s", "ttft_s", "total_s", "prompt_tokens", "completion_tokens", "tok_s",
-                    "finish_reason", "attempt"):
+        for key in (
+            "queued_s",
+            "ttft_s",
+            "total_s",
+            "prompt_tokens",
+            "completion_tokens",
+            "tok_s",
+            "finish_reason",
+            "attempt",
+        ):
             assert key in line, (key, line)  # fmt: skip
         assert line["completion_tokens"] == 4 and line["finish_reason"] == "length" and line["attempt"] == 1

@@ -1,0 +1,282 @@
+"""Turning measured runs into the report: derived rates, ratios, targets, the table, JSON and the chart.
+
+Speed claims are made as ratios of systems measured side by side in one run (absolute figures on shared
+machines drift by 2x between runs), so the report leads with ``pagedq/peer`` ratios of output tokens per
+second and states the targets of issue 5 next to them. Targets are reported, never asserted.
+
+Useful-FLOP utilisation is ``2 x (weights in the matmuls) x (tokens that went through the model) / wall time``
+divided by a matmul peak measured in the same process (``peak``). ``flop_util`` follows the issue's formula
+(every processed token counted against every matmul weight, lm_head included); ``flop_util_exact`` counts
+what the work strictly requires (lm_head only for sampled positions; the last output token of a request is
+never fed back through the decoder). Prompt tokens served from a prefix cache are not "processed".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ops.bench.workloads import Workload
+
+if TYPE_CHECKING:  # systems imports torch; the report itself does not need it
+    from ops.bench.systems import SystemResult
+
+PAGEDQ = "pagedq"
+HF_PEERS = ("hf-static", "hf-cb", "vllm")
+
+
+@dataclass
+class FlopModel:
+    """Matmul weights per token, split into the decoder stack and the lm_head."""
+
+    matmul_params: int
+    lm_head_params: int
+
+    @property
+    def decoder_params(self) -> int:
+        return self.matmul_params - self.lm_head_params
+
+
+@dataclass
+class WorkloadRun:
+    workload: Workload
+    results: dict[str, SystemResult] = field(default_factory=dict)
+
+
+def derive(res: SystemResult, flops: FlopModel, peak_flops: float) -> dict[str, Any]:
+    """The JSON record of one system on one workload, with rates and utilisation filled in."""
+    out: dict[str, Any] = {"status": res.status}
+    if res.status != "ok":
+        out["reason"] = res.reason
+        return out
+    wall = max(res.wall_s, 1e-9)
+    processed = res.processed_tokens
+    issue_flops = 2.0 * flops.matmul_params * processed
+    exact_flops = 2.0 * (
+        flops.decoder_params * max(0, processed - res.requests) + flops.lm_head_params * res.output_tokens
+    )
+    out.update(
+        {
+            "requests": res.requests,
+            "prompt_tokens": res.prompt_tokens,
+            "output_tokens": res.output_tokens,
+            "cached_tokens": res.cached_tokens,
+            "processed_tokens": processed,
+            "tokens_ok": res.tokens_ok,
+            "bad_requests": res.bad_requests,
+            "wall_s": round(res.wall_s, 3),
+            "load_s": round(res.load_s, 3),
+            "output_tok_s": round(res.output_tokens / wall, 2),
+            "total_tok_s": round((res.prompt_tokens + res.output_tokens) / wall, 2),
+            "useful_gflop_s": round(issue_flops / wall / 1e9, 2),
+            "flop_util": round(issue_flops / wall / peak_flops, 4) if peak_flops else None,
+            "flop_util_exact": round(exact_flops / wall / peak_flops, 4) if peak_flops else None,
+            **res.extra,
+        }
+    )
+    return out
+
+
+def agreement(reference: SystemResult, other: SystemResult) -> dict[str, float]:
+    """How often ``other`` produced exactly pagedq's greedy tokens (a sanity check, not a gate: batched
+    float arithmetic legitimately flips near-ties)."""
+    pairs = list(zip(reference.outputs, other.outputs, strict=False))
+    if not pairs:
+        return {"identical": 0.0, "common_prefix": 0.0}
+    identical = sum(1 for a, b in pairs if a == b)
+    prefix_fracs = []
+    for a, b in pairs:
+        n = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            n += 1
+        prefix_fracs.append(n / max(1, len(a)))
+    return {
+        "identical": round(identical / len(pairs), 4),
+        "common_prefix": round(sum(prefix_fracs) / len(prefix_fracs), 4),
+    }
+
+
+def ratios(records: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """``pagedq/<peer>`` (and ``pagedq-redis/pagedq``, ``pagedq/pagedq-nocache``) in output tok/s."""
+    rate = {k: v["output_tok_s"] for k, v in records.items() if v.get("status") == "ok" and v.get("output_tok_s")}
+    out: dict[str, float] = {}
+    if PAGEDQ in rate:
+        for peer, value in rate.items():
+            if peer not in (PAGEDQ, "pagedq-redis"):
+                out[f"{PAGEDQ}/{peer}"] = round(rate[PAGEDQ] / value, 3)
+        if "pagedq-redis" in rate:
+            out["pagedq-redis/pagedq"] = round(rate["pagedq-redis"] / rate[PAGEDQ], 3)
+    return out
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 5's goals, each with the measured value (None when its inputs were not run)."""
+    wl = report["workloads"]
+    mixed = wl.get("mixed", {})
+    mixed_ratios = mixed.get("ratios", {})
+    pq = mixed.get("systems", {}).get(PAGEDQ, {})
+    prefix_ratio = wl.get("prefix", {}).get("ratios", {}).get(f"{PAGEDQ}/pagedq-nocache")
+    rows = [
+        ("pagedq >= 5x hf-static (mixed, output tok/s)", 5.0, mixed_ratios.get(f"{PAGEDQ}/hf-static")),
+        ("pagedq >= 5x hf-cb (mixed, output tok/s)", 5.0, mixed_ratios.get(f"{PAGEDQ}/hf-cb")),
+        ("useful-FLOP utilisation >= 60% (pagedq, mixed)", 0.60, pq.get("flop_util")),
+        ("pagedq-redis >= 95% of pagedq (mixed)", 0.95, mixed_ratios.get("pagedq-redis/pagedq")),
+        ("prefix caching >= 3x without (prefix)", 3.0, prefix_ratio),
+    ]
+    return [
+        {"target": name, "goal": goal, "value": value, "met": None if value is None else bool(value >= goal)}
+        for name, goal, value in rows
+    ]
+
+
+# ------------------------------------------------------------------------------------------ table
+
+
+def _fmt(value: Any, spec: str = ".1f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The human-readable report printed to stdout."""
+    meta = report["meta"]
+    lines = [
+        f"pagedq bench  {meta['date']}  host={meta['host']}  cpu={meta['cpu']}  threads={meta['threads']}",
+        f"model={meta['model']}  device={meta['device']}  dtype={meta['dtype']}  "
+        f"matmul peak={report['matmul_peak']['gflop_s']:.1f} GFLOP/s  load avg {meta['loadavg_start']}"
+        f" -> {meta['loadavg_end']}",
+    ]
+    header = (
+        f"{'workload':<8} {'system':<15} {'req':>4} {'out tok':>8} {'wall s':>8} {'out tok/s':>10} "
+        f"{'total tok/s':>11} {'pagedq/x':>9} {'FLOP%':>6} {'ok':>3}"
+    )
+    for wname, w in report["workloads"].items():
+        lines += ["", header, "-" * len(header)]
+        pq_rate = w["systems"].get(PAGEDQ, {}).get("output_tok_s")
+        for sname, rec in w["systems"].items():
+            if rec["status"] != "ok":
+                lines.append(f"{wname:<8} {sname:<15} {rec['status']}: {rec.get('reason', '')}")
+                continue
+            ratio = pq_rate / rec["output_tok_s"] if pq_rate and rec["output_tok_s"] else None
+            util = rec.get("flop_util")
+            lines.append(
+                f"{wname:<8} {sname:<15} {rec['requests']:>4} {rec['output_tokens']:>8} {rec['wall_s']:>8.2f} "
+                f"{rec['output_tok_s']:>10.1f} {rec['total_tok_s']:>11.1f} {_fmt(ratio, '.2f'):>9} "
+                f"{_fmt(None if util is None else 100 * util):>6} {'yes' if rec['tokens_ok'] else 'NO':>3}"
+            )
+        lines += _details(w)
+    lines += ["", "targets (issue 5; reported, not asserted):"]
+    for t in report["targets"]:
+        mark = {True: "MET ", False: "MISS", None: "n/a "}[t["met"]]
+        lines.append(f"  [{mark}] {t['target']}: {_fmt(t['value'], '.3f')}")
+    return "\n".join(lines)
+
+
+def _details(w: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for sname, rec in w["systems"].items():
+        if rec.get("status") != "ok":
+            continue
+        bd = rec.get("breakdown")
+        if bd:
+            shares = "  ".join(f"{k} {100 * v:.1f}%" for k, v in bd["shares"].items())
+            out.append(
+                f"  {sname} step breakdown ({bd['steps']} steps, {bd['mean_step_ms']:.1f} ms/step, "
+                f"{bd['mean_batch_tokens']:.0f} tok/step, {bd['mean_batch_seqs']:.0f} seqs/step): {shares}"
+            )
+        kv = rec.get("kv")
+        pc = rec.get("prefix_cache")
+        if kv and "block_fill_at_peak" in kv:
+            out.append(
+                f"  {sname} KV: peak {100 * kv['peak_usage']:.1f}% of {kv['total_blocks']} blocks, block fill "
+                f"{100 * kv['block_fill_at_peak']:.1f}% at peak / {100 * kv['block_fill_mean']:.1f}% mean, "
+                f"preemptions {kv['preemptions']}" + (f", prefix hit rate {100 * pc['hit_rate']:.1f}%" if pc else "")
+            )
+        online = rec.get("online")
+        if online:
+            out.append(
+                f"  {sname} online: TTFT p50 {online['ttft_ms']['p50']:.0f} ms p99 {online['ttft_ms']['p99']:.0f} ms;"
+                f" ITL p50 {online['itl_ms']['p50']:.1f} ms p99 {online['itl_ms']['p99']:.1f} ms;"
+                f" {online['jobs_per_s']:.2f} jobs/s"
+            )
+        agree = rec.get("agreement_with_pagedq")
+        if agree:
+            out.append(
+                f"  {sname} vs pagedq tokens: {100 * agree['identical']:.0f}% identical, "
+                f"{100 * agree['common_prefix']:.0f}% common prefix"
+            )
+    return out
+
+
+# ----------------------------------------------------------------------------------- JSON, chart
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def write_chart(report: dict[str, Any], path: Path) -> bool:
+    """Horizontal bars of every ratio (log scale), with each one's target marked; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return False
+    goals = {
+        f"{PAGEDQ}/hf-static": 5.0,
+        f"{PAGEDQ}/hf-cb": 5.0,
+        "pagedq-redis/pagedq": 0.95,
+        f"{PAGEDQ}/pagedq-nocache": 3.0,
+    }
+    labels: list[str] = []
+    values: list[float] = []
+    marks: list[float | None] = []
+    for wname, w in report["workloads"].items():
+        for key, value in w.get("ratios", {}).items():
+            labels.append(f"{wname}: {key}")
+            values.append(value)
+            marks.append(goals.get(key) if wname != "prefix" or key.endswith("nocache") else None)
+    fig, ax = plt.subplots(figsize=(8, 0.5 * max(3, len(labels)) + 1.2))
+    if labels:
+        colors = [
+            "tab:blue" if g is None else "tab:green" if v >= g else "tab:red"
+            for v, g in zip(values, marks, strict=True)
+        ]
+        ypos = list(range(len(labels)))
+        ax.barh(ypos, values, color=colors)
+        for y, (v, g) in enumerate(zip(values, marks, strict=True)):
+            ax.text(v, y, f" {v:.2f}x", va="center")
+            if g is not None:
+                ax.plot([g, g], [y - 0.4, y + 0.4], color="black", linestyle="--", linewidth=1)
+        ax.set_yticks(ypos, labels)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        lo = min([*values, *(g for g in marks if g is not None), 1.0]) / 1.5
+        hi = max([*values, *(g for g in marks if g is not None), 1.0]) * 2.0
+        ax.set_xlim(lo, hi)
+        ticks = [t for t in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200) if lo <= t <= hi]
+        ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _pos: f"{x:g}x"))
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.axvline(1.0, color="grey", linewidth=0.8)
+    else:
+        ax.text(0.5, 0.5, "no ratios (pagedq or its peers did not run)", ha="center", va="center")
+    meta = report["meta"]
+    ax.set_xlabel("ratio of output tokens/s (dashed: target; green met, red missed, blue no target)")
+    ax.set_title(f"pagedq bench {meta['date']} {meta['device']} {meta['dtype']} ({meta['host']})", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

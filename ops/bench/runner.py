@@ -1,0 +1,397 @@
+"""``pagedq bench``: argument parsing and the run itself (model, matmul peak, workloads x systems, report).
+
+Systems run one after another in one process (plus the worker process for ``pagedq-redis``), each on the
+same model file, dtype, device and request list, so that their ratios are meaningful even on a noisy shared
+machine. The load average before and after is recorded because it is the first thing to look at when two
+runs disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import logging
+import os
+import platform
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ops.bench import report as rep
+from ops.bench import workloads as wl
+
+if TYPE_CHECKING:
+    import torch
+
+    from ops.bench.systems import BenchContext, System, SystemResult
+
+# Kept in sync with systems.SYSTEM_NAMES (checked by the tests); listed here so that parsing arguments does
+# not import torch, which must not happen before the OpenMP wait policy is chosen (see ``run``).
+SYSTEM_NAMES: tuple[str, ...] = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm")
+WORKLOAD_NAMES = ("mixed", "prefix", "online")
+QUICK_KV_BYTES = 64 << 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``pagedq bench`` (shared by ``python -m ops.bench``)."""
+    parser.add_argument("--quick", action="store_true", help="tiny random model, a few requests (< 1 min)")
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--systems", default=",".join(SYSTEM_NAMES), help=f"comma list of {', '.join(SYSTEM_NAMES)}")
+    parser.add_argument("--workloads", default=",".join(WORKLOAD_NAMES), help="comma list of mixed, prefix, online")
+    parser.add_argument("-n", "--num-requests", type=int, default=None, help="mixed requests (128 CPU, 512 CUDA)")
+    parser.add_argument("--prefix-docs", type=int, default=None, help="prefix workload documents (64)")
+    parser.add_argument("--online-requests", type=int, default=None, help="online workload requests (32 CPU)")
+    parser.add_argument("--rate", type=float, default=None, help="online arrivals per second (1 CPU, 16 CUDA)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, ...")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV budget (CPU default 2 GiB)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--redis-stream", action="store_true", help="stream token events in Redis offline runs")
+    parser.add_argument("--json", type=Path, default=None, help="write the full report as JSON here")
+    parser.add_argument("--chart", type=Path, default=None, help="PNG of the ratios (default: next to --json)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="scratch folder (default: a temp dir)")
+    parser.add_argument("--profile", type=Path, default=None, help="also profile pagedq on mixed into this folder")
+    parser.add_argument(
+        "--omp-wait-policy",
+        choices=("passive", "active", "default"),
+        default="passive",
+        help="OpenMP idle threads sleep (passive, robust on shared machines) or spin; default: leave the env",
+    )
+
+
+def apply_omp_wait_policy(policy: str) -> str:
+    """Set ``OMP_WAIT_POLICY`` for this process (if torch is not loaded yet) and the worker; returns what applies.
+
+    Why passive by default: with libgomp's default, idle OpenMP threads spin for a while after every parallel
+    region. On a machine shared with other busy processes, the spinning threads and the other tenants fight
+    for the cores, and every parallel region then waits for a descheduled thread: the same ``--quick`` pagedq
+    run measured 0.16 s with 1 thread, and 0.2 to 6.5 s with 2 threads on 2 busy cores, but a steady 0.14 to
+    0.30 s with 2 threads and ``OMP_WAIT_POLICY=PASSIVE``. That noise hits every system, so ratios become
+    meaningless; passive waiting removes it at the cost of a thread wake-up per region.
+    """
+    if policy == "default":
+        return os.environ.get("OMP_WAIT_POLICY", "unset (libgomp default)")
+    value = policy.upper()
+    if "torch" in sys.modules and os.environ.get("OMP_WAIT_POLICY", "").upper() != value:
+        os.environ["OMP_WAIT_POLICY"] = value  # still reaches the worker process
+        return f"{value} for the worker only (torch was imported before the benchmark started)"
+    os.environ["OMP_WAIT_POLICY"] = value
+    return value
+
+
+def _parse_list(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if bad:
+        raise SystemExit(f"pagedq bench: unknown {what} {', '.join(bad)}; choose from {', '.join(allowed)}")
+    return items
+
+
+def _quiet_libraries() -> None:
+    """Keep stdout for the table: engine/worker logs (structlog) to stderr at warning, no HF progress bars."""
+    import structlog
+
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
+    with contextlib.suppress(Exception):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _loadavg() -> str:
+    try:
+        return "/".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def measure_matmul_peak(mc: Any, device: str, dtype: torch.dtype, tokens: int = 512) -> dict[str, Any]:
+    """Best ``F.linear`` throughput over the model's own projection shapes at a prefill-sized M.
+
+    This is the ceiling the engine's matmuls could reach on this machine, right now (same threads, same
+    load), which is what "useful-FLOP utilisation" is measured against.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    h = mc.hidden_size
+    shapes = {
+        "qkv_proj": (h, mc.q_size + 2 * mc.kv_size),
+        "o_proj": (mc.q_size, h),
+        "gate_up_proj": (h, 2 * mc.intermediate_size),
+        "down_proj": (mc.intermediate_size, h),
+        "lm_head": (h, mc.vocab_size),
+    }
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    per_shape: dict[str, float] = {}
+    with torch.inference_mode():
+        for name, (k, n) in shapes.items():
+            x = torch.randn(tokens, k, dtype=dtype, device=device)
+            w = torch.randn(n, k, dtype=dtype, device=device)
+            for _ in range(2):
+                F.linear(x, w)
+            sync()
+            flop = 2.0 * tokens * k * n
+            reps = 1
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    F.linear(x, w)
+                sync()
+                el = (time.perf_counter() - t0) / reps
+                best = min(best, el)
+                reps = max(1, min(50, int(0.1 / max(el, 1e-6))))
+            per_shape[name] = flop / best / 1e9
+    peak = max(per_shape.values())
+    return {
+        "gflop_s": round(peak, 2),
+        "tokens": tokens,
+        "per_shape_gflop_s": {k: round(v, 2) for k, v in per_shape.items()},
+    }
+
+
+def _make_workloads(names: list[str], args: argparse.Namespace, source: wl.TextSource, cuda: bool) -> list[wl.Workload]:
+    quick = args.quick
+    spec = wl.QUICK_MIXED if quick else wl.MixedSpec()
+    out: list[wl.Workload] = []
+    for name in names:
+        if name == "mixed":
+            n = args.num_requests or (8 if quick else 512 if cuda else 128)
+            out.append(wl.mixed(n, args.seed, source, spec))
+        elif name == "prefix":
+            n = args.prefix_docs or (4 if quick else 64)
+            if quick:
+                out.append(wl.prefix(n, args.seed, source, prefix_len=64, unique_lo=8, unique_hi=24, output_len=8))
+            else:
+                out.append(wl.prefix(n, args.seed, source))
+        elif name == "online":
+            n = args.online_requests or (4 if quick else 256 if cuda else 32)
+            rate = args.rate or (10.0 if quick else 16.0 if cuda else 1.0)
+            out.append(wl.online(n, args.seed, source, rate, spec))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by ``args`` (from :func:`add_arguments`); returns the exit code."""
+    omp_policy = apply_omp_wait_policy(args.omp_wait_policy)
+    import torch
+
+    from ops.bench.systems import BenchContext, make_system
+
+    _quiet_libraries()
+    system_names = _parse_list(args.systems, SYSTEM_NAMES, "system")
+    workload_names = _parse_list(args.workloads, WORKLOAD_NAMES, "workload")
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print("pagedq bench: --device cuda but torch sees no GPU", file=sys.stderr)
+        return 2
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
+
+    own_work_dir = args.work_dir is None
+    work_dir = Path(tempfile.mkdtemp(prefix="pagedq-bench-")) if own_work_dir else Path(args.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    log = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)
+    systems: list[System] = []
+    try:
+        if args.quick and args.model is None:
+            from ops.bench.tiny import make_quick_model
+
+            model_path = make_quick_model(work_dir / "quick-model", seed=args.seed)
+        else:
+            from engine.default_model import resolve_model_path
+
+            model_path = resolve_model_path(args.model)
+        from transformers import AutoTokenizer
+
+        from engine.model_config import ModelConfig
+
+        mc = ModelConfig.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        source = wl.TextSource(tokenizer, mc.vocab_size)
+        kv_bytes = args.kv_cache_bytes or (QUICK_KV_BYTES if args.quick else None if cuda else 2 * 1024**3)
+        ctx = BenchContext(
+            model_path=Path(model_path),
+            device=args.device,
+            dtype=dtype,
+            threads=threads,
+            seed=args.seed,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_bytes=kv_bytes,
+            block_size=args.block_size,
+            hf_batch_size=args.hf_batch_size,
+            work_dir=work_dir,
+            redis_stream=args.redis_stream,
+            log=log,
+        )
+        meta = {
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "host": socket.gethostname(),
+            "cpu": _cpu_name(),
+            "cpu_count": os.cpu_count(),
+            "threads": threads,
+            "device": args.device if not cuda else f"{args.device} ({torch.cuda.get_device_name()})",
+            "dtype": dtype,
+            "model": str(model_path) if not args.quick else "tiny random Llama (--quick)",
+            "quick": bool(args.quick),
+            "torch": torch.__version__,
+            "transformers": _version("transformers"),
+            "python": platform.python_version(),
+            "omp_wait_policy": omp_policy,
+            "loadavg_start": _loadavg(),
+            "engine_config": {
+                "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "kv_cache_bytes": kv_bytes,
+                "block_size": args.block_size,
+            },
+        }
+        log(f"model {model_path} ({dtype}, {args.device}, {threads} threads); measuring the matmul peak")
+        peak = measure_matmul_peak(mc, args.device, ctx.torch_dtype, tokens=128 if args.quick else 512)
+        flops = rep.FlopModel(mc.num_params_matmul(), mc.hidden_size * mc.vocab_size)
+
+        systems = [make_system(name) for name in system_names]
+        unavailable = {s.name: s.unavailable(ctx) for s in systems}
+        workloads = _make_workloads(workload_names, args, source, cuda)
+        report: dict[str, Any] = {
+            "meta": meta,
+            "matmul_peak": peak,
+            "model": {"matmul_params": flops.matmul_params, "lm_head_params": flops.lm_head_params},
+            "workloads": {},
+        }
+        pagedq_mixed: SystemResult | None = None
+        for workload in workloads:
+            results = _run_workload(workload, systems, unavailable, ctx)
+            if workload.name == "mixed":
+                pagedq_mixed = results.get("pagedq")
+            records = {name: rep.derive(res, flops, peak["gflop_s"] * 1e9) for name, res in results.items()}
+            ref = results.get("pagedq")
+            if ref is not None and ref.status == "ok":
+                for name, res in results.items():
+                    if name != "pagedq" and res.status == "ok" and workload.name != "online":
+                        records[name]["agreement_with_pagedq"] = rep.agreement(ref, res)
+            report["workloads"][workload.name] = {
+                "workload": workload.summary(),
+                "systems": records,
+                "ratios": rep.ratios(records),
+            }
+        meta["loadavg_end"] = _loadavg()
+        report["targets"] = rep.targets(report)
+
+        if args.profile is not None and pagedq_mixed is not None and "mixed" in workload_names:
+            from ops.bench.profile import profile_pagedq
+
+            mixed_wl = next(w for w in workloads if w.name == "mixed")
+            log(f"profiling pagedq on mixed into {args.profile}")
+            report["profile"] = profile_pagedq(mixed_wl, ctx, args.profile)
+
+        print(rep.format_table(report))
+        if args.json is not None:
+            rep.write_json(report, args.json)
+            log(f"wrote {args.json}")
+        chart = args.chart or (args.json.with_suffix(".png") if args.json is not None else Path("pagedq-bench.png"))
+        if rep.write_chart(report, chart):
+            log(f"wrote {chart}")
+        else:
+            log("matplotlib is not installed: no chart (pip install matplotlib)")
+        failed = [
+            f"{w}/{s}"
+            for w, rec in report["workloads"].items()
+            for s, r in rec["systems"].items()
+            if r["status"] == "failed" or (r["status"] == "ok" and not r["tokens_ok"])
+        ]
+        if failed:
+            log(f"failed or wrong token counts: {', '.join(failed)}")
+            return 1
+        return 0
+    finally:
+        for system in systems:
+            with contextlib.suppress(Exception):
+                system.close()
+        if own_work_dir:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _run_workload(
+    workload: wl.Workload, systems: list[System], unavailable: dict[str, str | None], ctx: BenchContext
+) -> dict[str, SystemResult]:
+    """Every selected system on one workload (plus pagedq without prefix caching on ``prefix``)."""
+    from ops.bench.systems import PagedqRedisSystem, PagedqSystem, SystemResult
+
+    results: dict[str, SystemResult] = {}
+    plan: list[tuple[str, System]] = []
+    for system in systems:
+        if workload.name == "online" and not isinstance(system, PagedqRedisSystem):
+            continue  # online is served through Redis only
+        plan.append((system.name, system))
+        if workload.name == "prefix" and system.name == "pagedq":
+            plan.append(("pagedq-nocache", PagedqSystem("pagedq-nocache", caching=False)))
+    if workload.name == "online" and not plan:
+        results["pagedq-redis"] = SystemResult("pagedq-redis", "skipped", "online needs the pagedq-redis system")
+    summary = workload.summary()
+    ctx.log(
+        f"workload {workload.name}: {summary['requests']} requests, {summary['prompt_tokens']} prompt + "
+        f"{summary['output_tokens']} output tokens"
+    )
+    for name, system in plan:
+        reason = unavailable.get(system.name)
+        if reason:
+            ctx.log(f"  {name}: skipped ({reason})")
+            results[name] = SystemResult(name, "skipped", reason)
+            continue
+        ctx.log(f"  {name}: running")
+        try:
+            if workload.name == "online":
+                assert isinstance(system, PagedqRedisSystem)
+                res = system.run_online(workload, ctx)
+            else:
+                res = system.run(workload, ctx)
+        except Exception as exc:
+            ctx.log(f"  {name}: FAILED {type(exc).__name__}: {exc}")
+            res = SystemResult(name, "failed", f"{type(exc).__name__}: {exc}")
+            if isinstance(system, PagedqRedisSystem):
+                unavailable[system.name] = f"failed earlier: {type(exc).__name__}: {exc}"
+        else:
+            ctx.log(
+                f"  {name}: {res.output_tokens} tokens in {res.wall_s:.2f} s "
+                f"({res.output_tokens / max(res.wall_s, 1e-9):.1f} tok/s, load {res.load_s:.1f} s)"
+                + ("" if res.tokens_ok else f", {res.bad_requests} requests with wrong lengths")
+            )
+        res.system = name
+        results[name] = res
+    return results
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "?"

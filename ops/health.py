@@ -1,0 +1,160 @@
+"""The worker's HTTP port: ``/metrics`` (Prometheus), ``/healthz`` (liveness) and ``/readyz`` (readiness).
+
+It runs on a daemon thread with the standard library's threading HTTP server, so a slow scrape never
+stalls the worker loop, and it is started *before* the model loads: orchestrators can then tell "alive,
+still loading" (``/healthz`` 200, ``/readyz`` 503) from "dead".
+
+* ``/healthz``: the process answers AND Redis answers a PING within a short timeout. The probe result is
+  cached for :data:`PROBE_CACHE_S` so a burst of probes does not hammer Redis; it uses its own client
+  (the loop's client must never be shared across threads mid-command).
+* ``/readyz``: the model is loaded and the consumer group is joined (the worker published its first
+  status snapshot), and the worker is not draining for shutdown.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import redis
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ops.metrics import WorkerMetrics
+from ops.settings import mask_url
+from worker.keys import GROUP, Keys
+
+PROBE_CACHE_S = 0.5  # at most this old (the spec allows 1 s): a dead Redis shows within a second
+PROBE_TIMEOUT_S = 0.5
+
+
+class RedisProbe:
+    """PING (and the stream's length and pending count) on a private client, cached for a short while."""
+
+    def __init__(self, url: str, keys: Keys | None = None) -> None:
+        self.url = url
+        self.keys = keys
+        self.client: Any = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=PROBE_TIMEOUT_S,
+            socket_connect_timeout=PROBE_TIMEOUT_S,
+            retry_on_timeout=False,
+        )
+        self._lock = threading.Lock()
+        self._checked_at = -1e9
+        self._ok = False
+        self._error = ""
+
+    def healthy(self) -> tuple[bool, str]:
+        """(reachable, error) — from the cache when the last PING is younger than PROBE_CACHE_S."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._checked_at >= PROBE_CACHE_S:
+                try:
+                    self._ok, self._error = bool(self.client.ping()), ""
+                except (redis.RedisError, OSError) as exc:
+                    self._ok, self._error = False, f"{type(exc).__name__}: {exc}"
+                    self.client.connection_pool.disconnect()
+                self._checked_at = time.monotonic()
+            return self._ok, self._error
+
+    def stream(self) -> tuple[int, int] | None:
+        """(entries in the jobs stream, entries pending in the group), or None when Redis does not answer."""
+        if self.keys is None:
+            return None
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.xlen(self.keys.jobs)
+            pipe.xpending(self.keys.jobs, GROUP)
+            length, pending = pipe.execute(raise_on_error=False)
+            if isinstance(length, Exception):
+                return None
+            count = 0 if isinstance(pending, Exception) else int(pending["pending"])
+            return int(length), count
+        except (redis.RedisError, OSError):
+            return None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class HealthServer:
+    """Serves the three endpoints for one worker; ``attach`` the worker once it exists."""
+
+    def __init__(self, host: str, port: int, metrics: WorkerMetrics, probe: RedisProbe) -> None:
+        self.metrics = metrics
+        self.probe = probe
+        self.started = time.time()
+        self._status: Callable[[], Mapping[str, Any]] | None = None
+        metrics.bind(status=self.status, stream=probe.stream)
+        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="pagedq-health", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self.httpd.server_address[1])
+
+    def start(self) -> HealthServer:
+        self.thread.start()
+        return self
+
+    def attach(self, status: Callable[[], Mapping[str, Any]]) -> None:
+        """Give the server the worker's status snapshot (``lambda: worker.status``)."""
+        self._status = status
+
+    def status(self) -> Mapping[str, Any]:
+        return self._status() if self._status is not None else {}
+
+    def ready(self) -> tuple[bool, str]:
+        st = self.status()
+        if self._status is None:
+            return False, "model loading"
+        if not st:
+            return False, "joining the consumer group"
+        if st.get("state") == "draining":
+            return False, "draining"
+        return True, "ready"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.probe.close()
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, generate_latest(server.metrics.registry), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    ok, error = server.probe.healthy()
+                    body = "ok\n" if ok else f"redis unreachable ({mask_url(server.probe.url)}): {error}\n"
+                    self._send(200 if ok else 503, body.encode())
+                elif path == "/readyz":
+                    ok, why = server.ready()
+                    self._send(200 if ok else 503, f"{why}\n".encode())
+                else:
+                    self._send(404, b"not found\n")
+
+            def _send(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # probes every few seconds would drown the JSON job log
+
+        return Handler
+
+
+def start_health_server(host: str, port: int, redis_url: str, keys: Keys) -> HealthServer:
+    """Metrics registry, Redis probe and HTTP server for one worker, started."""
+    return HealthServer(host, port, WorkerMetrics(), RedisProbe(redis_url, keys)).start()

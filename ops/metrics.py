@@ -1,0 +1,181 @@
+"""Prometheus metrics of one worker, in a registry of its own, all prefixed ``pagedq_`` and in base units.
+
+Why a dedicated :class:`~prometheus_client.CollectorRegistry` per worker rather than the global one: tests
+(and embedders) run several workers in one process, and each ``/metrics`` must show only its own counts,
+so that the per-replica job counts of a fleet add up to the jobs submitted.
+
+Two kinds of metrics:
+
+* **event metrics** (histograms and counters of finished jobs) are fed by the worker loop through
+  :meth:`WorkerMetrics.job_finished` and :meth:`WorkerMetrics.delivery`. They only touch prometheus-client
+  objects, which are thread-safe, so the loop never blocks on a scrape.
+* **state metrics** (running/waiting requests, KV usage, engine counters, reconnects, stream backlog) are
+  read at scrape time from the worker's ``status`` snapshot (a dict the loop replaces every 0.2 s) and from
+  a Redis probe of the HTTP thread. Scrapes therefore never call into the engine, which is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "pagedq_"
+
+# Latency buckets (seconds): LLM jobs span milliseconds (a cached short prompt) to minutes (a long
+# generation queued behind others), so the buckets are roughly logarithmic over that range.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+StatusSource = Callable[[], Mapping[str, Any]]
+StreamSource = Callable[[], "tuple[int, int] | None"]
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) and value >= 0 else None
+
+
+class WorkerMetrics:
+    """All metrics of one worker. Create it first, then :meth:`bind` the status and stream sources."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from enqueue (stream entry id) to the first generated token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between generated tokens (each job contributes its mean gap once per gap).",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from enqueue to the job's terminal event.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Time from enqueue to the start of the job in the engine.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.jobs = Counter(
+            PREFIX + "jobs",
+            "Jobs ended by this worker, by outcome (final/error) and reason (finish reason or error code).",
+            ["outcome", "reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished jobs.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens of finished jobs.", registry=r)
+        self.redeliveries = Counter(
+            PREFIX + "redeliveries", "Deliveries of a job beyond its first (retries, reclaims).", registry=r
+        )
+        self.dead_letters = Counter(PREFIX + "dead_letters", "Jobs this worker dead-lettered.", registry=r)
+        self._state = _StateCollector()
+        r.register(self._state)
+
+    def bind(self, status: StatusSource | None = None, stream: StreamSource | None = None) -> None:
+        """Where scrape-time state comes from: the worker's status snapshot and a (backlog, pending) probe."""
+        if status is not None:
+            self._state.status = status
+        if stream is not None:
+            self._state.stream = stream
+
+    # ------------------------------------------------------------------- called by the worker loop
+
+    def delivery(self, attempt: int) -> None:
+        """A job was delivered (``attempt`` counts from 1): count it when it is a redelivery."""
+        if attempt > 1:
+            self.redeliveries.inc()
+
+    def job_finished(
+        self,
+        *,
+        outcome: str,
+        reason: str | None,
+        queued_s: float | None = None,
+        ttft_s: float | None = None,
+        total_s: float | None = None,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        dead_lettered: bool = False,
+    ) -> None:
+        """Record one ended job. Errors record no latency histograms: a rejected job's "latency" would
+        only skew the distributions users alert on."""
+        self.jobs.labels(outcome=outcome, reason=reason or "unknown").inc()
+        if dead_lettered:
+            self.dead_letters.inc()
+        if outcome != "final":
+            return
+        self.prompt_tokens.inc(max(0, prompt_tokens))
+        self.generation_tokens.inc(max(0, completion_tokens))
+        queued, ttft, total = _finite(queued_s), _finite(ttft_s), _finite(total_s)
+        if queued is not None:
+            self.queue_time.observe(queued)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if total is not None:
+            self.e2e.observe(total)
+        if ttft is not None and total is not None and completion_tokens > 1:
+            gap = max(0.0, total - ttft) / (completion_tokens - 1)
+            for _ in range(min(completion_tokens - 1, 4096)):
+                self.inter_token.observe(gap)
+
+
+class _StateCollector(Collector):
+    """Scrape-time gauges and counters read from the worker's status snapshot and the stream probe."""
+
+    def __init__(self) -> None:
+        self.status: StatusSource = dict
+        self.stream: StreamSource = lambda: None
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # unchecked collector: the set of series depends on what the worker has reported
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.status() or {}
+
+        def gauge(name: str, doc: str, key: str) -> Iterator[Metric]:
+            if isinstance(st.get(key), (int, float)):
+                yield GaugeMetricFamily(PREFIX + name, doc, value=float(st[key]))
+
+        def counter(name: str, doc: str, key: str) -> Iterator[Metric]:
+            if isinstance(st.get(key), (int, float)):
+                yield CounterMetricFamily(PREFIX + name, doc, value=float(st[key]))
+
+        yield from gauge("requests_running", "Requests running in the engine.", "running")
+        yield from gauge("requests_waiting", "Requests waiting in the engine's scheduler.", "waiting")
+        yield from gauge("jobs_unstarted", "Jobs read from Redis, not yet in the engine.", "unstarted")
+        yield from gauge("kv_cache_usage_ratio", "Share of KV cache blocks in use (0-1).", "kv_cache_usage")
+        yield from counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                           "prefix_cache_queries")  # fmt: skip
+        yield from counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits")
+        yield from counter("preemptions", "Requests preempted by the engine for lack of KV blocks.",
+                           "num_preemptions")  # fmt: skip
+        yield from counter("redis_reconnects", "Times the worker got Redis back after losing it.",
+                           "jobs_reconnects")  # fmt: skip
+        yield from counter("duplicate_deliveries", "Deliveries of jobs that had already ended (acked only).",
+                           "jobs_duplicate")  # fmt: skip
+        yield GaugeMetricFamily(
+            PREFIX + "worker_draining", "1 while the worker drains for shutdown.",
+            value=1.0 if st.get("state") == "draining" else 0.0,
+        )  # fmt: skip
+        probe = self.stream()
+        if probe is not None:
+            backlog, pending = probe
+            yield GaugeMetricFamily(PREFIX + "stream_backlog_entries",
+                                    "Entries in the jobs stream (not started plus pending; ended jobs are deleted).",
+                                    value=float(backlog))  # fmt: skip
+            yield GaugeMetricFamily(PREFIX + "stream_pending_entries",
+                                    "Entries delivered to the group and not yet acknowledged (all workers).",
+                                    value=float(pending))  # fmt: skip

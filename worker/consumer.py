@@ -37,11 +37,10 @@ import structlog
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from engine.outputs import CompletionDelta, EngineStats, RequestDelta
+from engine.outputs import EngineStats, RequestDelta
 from ops.metrics import WorkerMetrics
 from ops.settings import Settings
 from schemas.jobs import (
-    Choice,
     DeadLetter,
     ErrorCode,
     ErrorEvent,
@@ -49,15 +48,14 @@ from schemas.jobs import (
     FinishReason,
     InvalidJob,
     JobRequest,
-    Logprob,
     Timings,
     TokenEvent,
-    TopLogprob,
     Usage,
     finite_or_none,
     parse_job,
     salvage_reply_target,
 )
+from worker.choices import ChoiceState, final_choices
 from worker.keys import GROUP, JOB_FIELD, Keys
 from worker.publisher import Outbox, Publisher, Terminal
 from worker.reclaimer import Delivery, Reclaimer, ensure_group
@@ -109,27 +107,6 @@ def _too_long(exc: BaseException) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- job state
-
-
-@dataclass
-class ChoiceState:
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    pending_text: list[str] = field(default_factory=list)
-    pending_ids: list[int] = field(default_factory=list)
-
-    def add(self, out: CompletionDelta) -> None:
-        self.text.append(out.text)
-        self.token_ids.extend(out.token_ids)
-        self.pending_text.append(out.text)
-        self.pending_ids.extend(out.token_ids)
-        for lp in out.logprobs or ():
-            top = [TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
-            self.logprobs.append(Logprob(token_id=lp.token_id, logprob=lp.logprob, top=top))
-        if out.finish_reason:
-            self.finish_reason = out.finish_reason
 
 
 @dataclass(eq=False)
@@ -752,22 +729,7 @@ class Worker:
         self._abort_quietly(job)
         if job.req.stream:
             self._emit_tokens(job)
-        n = job.req.n or 1
-        choices = []
-        for index in range(n):
-            ch = job.choices.get(index, ChoiceState())
-            reason = ch.finish_reason
-            if reason not in ("stop", "length"):
-                reason = job.stop_reason or ("cancelled" if reason == "abort" else "stop")
-            choices.append(
-                Choice(
-                    index=index,
-                    text="".join(ch.text),
-                    token_ids=ch.token_ids,
-                    finish_reason=reason,  # type: ignore[arg-type]
-                    logprobs=ch.logprobs if job.req.logprobs is not None else None,
-                )
-            )
+        choices = final_choices(job.choices, job.req.n or 1, job.stop_reason, job.req.logprobs is not None)
         now = self.redis_now()
         completion = sum(len(c.token_ids) for c in choices)
         event = FinalEvent(

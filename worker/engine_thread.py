@@ -33,22 +33,20 @@ from typing import Any, Protocol
 
 import structlog
 
-from engine.outputs import CompletionDelta, EngineStats, RequestDelta
+from engine.outputs import EngineStats, RequestDelta
 from schemas.jobs import (
-    Choice,
     ErrorCode,
     ErrorEvent,
     FinalEvent,
     FinishReason,
     InvalidJob,
     JobRequest,
-    Logprob,
     Timings,
     TokenEvent,
-    TopLogprob,
     Usage,
     finite_or_none,
 )
+from worker.choices import ChoiceState, final_choices
 
 log = structlog.get_logger("pagedq.engine_thread")
 
@@ -110,23 +108,6 @@ class JobHandle:
                 return
 
 
-@dataclass
-class _Choice:
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprob] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    def add(self, out: CompletionDelta) -> None:
-        self.text.append(out.text)
-        self.token_ids.extend(out.token_ids)
-        for lp in out.logprobs or ():
-            top = [TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
-            self.logprobs.append(Logprob(token_id=lp.token_id, logprob=lp.logprob, top=top))
-        if out.finish_reason:
-            self.finish_reason = out.finish_reason
-
-
 @dataclass(eq=False)
 class _Active:
     """A submitted job from the moment the engine thread sees it until its terminal event."""
@@ -138,7 +119,7 @@ class _Active:
     first_token: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    choices: dict[int, _Choice] = field(default_factory=dict)
+    choices: dict[int, ChoiceState] = field(default_factory=dict)
 
     @property
     def job(self) -> JobRequest:
@@ -338,7 +319,7 @@ class EngineThread:
             for out in delta.outputs:
                 if (out.text or out.token_ids) and current.first_token is None:
                     current.first_token = now
-                current.choices.setdefault(out.index, _Choice()).add(out)
+                current.choices.setdefault(out.index, ChoiceState()).add(out)
                 if out.finish_reason is not None:
                     finished_seqs += 1
                 if stream is not None and (out.text or out.token_ids):
@@ -402,21 +383,7 @@ class EngineThread:
 
     def _final(self, active: _Active, stop_reason: FinishReason | None) -> FinalEvent:
         job = active.job
-        choices = []
-        for index in range(job.n or 1):
-            ch = active.choices.get(index, _Choice())
-            reason = ch.finish_reason
-            if reason not in ("stop", "length"):
-                reason = stop_reason or ("cancelled" if reason == "abort" else "stop")
-            choices.append(
-                Choice(
-                    index=index,
-                    text="".join(ch.text),
-                    token_ids=ch.token_ids,
-                    finish_reason=reason,  # type: ignore[arg-type]
-                    logprobs=ch.logprobs if job.logprobs is not None else None,
-                )
-            )
+        choices = final_choices(active.choices, job.n or 1, stop_reason, job.logprobs is not None)
         now = time.time()
         start = active.started if active.started is not None else now
         ttft = None if active.first_token is None else active.first_token - active.submitted

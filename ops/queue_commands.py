@@ -20,7 +20,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -397,7 +397,7 @@ def _dead_list(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
         return 0
     rows = [["ENTRY", "TIME (UTC)", "JOB ID", "CODE", "ATTEMPTS", "REASON"]]
     for entry_id, d in letters:
-        when = datetime.fromtimestamp(d.ts_ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        when = datetime.fromtimestamp(d.ts_ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
         reason = d.reason if len(d.reason) <= 70 else d.reason[:67] + "..."
         rows.append([entry_id, when, d.job_id or "-", d.code, str(d.attempts), reason])
     print("\n".join(_table(rows, indent="")))

@@ -79,6 +79,9 @@ class Settings(BaseSettings):
     # --- logging
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
+    log_prompts: bool = Field(
+        False, description="also log each job's prompt and output text (off: logs never hold user text)"
+    )
 
     # --- metrics and health (ops/health.py): /metrics, /healthz, /readyz
     metrics_port: int = Field(
@@ -180,13 +183,41 @@ def mask_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-def load_settings(**overrides: Any) -> Settings:
-    """Build :class:`Settings` from the environment plus ``overrides`` (CLI flags; None means unset).
+CONFIG_ENV = f"{ENV_PREFIX}CONFIG"
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A TOML or JSON file of settings (``max_num_seqs = 64``...); a ``[pagedq]`` table is honoured."""
+    import json
+    import tomllib
+
+    p = Path(path)
+    try:
+        text = p.read_text()
+        data = tomllib.loads(text) if p.suffix != ".json" else json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise SettingsError(f"invalid setting config ({CONFIG_ENV}): cannot read {p}: {exc}") from None
+    data = data.get("pagedq", data)
+    if not isinstance(data, dict):
+        raise SettingsError(f"invalid setting config ({CONFIG_ENV}): {p} must hold a table of settings")
+    return data
+
+
+def load_settings(config: str | None = None, **overrides: Any) -> Settings:
+    """Build :class:`Settings` from defaults < a config file (``config`` or ``PAGEDQ_CONFIG``) < the
+    environment < ``overrides`` (CLI flags; None means unset).
 
     Raises :class:`SettingsError` whose message names the first bad setting and its env var, e.g.
     ``invalid setting max_num_seqs (PAGEDQ_MAX_NUM_SEQS): Input should be greater than 0, got -1``.
     """
     given = {k: v for k, v in overrides.items() if v is not None}
+    path = config or os.environ.get(CONFIG_ENV)
+    if path:
+        from_file = read_config_file(path)
+        env = {k.upper() for k in os.environ}
+        for key, value in from_file.items():
+            if f"{ENV_PREFIX}{key}".upper() not in env:
+                given.setdefault(key, value)
     try:
         return Settings(**given)
     except ValidationError as exc:

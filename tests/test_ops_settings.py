@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,21 @@ def test_tls_and_acl_urls_pass_through_unchanged() -> None:
 def test_metrics_port_is_off_by_default() -> None:
     """Several local workers on one host would fight over a fixed port; the container image turns it on."""
     assert load_settings().metrics_port == 0
+
+
+def test_config_file_sits_below_env_and_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ops.settings import SettingsError, load_settings
+
+    cfg = tmp_path / "pagedq.toml"
+    cfg.write_text('[pagedq]\nmax_num_seqs = 7\nqueue = "from-file"\nprefetch = 3\n')
+    monkeypatch.setenv("PAGEDQ_QUEUE", "from-env")
+    s = load_settings(str(cfg), prefetch=5)
+    assert (s.max_num_seqs, s.queue, s.prefetch) == (7, "from-env", 5)
+    monkeypatch.setenv("PAGEDQ_CONFIG", str(cfg))
+    assert load_settings().max_num_seqs == 7
+    bad = tmp_path / "bad.toml"
+    bad.write_text("max_num_seqs = -1\n")
+    with pytest.raises(SettingsError, match="max_num_seqs"):
+        load_settings(str(bad))
+    with pytest.raises(SettingsError, match="config"):
+        load_settings(str(tmp_path / "missing.toml"))

@@ -17,6 +17,7 @@ from ops.settings import Settings, SettingsError, load_settings
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedq worker", description="Run a pagedq worker.")
     parser.add_argument("--print-config", action="store_true", help="print the effective settings and exit")
+    parser.add_argument("--config", default=None, help="TOML or JSON settings file (also PAGEDQ_CONFIG)")
     for name, info in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         help_text = info.description or ""
@@ -30,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     print_config = args.pop("print_config")
+    config = args.pop("config")
     try:
-        settings = load_settings(**args)
+        settings = load_settings(config, **args)
     except SettingsError as exc:
         print(f"pagedq worker: {exc}", file=sys.stderr)
         return 2

@@ -753,6 +753,7 @@ class Worker:
             cached_tokens=job.cached_tokens,
             tok_s=round(completion / gen_s, 2) if gen_s > 0 else None,
             **event.timings.model_dump(),
+            **self._user_text(job, choices),
         )
         if self.metrics is not None:
             self.metrics.job_finished(
@@ -803,6 +804,14 @@ class Worker:
         job.log.info("job.finished", outcome="error", code=code, message=message, dead_lettered=dead)
         if self.metrics is not None:
             self.metrics.job_finished(outcome="error", reason=code, dead_lettered=dead)
+
+    def _user_text(self, job: Job, choices: list[Any]) -> dict[str, Any]:
+        """Prompt and outputs for the canonical log line, only where ``log_prompts`` asks for them."""
+        if not self.s.log_prompts:
+            return {}
+        req = job.req
+        prompt = req.prompt if req.prompt is not None else (req.messages or req.prompt_token_ids)
+        return {"prompt": prompt, "outputs": [c.text for c in choices]}
 
     def _stop_job(self, job: Job, reason: FinishReason) -> None:
         """Cancel or time out a job: a final with its partial text if it produced any, else an error."""

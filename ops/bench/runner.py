@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
             log=log,
         )
         meta = {
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "host": socket.gethostname(),
             "cpu": _cpu_name(),
             "cpu_count": os.cpu_count(),

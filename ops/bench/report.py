@@ -45,8 +45,14 @@ class WorkloadRun:
     results: dict[str, SystemResult] = field(default_factory=dict)
 
 
-def derive(res: SystemResult, flops: FlopModel, peak_flops: float) -> dict[str, Any]:
-    """The JSON record of one system on one workload, with rates and utilisation filled in."""
+def derive(res: SystemResult, flops: FlopModel, peak_flops: float, threads: int = 1) -> dict[str, Any]:
+    """The JSON record of one system on one workload, with rates and utilisation filled in.
+
+    ``cpu_share`` is the CPU time the system used over ``wall x threads``. Well below 1 means either other
+    processes took the cores during its run, or the system ran single-threaded sections (Python, small
+    elementwise ops below torch's parallel grain) while the other threads slept: the first thing to look at
+    when ratios look odd on a shared machine, and an upper bound on what more threads can buy.
+    """
     out: dict[str, Any] = {"status": res.status}
     if res.status != "ok":
         out["reason"] = res.reason
@@ -68,6 +74,8 @@ def derive(res: SystemResult, flops: FlopModel, peak_flops: float) -> dict[str, 
             "bad_requests": res.bad_requests,
             "wall_s": round(res.wall_s, 3),
             "load_s": round(res.load_s, 3),
+            "cpu_s": None if res.cpu_s is None else round(res.cpu_s, 3),
+            "cpu_share": None if res.cpu_s is None else round(res.cpu_s / wall / max(1, threads), 3),
             "output_tok_s": round(res.output_tokens / wall, 2),
             "total_tok_s": round((res.prompt_tokens + res.output_tokens) / wall, 2),
             "useful_gflop_s": round(issue_flops / wall / 1e9, 2),
@@ -93,7 +101,7 @@ def agreement(reference: SystemResult, other: SystemResult) -> dict[str, float]:
             if x != y:
                 break
             n += 1
-        prefix_fracs.append(n / max(1, len(a)))
+        prefix_fracs.append(n / max(1, min(len(a), len(b))))  # agreement over what both produced
     return {
         "identical": round(identical / len(pairs), 4),
         "common_prefix": round(sum(prefix_fracs) / len(prefix_fracs), 4),
@@ -150,12 +158,14 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"pagedq bench  {meta['date']}  host={meta['host']}  cpu={meta['cpu']}  threads={meta['threads']}",
         f"model={meta['model']}  device={meta['device']}  dtype={meta['dtype']}  "
-        f"matmul peak={report['matmul_peak']['gflop_s']:.1f} GFLOP/s  load avg {meta['loadavg_start']}"
+        f"matmul peak={report['matmul_peak']['gflop_s']:.1f} GFLOP/s (start "
+        f"{report['matmul_peak'].get('gflop_s_start', 0):.1f}, end {report['matmul_peak'].get('gflop_s_end', 0):.1f})"
+        f"  omp={meta.get('omp_wait_policy')}  load avg {meta['loadavg_start']}"
         f" -> {meta['loadavg_end']}",
     ]
     header = (
         f"{'workload':<8} {'system':<15} {'req':>4} {'out tok':>8} {'wall s':>8} {'out tok/s':>10} "
-        f"{'total tok/s':>11} {'pagedq/x':>9} {'FLOP%':>6} {'ok':>3}"
+        f"{'total tok/s':>11} {'pagedq/x':>9} {'FLOP%':>6} {'cpu%':>5} {'ok':>3}"
     )
     for wname, w in report["workloads"].items():
         lines += ["", header, "-" * len(header)]
@@ -169,7 +179,9 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(
                 f"{wname:<8} {sname:<15} {rec['requests']:>4} {rec['output_tokens']:>8} {rec['wall_s']:>8.2f} "
                 f"{rec['output_tok_s']:>10.1f} {rec['total_tok_s']:>11.1f} {_fmt(ratio, '.2f'):>9} "
-                f"{_fmt(None if util is None else 100 * util):>6} {'yes' if rec['tokens_ok'] else 'NO':>3}"
+                f"{_fmt(None if util is None else 100 * util):>6} "
+                f"{_fmt(None if rec.get('cpu_share') is None else 100 * rec['cpu_share'], '.0f'):>5} "
+                f"{'yes' if rec['tokens_ok'] else 'NO':>3}"
             )
         lines += _details(w)
     lines += ["", "targets (issue 5; reported, not asserted):"]

@@ -90,6 +90,7 @@ class SystemResult:
     prompt_tokens: int = 0
     output_tokens: int = 0  # useful output tokens: each request's own length, produced and counted
     cached_tokens: int = 0  # prompt tokens served from a prefix cache (not recomputed)
+    cpu_s: float | None = None  # CPU time the system used while timed (all threads; worker included)
     tokens_ok: bool = False
     bad_requests: int = 0  # requests that did not come back with exactly max_tokens tokens
     extra: dict[str, Any] = field(default_factory=dict)
@@ -334,12 +335,13 @@ class PagedqSystem(System):
         prompts = [r.prompt_ids for r in workload.requests]
         params = self.params(workload)
 
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - t1 - probe.overhead_s
+        cpu_s = time.process_time() - cpu1
 
         stats = llm.stats()
-        res = SystemResult(self.name, "ok", wall_s=wall, load_s=load_s)
+        res = SystemResult(self.name, "ok", wall_s=wall, load_s=load_s, cpu_s=cpu_s)
         res.outputs = [list(o.outputs[0].token_ids) for o in outs]
         res.check(workload)
         res.cached_tokens = sum(o.num_cached_tokens for o in outs)
@@ -373,7 +375,7 @@ class PagedqSystem(System):
 def _load_hf(ctx: BenchContext) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(ctx.model_path), dtype=ctx.torch_dtype)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(ctx.model_path), dtype=ctx.torch_dtype)
     model = model.to(ctx.device).eval()
     # generate() fills unset fields from the model's generation config: clear EOS there so that the
     # explicit eos_token_id=None below really means "never stop early" (= ignore_eos).
@@ -401,7 +403,7 @@ class HFStaticSystem(System):
         outputs: list[list[int]] = [[] for _ in reqs]
         padded_prompt = 0
         generated = 0
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), time.process_time()
         for start in range(0, len(order), ctx.hf_batch_size):
             idx = order[start : start + ctx.hf_batch_size]
             batch = [reqs[i] for i in idx]
@@ -411,8 +413,9 @@ class HFStaticSystem(System):
             for row, i in enumerate(idx):
                 outputs[i] = new[row, : reqs[i].max_tokens].tolist()
         wall = time.perf_counter() - t1
+        cpu_s = time.process_time() - cpu1
 
-        res = SystemResult(self.name, "ok", wall_s=wall, load_s=load_s)
+        res = SystemResult(self.name, "ok", wall_s=wall, load_s=load_s, cpu_s=cpu_s)
         res.outputs = outputs
         res.check(workload)
         res.extra = {
@@ -501,14 +504,15 @@ class HFContinuousSystem(System):
         try:
             self._collect(manager, [BenchRequest(_WARMUP_PROMPT, 4)] * 2, "warm", ctx)
             load_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
+            t1, cpu1 = time.perf_counter(), time.process_time()
             outputs = self._collect(manager, workload.requests, "r", ctx)
             wall = time.perf_counter() - t1
+            cpu_s = time.process_time() - cpu1
         finally:
             manager.stop(block=True, timeout=30)
             with contextlib.suppress(Exception):
                 manager.destroy()
-        res = SystemResult(self.name, "ok", wall_s=wall, load_s=load_s)
+        res = SystemResult(self.name, "ok", wall_s=wall, load_s=load_s, cpu_s=cpu_s)
         res.outputs = outputs
         res.check(workload)
         res.extra = {"num_blocks": cb.num_blocks, "page_size": cb.page_size, "max_batch_tokens": cb.max_batch_tokens}
@@ -618,6 +622,17 @@ class RedisWorker:
         except OSError:
             return "(no worker log)"
 
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by the worker process (all threads) and this client process."""
+        own = time.process_time()
+        if self.proc is None:
+            return own
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return own + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return own
+
     def heartbeat(self) -> dict[str, Any]:
         client = self._redis()
         try:
@@ -708,10 +723,11 @@ class PagedqRedisSystem(System):
             peak["kv_cache_usage"] = max(peak["kv_cache_usage"], float(hb.get("kv_cache_usage", 0.0)))
 
         with _sampling(sample, 0.25):
-            t1 = time.perf_counter()
+            t1, cpu1 = time.perf_counter(), w.cpu_seconds()
             finals = w.offline(workload.requests, stream=ctx.redis_stream)
             wall = time.perf_counter() - t1
-        res = SystemResult(self.name, "ok", wall_s=wall, load_s=w.load_s if fresh else 0.0)
+            cpu_s = w.cpu_seconds() - cpu1
+        res = SystemResult(self.name, "ok", wall_s=wall, load_s=w.load_s if fresh else 0.0, cpu_s=cpu_s)
         res.outputs = [list(f.choices[0].token_ids) for f in finals]
         res.check(workload)
         res.cached_tokens = sum(f.usage.cached_tokens for f in finals)
@@ -730,10 +746,11 @@ class PagedqRedisSystem(System):
         """Poisson arrivals with streaming; client-side TTFT / inter-token latency and throughput."""
         fresh = self.worker is None
         w = self.ensure_worker(ctx)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), w.cpu_seconds()
         records = asyncio.run(_online_client(w.url, w.namespace, workload.requests, ctx.request_timeout_s))
         wall = time.perf_counter() - t0
-        res = SystemResult(self.name, "ok", wall_s=wall, load_s=w.load_s if fresh else 0.0)
+        cpu_s = w.cpu_seconds() - cpu0
+        res = SystemResult(self.name, "ok", wall_s=wall, load_s=w.load_s if fresh else 0.0, cpu_s=cpu_s)
         res.outputs = [rec["tokens"] for rec in records]
         res.check(workload)
         res.cached_tokens = sum(rec["cached"] for rec in records)
@@ -856,10 +873,10 @@ class VLLMSystem(System):
         load_s = time.perf_counter() - t0
         prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in workload.requests]
         params = [VParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in workload.requests]
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t1
-        res = SystemResult(self.name, "ok", wall_s=wall, load_s=load_s)
+        res = SystemResult(self.name, "ok", wall_s=wall, load_s=load_s, cpu_s=time.process_time() - cpu1)
         res.outputs = [list(o.outputs[0].token_ids) for o in outs]
         res.check(workload)
         res.cached_tokens = sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outs)

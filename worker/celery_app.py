@@ -31,7 +31,8 @@ Trade-offs chosen (worker/CELERY.md has the longer version):
   worker of a pool is never starved by a busy one hoarding reserved messages. The cost: a task longer than
   the broker's ``visibility_timeout`` (set to 1 h here) is redelivered while still running, and a
   redelivered task generates again from the start (no idempotency key check as in the streams worker).
-* **JSON only**: ``accept_content=["json"]``; a pickled message is refused by the worker (never loaded).
+* **JSON only**: ``accept_content=["json"]``; a message in any other serializer is refused by the worker,
+  never deserialized.
 * **No token streaming** through Celery (a result backend stores one value); use the Redis-streams
   protocol to stream. ``reply_to`` is therefore refused. ``stream`` is accepted and ignored.
 * **Cancellation** is Celery's: ``app.control.revoke(task_id)`` stops a running generation within

@@ -212,6 +212,9 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cuda else "float32")
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
+    if dtype not in ("float32", "bfloat16", "float16"):
+        print(f"pagedq bench: --dtype must be auto, float32, bfloat16 or float16, got {dtype!r}", file=sys.stderr)
+        return 2
 
     own_work_dir = args.work_dir is None
     work_dir = Path(tempfile.mkdtemp(prefix="pagedq-bench-")) if own_work_dir else Path(args.work_dir)

@@ -146,11 +146,12 @@ def _prefill_torch(
     blocks = p.blocks[:num_blocks].long()
     k = _context(k_cache, blocks)[:, : p.seq_len]  # [KVH, L, D]
     v = _context(v_cache, blocks)[:, : p.seq_len]
+    # 4-D inputs: with 3-D ones torch's CPU SDPA takes the slow "math" path instead of flash (3-4x).
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
+        q.transpose(0, 1)[None], k[None], v[None], attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
         enable_gqa=q.shape[1] != k.shape[0],
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.model_config import RopeScaling
 from engine.ops import Ops
+from kernels import cpu_linear
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
@@ -25,7 +26,12 @@ def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | None) -
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T (+ b)``; merged projections (qkv, gate_up) are just a larger ``out_features``."""
+    """``y = x @ W.T (+ b)``; merged projections (qkv, gate_up) are just a larger ``out_features``.
+
+    On CPU, :meth:`prepack` (called once after loading) moves the weight into oneDNN's blocked
+    layout (``kernels/cpu_linear``), about twice as fast for decode-sized batches, and frees the
+    dense copy so the model is not held twice in memory.
+    """
 
     def __init__(
         self,
@@ -42,12 +48,25 @@ class Linear(nn.Module):
         self.bias: nn.Parameter | None = (
             _empty_param(out_features, dtype=dtype, device=device) if bias else None
         )
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self) -> bool:
+        """Reorder the loaded weight for the CPU kernel; False (and nothing changed) where unsupported."""
+        packed = cpu_linear.pack(self.weight)
+        if packed is None:
+            return False
+        self.packed = packed
+        self.weight.data = self.weight.data.new_empty(0)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_linear.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        packed = ", onednn" if self.packed is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{packed}"
 
 
 class VocabEmbedding(nn.Module):

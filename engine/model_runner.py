@@ -35,6 +35,8 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.backend)
+        if self.device.type == "cpu" and config.cpu_weight_prepack:
+            self.model.prepack_cpu_weights()
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks(self.model_config)
         mc = self.model_config

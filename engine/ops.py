@@ -49,17 +49,18 @@ class Ops:
 
 
 def get_ops(name: str) -> Ops:
-    """``"torch"``: the reference ops in ``kernels/*.py``; ``"triton"``: ``kernels/*_triton.py``."""
+    """``"torch"``: the CPU ops (``kernels/cpu_*.py``, falling back to the torch references in
+    ``kernels/*.py``); ``"triton"``: ``kernels/*_triton.py``."""
     if name == "torch":
-        from kernels.activation import silu_and_mul_torch
-        from kernels.rms_norm import rms_norm_torch
-        from kernels.rotary import rotary_embedding_torch
+        # The fused C versions of the references on float32 CPU tensors; each falls back to its
+        # torch reference for anything else (other dtypes, CUDA, no C compiler).
+        from kernels.cpu_ops import rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
 
         return Ops(
             name="torch",
-            rms_norm=rms_norm_torch,
-            rotary_embedding=rotary_embedding_torch,
-            silu_and_mul=silu_and_mul_torch,
+            rms_norm=rms_norm_cpu,
+            rotary_embedding=rotary_embedding_cpu,
+            silu_and_mul=silu_and_mul_cpu,
             attention=get_attention_backend("torch"),
         )
     if name == "triton":

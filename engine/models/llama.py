@@ -21,6 +21,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.layers import Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from engine.model_config import ModelConfig
 from engine.ops import Ops
+from kernels import cpu_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -166,6 +167,19 @@ class LlamaForCausalLM(nn.Module):
                 requires_grad=False,
             )
         )
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def prepack_cpu_weights(self) -> int:
+        """Reorder every matmul weight for the CPU kernel (after loading); returns how many were.
+
+        The lm_head gets its own reordered copy, since a tied embedding table must stay dense for
+        the token lookups.
+        """
+        count = sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
+        self.lm_head_packed = cpu_linear.pack(self.lm_head_weight)
+        if self.lm_head_packed is not None and not self.config.tie_word_embeddings:
+            self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
+        return count + (self.lm_head_packed is not None)
 
     def forward(
         self,
@@ -195,4 +209,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [M, hidden]`` -> float32 logits ``[M, vocab]`` (matmul in the model dtype, like HF)."""
+        if self.lm_head_packed is not None:
+            return cpu_linear.linear(hidden, self.lm_head_packed, None).float()
         return F.linear(hidden, self.lm_head_weight).float()

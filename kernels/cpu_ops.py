@@ -1,0 +1,112 @@
+"""Fused RMSNorm, rotary and SiLU-and-mul for float32 on the CPU (``csrc/cpu_ops.c``), through ctypes.
+
+Same signatures as the torch references beside them (``rms_norm.py``, ``rotary.py``,
+``activation.py``), which they fall back to for anything they do not cover: other dtypes or
+devices, layouts without a unit last stride, or no C compiler. Why they exist: at decode batch
+sizes torch spends more time dispatching the 3-7 elementwise kernels of each op than computing,
+and at prefill sizes the extra passes over the activations cost memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import c_build
+from kernels.activation import silu_and_mul_torch
+from kernels.rms_norm import rms_norm_torch
+from kernels.rotary import rotary_embedding_torch
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if not _tried:
+        lib = c_build.load("cpu_ops")
+        if lib is not None:
+            i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+            lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+            lib.rotary_neox_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i32]
+            lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i32]
+            for fn in (lib.rms_norm_f32, lib.rotary_neox_f32, lib.silu_and_mul_f32):
+                fn.restype = None
+        _lib, _tried = lib, True
+    return _lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def _f32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def rms_norm_cpu(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`kernels.rms_norm.rms_norm_torch` in one pass per row."""
+    lib = _load()
+    ok = (
+        lib is not None
+        and x.dim() == 2
+        and _f32_cpu(x, weight)
+        and x.stride(-1) == 1
+        and weight.is_contiguous()
+        and (residual is None or (_f32_cpu(residual) and residual.is_contiguous() and residual.shape == x.shape))
+    )
+    if not ok:
+        return rms_norm_torch(x, weight, eps, residual)
+    assert lib is not None
+    n, h = x.shape
+    out = torch.empty((n, h), dtype=x.dtype)
+    res_out = torch.empty((n, h), dtype=x.dtype) if residual is not None else None
+    lib.rms_norm_f32(
+        x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+        out.data_ptr(), res_out.data_ptr() if res_out is not None else None, n, h, eps, torch.get_num_threads(),
+    )
+    return out, res_out
+
+
+def rotary_embedding_cpu(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kernels.rotary.rotary_embedding_torch`, rotating ``q`` and ``k`` **in place** (returns them).
+
+    In place is what makes it one pass: the model's q and k are views into the fresh qkv projection
+    output, which nothing else reads.
+    """
+    lib = _load()
+    ok = (
+        lib is not None
+        and _f32_cpu(q, k, cos_sin_cache)
+        and positions.dtype == torch.int64
+        and positions.is_contiguous()
+        and cos_sin_cache.is_contiguous()
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and q.shape[-1] == k.shape[-1] == cos_sin_cache.shape[-1]
+    )
+    if not ok:
+        return rotary_embedding_torch(positions, q, k, cos_sin_cache)
+    assert lib is not None
+    n, nh, d = q.shape
+    lib.rotary_neox_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), nh, k.data_ptr(), k.stride(0), k.stride(1), k.shape[1],
+        positions.data_ptr(), cos_sin_cache.data_ptr(), n, d, torch.get_num_threads(),
+    )
+    return q, k
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """:func:`kernels.activation.silu_and_mul_torch` in one pass."""
+    lib = _load()
+    if lib is None or x.dim() != 2 or not _f32_cpu(x) or x.stride(-1) != 1:
+        return silu_and_mul_torch(x)
+    n, m = x.shape[0], x.shape[1] // 2
+    out = torch.empty((n, m), dtype=x.dtype)
+    lib.silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), n, m, torch.get_num_threads())
+    return out

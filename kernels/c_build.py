@@ -44,7 +44,8 @@ def _build(name: str) -> ctypes.CDLL:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{CSRC}", str(source), "-o", str(out), "-lm"]
+            flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{CSRC}"]
+            cmd = [cc, *flags, str(source), "-o", str(out), "-lm"]
             subprocess.run(cmd, check=True, capture_output=True)
             os.replace(out, target)
     return ctypes.CDLL(str(target))

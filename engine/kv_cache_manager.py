@@ -70,9 +70,27 @@ class KVCacheManager:
             parent_id = block.block_id
         if hits and len(hits) * bs >= seq.num_tokens:
             hits.pop()
-        self.num_queried_tokens += seq.num_tokens
-        self.num_hit_tokens += len(hits) * bs
         return hits
+
+    def pending_hashes(self, seqs: list[Sequence]) -> set[int]:
+        """Hashes of the full prompt blocks ``seqs`` hold but have not computed yet (mid-prefill).
+
+        Once computed they will be in the cache, so a waiting sequence that needs one of them is
+        better off waiting a step than computing a private copy alongside.
+        """
+        if not self.enable_caching:
+            return set()
+        pending: set[int] = set()
+        for seq in seqs:
+            num_full = seq.num_tokens // self.block_size
+            if seq.num_computed_tokens // self.block_size < num_full:
+                pending.update(self._extend_hashes(seq)[seq.num_committed_blocks : num_full])
+        return pending
+
+    def next_block_hash(self, seq: Sequence, num_cached_blocks: int) -> int | None:
+        """Hash of the first full block past the cached ones, if the sequence has one."""
+        hashes = self._extend_hashes(seq)
+        return hashes[num_cached_blocks] if num_cached_blocks < len(hashes) else None
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
         """Give ``seq`` room for ``num_new_tokens`` more tokens (after ``cached`` blocks); False if it can't."""
@@ -84,6 +102,11 @@ class KVCacheManager:
         revived = sum(1 for block in cached if block.ref_count == 0)
         if num_new_blocks + revived > self.pool.num_free_blocks:
             return False
+        if seq.num_computed_tokens == 0 and not seq.block_table:
+            # A fresh admission: the hit-rate counters see each admission once, however many
+            # times the scheduler looked the prefix up before the sequence got in.
+            self.num_queried_tokens += seq.num_tokens
+            self.num_hit_tokens += len(cached) * bs
         if cached:
             self.pool.touch(cached)
             seq.block_table.extend(block.block_id for block in cached)

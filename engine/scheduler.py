@@ -86,12 +86,23 @@ class Scheduler:
             budget -= num_new
 
         # Admitting new work while others were just evicted for lack of blocks would thrash.
-        while self.waiting and budget > 0 and not preempted:
-            seq = self.waiting[0]
+        pending: set[int] | None = None
+        index = 0
+        while index < len(self.waiting) and budget > 0 and not preempted:
+            seq = self.waiting[index]
             width = seq.params.n if seq.pending_fork else 1
             if len(self.running) + width > self.max_num_seqs:
                 break
             cached = self.kv.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+            if self.kv.enable_caching and seq.num_computed_tokens == 0:
+                # Its next block is being prefilled by a running sequence (requests sharing a
+                # prompt prefix that arrive together): wait for it to land in the cache rather
+                # than compute the same prefix twice. It keeps its place in the queue.
+                if pending is None:
+                    pending = self.kv.pending_hashes(self.running)
+                if self.kv.next_block_hash(seq, len(cached)) in pending:
+                    index += 1
+                    continue
             num_cached = len(cached) * self.kv.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
             if not self.kv.allocate(seq, num_new, cached):
@@ -99,8 +110,9 @@ class Scheduler:
             if seq.num_computed_tokens == 0 and seq.num_output_tokens == 0:
                 seq.num_cached_tokens = num_cached
             seq.num_computed_tokens += num_cached
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             self.add_running(seq)
+            pending = None if pending is None else pending | self.kv.pending_hashes([seq])
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new

@@ -39,6 +39,26 @@ def test_prefix_cache_hits_and_same_tokens(tiny_model: Callable[[str], Path]) ->
     assert_no_leak(warm)
 
 
+def test_requests_arriving_together_compute_a_shared_prefix_once(tiny_model: Callable[[str], Path]) -> None:
+    """Six prompts behind one 200-token prefix, submitted at once with room for all in one step:
+    the first prefills the prefix, the others wait for it to land in the cache instead of each
+    computing a private copy alongside, and their tokens are those of an uncached run."""
+    rng = random.Random(2)
+    prefix = [rng.randrange(1, 500) for _ in range(200)]
+    prompts = [prefix + [rng.randrange(1, 500) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    together = LLM(str(tiny_model("llama_gqa")), max_num_batched_tokens=2048)
+    outs = together.generate(prompts, greedy)
+    assert outs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 192 for o in outs[1:]), [o.num_cached_tokens for o in outs]
+    stats = together.stats()
+    assert stats.prefix_cache_hits == 5 * 192
+    assert stats.prefix_cache_queries == sum(len(p) for p in prompts)  # each admission counted once
+    cold = LLM(str(tiny_model("llama_gqa")), enable_prefix_caching=False).generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in cold]
+    assert_no_leak(together)
+
+
 def test_abort_frees_blocks_at_once(llm: LLM) -> None:
     engine = llm.engine
     for i in range(8):

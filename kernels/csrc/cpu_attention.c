@@ -129,10 +129,6 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, f
     const int64_t nblocks = (len + block_size - 1) / block_size;
     for (int64_t b = 0; b < nblocks; b++) {
         const float *kb = a->k_cache + (int64_t)table[b] * block_stride + h * D;
-        if (h == 0 && b + 1 < nblocks) {  /* the next block lies elsewhere: fetch it (all heads) now */
-            const char *nk = (const char *)(a->k_cache + (int64_t)table[b + 1] * block_stride);
-            for (int64_t off = 0; off < block_stride * 4; off += 64) __builtin_prefetch(nk + off);
-        }
         const int64_t n = (b + 1) * block_size <= len ? block_size : len - b * block_size;
         const int64_t base = b * block_size;
         for (int64_t g = 0; g < group; g++) {
@@ -193,10 +189,6 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, f
     memset(acc, 0, sizeof(float) * group * D);
     for (int64_t b = 0; b < nblocks; b++) {
         const float *vb = a->v_cache + (int64_t)table[b] * block_stride + h * D;
-        if (h == 0 && b + 1 < nblocks) {
-            const char *nv = (const char *)(a->v_cache + (int64_t)table[b + 1] * block_stride);
-            for (int64_t off = 0; off < block_stride * 4; off += 64) __builtin_prefetch(nv + off);
-        }
         const int64_t n = (b + 1) * block_size <= len ? block_size : len - b * block_size;
         const int64_t base = b * block_size;
         for (int64_t g = 0; g < group; g++) {
@@ -248,15 +240,14 @@ void paged_decode_attention_f32(
     int64_t max_len = 0;
     for (int64_t s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
 
-    /* One task per sequence, its kv heads in turn: the G query heads sharing a kv head are done
-       together, so each K/V row is read once, and the heads of one sequence walk the same blocks
-       back to back, so a block fetched (whole, by the prefetches) for head 0 is in cache for the
-       others. Tasks per (sequence, head) read 1/KVH of every row, a strided pattern that ran at
-       half the speed. Scratch is per thread, sized for the longest context. */
+    /* One task per (sequence, kv head): the G query heads sharing that kv head are done together,
+       so each K/V row is read from memory once. (Measured: one task per sequence, and software
+       prefetching of the next block, changed nothing beyond noise; the hardware prefetchers cope.)
+       Scratch is per thread, sized for the longest context. */
     #pragma omp parallel num_threads(num_threads)
     {
         float *scratch = (float *)malloc(sizeof(float) * (group * max_len + group * head_dim + 8));
-        #pragma omp for schedule(dynamic, 1)
+        #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t s = 0; s < num_seqs; s++) {
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 if (seq_lens[s] <= 0) continue;

@@ -1,0 +1,100 @@
+"""The CPU matmul (oneDNN, reordered weights) and fused C row ops against their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers import Linear, build_cos_sin_cache
+from kernels import cpu_linear, cpu_ops
+from kernels.activation import silu_and_mul_torch
+from kernels.rms_norm import rms_norm_torch
+from kernels.rotary import rotary_embedding_torch
+
+needs_c = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the torch references run here")
+needs_onednn = pytest.mark.skipif(not cpu_linear.available(torch.float32), reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    layer = Linear(96, 200, bias, torch.float32)
+    with torch.no_grad():
+        layer.weight.normal_()
+        if layer.bias is not None:
+            layer.bias.normal_()
+    dense_w = layer.weight.detach().clone()
+    x = torch.randn(rows, 96)
+    ref = F.linear(x, dense_w, layer.bias)
+    assert layer.prepack()
+    assert layer.weight.numel() == 0  # the dense copy is freed, not kept twice
+    torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(layer(x.view(1, rows, 96)), ref.view(1, rows, 200), atol=1e-4, rtol=1e-5)
+    strided = torch.randn(rows, 150)[:, 10:106]  # a column slice, like the model's split views
+    torch.testing.assert_close(layer(strided), F.linear(strided, dense_w, layer.bias), atol=1e-4, rtol=1e-5)
+
+
+def test_pack_declines_what_it_cannot_run() -> None:
+    assert cpu_linear.pack(torch.randn(8, 8, dtype=torch.float16)) is None
+    layer = Linear(8, 8, False, torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.normal_()
+    if cpu_linear.pack(layer.weight) is None:  # bf16 reorder needs AVX512-BF16/AVX-NE-CONVERT
+        assert not layer.prepack()
+        assert layer.weight.shape == (8, 8)  # untouched: F.linear keeps running
+
+
+@needs_c
+@pytest.mark.parametrize("rows", [1, 3, 70, 600])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_cpu(rows: int, with_residual: bool) -> None:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 300)[:, :200]  # rows with a stride, like a split view
+    residual = torch.randn(rows, 200) if with_residual else None
+    w = torch.randn(200)
+    out, res = cpu_ops.rms_norm_cpu(x, w, 1e-6, residual)
+    ref, ref_res = rms_norm_torch(x, w, 1e-6, residual)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    if with_residual:
+        assert res is not None and ref_res is not None
+        torch.testing.assert_close(res, ref_res, atol=0, rtol=0)
+    else:
+        assert res is None
+
+
+@needs_c
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 20), (2, 2, 128)])
+def test_rotary_cpu_in_place(heads: int, kv_heads: int, head_dim: int) -> None:
+    torch.manual_seed(head_dim)
+    n = 37
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim)
+    q = qkv[:, : heads * head_dim].view(n, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(n, kv_heads, head_dim)
+    cache = build_cos_sin_cache(head_dim, 4096, 10000.0, None)
+    positions = torch.randint(0, 4096, (n,))
+    ref_q, ref_k = rotary_embedding_torch(positions, q.clone(), k.clone(), cache)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    out_q, out_k = cpu_ops.rotary_embedding_cpu(positions, q, k, cache)
+    assert out_q.data_ptr() == qkv.data_ptr()  # rotated where it lies
+    torch.testing.assert_close(out_q, ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_k, ref_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
+
+
+@needs_c
+@pytest.mark.parametrize(("rows", "width"), [(1, 16), (9, 1536), (130, 100)])  # 100: not a multiple of 8
+def test_silu_and_mul_cpu(rows: int, width: int) -> None:
+    torch.manual_seed(width)
+    x = torch.randn(rows, 2 * width) * 6  # wide range: exp saturates at both ends
+    x[0, 0], x[0, 1] = -100.0, 100.0
+    torch.testing.assert_close(cpu_ops.silu_and_mul_cpu(x), silu_and_mul_torch(x), atol=1e-5, rtol=2e-6)
+
+
+def test_cpu_ops_fall_back_for_other_dtypes() -> None:
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    w = torch.randn(16, dtype=torch.bfloat16)
+    assert torch.equal(cpu_ops.rms_norm_cpu(x, w, 1e-6)[0], rms_norm_torch(x, w, 1e-6)[0])
+    assert torch.equal(cpu_ops.silu_and_mul_cpu(x), silu_and_mul_torch(x))

@@ -15,7 +15,7 @@ from kernels.paged_attention import paged_attention_torch
 
 def random_batch(
     rng: random.Random, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, decode_only: bool
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     num_blocks = 96
     num_seqs = rng.randint(1, 6)
     seq_lens = [rng.randint(1, 90) for _ in range(num_seqs)]
@@ -47,7 +47,7 @@ def random_batch(
     q = qkv[:, : num_heads * head_dim].view(n, num_heads, head_dim)
     k = torch.randn(n, num_kv_heads, head_dim)
     v = torch.randn(n, num_kv_heads, head_dim)
-    return meta, q, k, v, k_cache, v_cache  # type: ignore[return-value]
+    return meta, q, k, v, k_cache, v_cache
 
 
 @pytest.mark.parametrize("use_c", [True, False])

@@ -39,7 +39,7 @@ def hf_reference(path: Path, prompts: list[list[int]], max_new: list[int]) -> li
         with torch.inference_mode():
             for ids, n in zip(prompts, max_new, strict=True):
                 x = torch.tensor([ids])
-                y = model.generate(
+                y = model.generate(  # type: ignore[operator]
                     x,
                     attention_mask=torch.ones_like(x),
                     max_new_tokens=n,

@@ -45,29 +45,20 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time from enqueue (stream entry id) to the first generated token.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time from enqueue (stream entry id) to the first generated token."
         )
-        self.inter_token = Histogram(
-            PREFIX + "inter_token_latency_seconds",
+        self.inter_token = histogram(
+            "inter_token_latency_seconds",
             "Time between generated tokens (each job contributes its mean gap once per gap).",
-            buckets=ITL_BUCKETS,
-            registry=r,
+            ITL_BUCKETS,
         )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Time from enqueue to the job's terminal event.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds",
-            "Time from enqueue to the start of the job in the engine.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from enqueue to the job's terminal event.")
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Time from enqueue to the start of the job in the engine."
         )
         self.jobs = Counter(
             PREFIX + "jobs",

@@ -48,19 +48,39 @@ typedef struct {
     float scale;
 } attn_args;
 
+/* Where one (sequence s, kv head h) task reads and writes. */
+typedef struct {
+    int64_t group, len, nblocks, rs, block_stride;
+    const int32_t *table;  /* the sequence's block table */
+    float *acc;            /* out rows of the group's query heads */
+    const float *qg;       /* q of the group's first query head */
+} task_view;
+
+static inline task_view view_of(const attn_args *a, int64_t s, int64_t h)
+{
+    task_view v;
+    v.group = a->num_heads / a->num_kv_heads;
+    v.len = a->seq_lens[s];
+    v.nblocks = (v.len + a->block_size - 1) / a->block_size;
+    v.rs = a->num_kv_heads * a->head_dim;
+    v.block_stride = a->block_size * v.rs;
+    v.table = a->block_tables + s * a->max_blocks;
+    v.acc = a->out + (a->rows[s] * a->num_heads + h * v.group) * a->head_dim;
+    v.qg = a->q + a->rows[s] * a->q_tok + h * v.group * a->q_head;
+    return v;
+}
+
 /* Portable task: any head_dim. `scores` holds group * len floats, `qs` group * head_dim. */
 static void task_generic(const attn_args *a, int64_t s, int64_t h, float *scores, float *qs)
 {
-    const int64_t group = a->num_heads / a->num_kv_heads, head_dim = a->head_dim, block_size = a->block_size;
-    const int64_t row_stride = a->num_kv_heads * head_dim, block_stride = block_size * row_stride;
-    const int64_t len = a->seq_lens[s];
-    const int32_t *table = a->block_tables + s * a->max_blocks;
-    float *acc = a->out + (a->rows[s] * a->num_heads + h * group) * head_dim;
-    const float *qg = a->q + a->rows[s] * a->q_tok + h * group * a->q_head;
+    const task_view tv = view_of(a, s, h);
+    const int64_t group = tv.group, head_dim = a->head_dim, block_size = a->block_size;
+    const int64_t row_stride = tv.rs, block_stride = tv.block_stride, len = tv.len, nblocks = tv.nblocks;
+    const int32_t *table = tv.table;
+    float *acc = tv.acc;
     for (int64_t g = 0; g < group; g++)
-        for (int64_t d = 0; d < head_dim; d++) qs[g * head_dim + d] = qg[g * a->q_head + d] * a->scale;
+        for (int64_t d = 0; d < head_dim; d++) qs[g * head_dim + d] = tv.qg[g * a->q_head + d] * a->scale;
 
-    const int64_t nblocks = (len + block_size - 1) / block_size;
     for (int64_t b = 0; b < nblocks; b++) {
         const float *kb = a->k_cache + (int64_t)table[b] * block_stride + h * head_dim;
         const int64_t n = (b + 1) * block_size <= len ? block_size : len - b * block_size;
@@ -115,18 +135,17 @@ static void task_generic(const attn_args *a, int64_t s, int64_t h, float *scores
 /* AVX2 task: head_dim % 8 == 0. */
 static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, float *qs)
 {
-    const int64_t group = a->num_heads / a->num_kv_heads, D = a->head_dim, block_size = a->block_size;
-    const int64_t rs = a->num_kv_heads * D, block_stride = block_size * rs;
-    const int64_t len = a->seq_lens[s];
-    const int32_t *table = a->block_tables + s * a->max_blocks;
-    float *acc = a->out + (a->rows[s] * a->num_heads + h * group) * D;
-    const float *qg = a->q + a->rows[s] * a->q_tok + h * group * a->q_head;
+    const task_view tv = view_of(a, s, h);
+    const int64_t group = tv.group, D = a->head_dim, block_size = a->block_size;
+    const int64_t rs = tv.rs, block_stride = tv.block_stride, len = tv.len, nblocks = tv.nblocks;
+    const int32_t *table = tv.table;
+    float *acc = tv.acc;
+    const float *qg = tv.qg;
     const __m256 vscale = _mm256_set1_ps(a->scale);
     for (int64_t g = 0; g < group; g++)
         for (int64_t c = 0; c < D; c += 8)
             _mm256_storeu_ps(qs + g * D + c, _mm256_mul_ps(_mm256_loadu_ps(qg + g * a->q_head + c), vscale));
 
-    const int64_t nblocks = (len + block_size - 1) / block_size;
     for (int64_t b = 0; b < nblocks; b++) {
         const float *kb = a->k_cache + (int64_t)table[b] * block_stride + h * D;
         const int64_t n = (b + 1) * block_size <= len ? block_size : len - b * block_size;

@@ -112,7 +112,8 @@ class Scheduler:
             seq.num_computed_tokens += num_cached
             self.waiting.pop(index)
             self.add_running(seq)
-            pending = None if pending is None else pending | self.kv.pending_hashes([seq])
+            if pending is not None:
+                pending |= self.kv.pending_hashes([seq])
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new

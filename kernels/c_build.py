@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
@@ -51,8 +52,12 @@ def _build(name: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(target))
 
 
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled ``csrc/<name>.c`` (built once per process and cached on disk), or None if unavailable."""
+def load(name: str, bind: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
+    """The compiled ``csrc/<name>.c``, or None if unavailable.
+
+    Built once per process (and cached on disk); ``bind`` declares its functions' ctypes signatures,
+    once, before any caller sees the library. Cheap enough to call per kernel launch.
+    """
     if name in _loaded:
         return _loaded[name]
     if os.environ.get("PAGEDQ_DISABLE_C_KERNELS"):
@@ -60,8 +65,10 @@ def load(name: str) -> ctypes.CDLL | None:
     with _lock:
         if name not in _loaded:
             try:
-                _loaded[name] = _build(name)
-            except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+                lib = _build(name)
+                bind(lib)
+                _loaded[name] = lib
+            except (OSError, RuntimeError, AttributeError, subprocess.CalledProcessError) as exc:
                 _errors[name] = str(getattr(exc, "stderr", b"") or exc)
                 _loaded[name] = None
     return _loaded[name]

@@ -23,19 +23,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn.restype = None
 
 
-_lib: ctypes.CDLL | None = None
-
-
 def available() -> bool:
     """Build (once) and report whether the kernel can be used in this process."""
-    global _lib
-    if _lib is None:
-        lib = c_build.load(_NAME)
-        if lib is None:
-            return False
-        _bind(lib)
-        _lib = lib
-    return True
+    return c_build.load(_NAME, _bind) is not None
 
 
 def paged_decode_attention(
@@ -53,10 +43,11 @@ def paged_decode_attention(
     ``q [N, H, D]`` float32 with a unit last stride; ``rows`` int64, ``seq_lens``/``block_tables``
     int32, all contiguous CPU tensors; caches contiguous ``[num_blocks, block_size, KVH, D]``.
     """
-    assert _lib is not None, "call available() first"
+    lib = c_build.load(_NAME, _bind)
+    assert lib is not None, "call available() first"
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     del num_blocks
-    _lib.paged_decode_attention_f32(
+    lib.paged_decode_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         rows.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),

@@ -18,23 +18,18 @@ from kernels.activation import silu_and_mul_torch
 from kernels.rms_norm import rms_norm_torch
 from kernels.rotary import rotary_embedding_torch
 
-_lib: ctypes.CDLL | None = None
-_tried = False
+
+def _bind(lib: ctypes.CDLL) -> None:
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+    lib.rotary_neox_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i32]
+    lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i32]
+    for fn in (lib.rms_norm_f32, lib.rotary_neox_f32, lib.silu_and_mul_f32):
+        fn.restype = None
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if not _tried:
-        lib = c_build.load("cpu_ops")
-        if lib is not None:
-            i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-            lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
-            lib.rotary_neox_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i32]
-            lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i32]
-            for fn in (lib.rms_norm_f32, lib.rotary_neox_f32, lib.silu_and_mul_f32):
-                fn.restype = None
-        _lib, _tried = lib, True
-    return _lib
+    return c_build.load("cpu_ops", _bind)
 
 
 def available() -> bool:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from ops.bench.tiny import train_byte_level_bpe
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -65,18 +67,7 @@ def training_corpus() -> list[str]:
 
 def build_tokenizer_object() -> Tokenizer:
     """Train the raw ``tokenizers`` byte-level BPE model (deterministic, a few milliseconds)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(training_corpus(), trainer=trainer)
-    return tok
+    return train_byte_level_bpe(training_corpus(), VOCAB_SIZE, SPECIAL_TOKENS)
 
 
 def make_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

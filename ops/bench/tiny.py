@@ -21,18 +21,24 @@ VOCAB_SIZE = 512
 EOS = "<|endoftext|>"
 
 
-def _train_tokenizer(corpus: Path) -> PreTrainedTokenizerFast:
+def train_byte_level_bpe(texts: list[str], vocab_size: int, special_tokens: list[str]) -> Tokenizer:
+    """A byte-level BPE trained on ``texts`` (deterministic, milliseconds); ``special_tokens`` get ids 0, 1, ..."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=[EOS],
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus.read_text(encoding="utf-8").split("\n\n"), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def _train_tokenizer(corpus: Path) -> PreTrainedTokenizerFast:
+    tok = train_byte_level_bpe(corpus.read_text(encoding="utf-8").split("\n\n"), VOCAB_SIZE, [EOS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=EOS,

@@ -27,7 +27,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None -> the model's own context length
     attention_backend: str = "auto"  # auto | torch | triton
     cuda_graphs: bool = True
-    cpu_weight_prepack: bool = True  # CPU: matmul weights reordered once for oneDNN (kernels/cpu_linear)
+    cpu_weight_prepack: bool = True  # CPU: matmul weights packed once (kernels/cpu_linear)
     seed: int = 0  # seeds the generator shared by unseeded sampling requests
 
     def __post_init__(self) -> None:

@@ -28,9 +28,9 @@ def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | None) -
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)``; merged projections (qkv, gate_up) are just a larger ``out_features``.
 
-    On CPU, :meth:`prepack` (called once after loading) moves the weight into oneDNN's blocked
-    layout (``kernels/cpu_linear``), about twice as fast for decode-sized batches, and frees the
-    dense copy so the model is not held twice in memory.
+    On CPU, :meth:`prepack` (called once after loading) moves the weight into a packed layout
+    (``kernels/cpu_linear``: C panels, else oneDNN), 1.3-2x faster for decode-sized batches, and
+    frees the dense copy so the model is not held twice in memory.
     """
 
     def __init__(
@@ -48,7 +48,7 @@ class Linear(nn.Module):
         self.bias: nn.Parameter | None = (
             _empty_param(out_features, dtype=dtype, device=device) if bias else None
         )
-        self.packed: torch.Tensor | None = None
+        self.packed: cpu_linear.PackedWeight | None = None
 
     def prepack(self) -> bool:
         """Reorder the loaded weight for the CPU kernel; False (and nothing changed) where unsupported."""
@@ -65,7 +65,7 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        packed = ", onednn" if self.packed is not None else ""
+        packed = f", {self.packed.kind}" if self.packed is not None else ""
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{packed}"
 
 

@@ -18,6 +18,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.scheduler import ScheduledBatch
+from kernels import host_memory
 
 
 @dataclass
@@ -41,7 +42,10 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks(self.model_config)
         mc = self.model_config
         shape = (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            self.kv_cache = host_memory.zeros(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         self.timings = StepTimings()
         self.graphs: DecodeGraphs | None = None

@@ -1,34 +1,73 @@
-"""Linear layers on CPU through oneDNN with weights reordered once at load time.
+"""Linear layers on CPU with the weight packed once at load time: C panel kernel or oneDNN.
 
 ``F.linear`` on an x86 CPU build of torch calls MKL's sgemm, which re-packs the weight matrix on
-every call. A decode step multiplies a few dozen rows by each weight, so that re-packing (a full
-read and write of the weight) costs as much as the arithmetic: measured on a 2-core AMD EPYC
-(AVX2), SmolLM2's projections ran at 50-60 GFLOP/s for 16 rows and its 49152-row lm_head at 22-50,
-against 90-125 and 55-105 GFLOP/s with the weight reordered once into oneDNN's blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``) and multiplied by ``_linear_pointwise``. Prefill-sized
-batches gain too (gate_up at 2048 rows: ~95 -> ~135 GFLOP/s).
+every call: at decode batch sizes that re-packing costs as much as the arithmetic. Two packed
+layouts fix it, picked in this order:
 
-The reordered weight is an opaque oneDNN tensor: it can only be multiplied, so the dense weight
-stays the source of truth until :func:`pack` succeeds, and anything unsupported (no oneDNN, a
-dtype this CPU's oneDNN cannot reorder, such as bf16 without AVX512-BF16) keeps ``F.linear``.
-The reference is ``F.linear`` itself; results agree to float32 rounding (the summation order of
-the blocked kernel differs).
+- ``panels``: pagedq's own kernel (``csrc/cpu_gemm.c``, float32, AVX2/FMA): the weight as
+  contiguous panels of 16 output columns, streamed once per call. A decode step is a stream of the
+  weights from memory, and this is what keeps it one: measured on a 2-core AMD EPYC over SmolLM2's
+  projections (30 layers, cold), 8 rows ran at 9 GB/s of weights vs oneDNN's 5.8, 16 rows at 62 vs
+  42 GFLOP/s, 128 rows at 116 vs 90, and 2048 rows level (117 vs 113).
+- ``onednn``: the weight reordered into oneDNN's blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``), multiplied by ``_linear_pointwise``, where the C
+  kernel cannot run (no compiler, no AVX2) or for dtypes it does not cover.
+
+A packed weight can only be multiplied, so the dense weight stays the source of truth until
+:func:`pack` succeeds, and anything unsupported keeps ``F.linear``. The reference is ``F.linear``
+itself; results agree to float32 rounding (summation order differs).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-# The batch-size hint for the reorder: oneDNN picks its blocking for this many rows. Decode batches
-# of 16-128 rows dominate engine time; measured, the layout chosen for 64 rows served 1-2048 rows as
-# well as one chosen for each size.
+from kernels import c_build, host_memory
+
+Kind = Literal["panels", "onednn"]
+
+# The batch-size hint for oneDNN's reorder: it picks its blocking for this many rows; measured, the
+# layout chosen for 64 rows served 1-2048 rows as well as one chosen for each size.
 BATCH_HINT = 64
+PANEL = 16  # output columns per panel (csrc/cpu_gemm.c NR)
 
 
-def available(dtype: torch.dtype) -> bool:
-    """Whether weights of ``dtype`` can be reordered here (and the feature is not switched off)."""
+@dataclass(frozen=True, eq=False)
+class PackedWeight:
+    """A weight ``[out_features, in_features]`` in one of the packed layouts (opaque to torch)."""
+
+    kind: Kind
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+    glu: bool = False  # a merged gate/up weight whose product is silu(gate) * up, out_features wide
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.gemm_panels_simd.argtypes = []
+    lib.gemm_panels_simd.restype = i32
+    for fn in (lib.pack_panels_f32, lib.pack_glu_panels_f32):
+        fn.argtypes = [ptr, i64, i64, ptr]
+        fn.restype = None
+    lib.gemm_panels_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
+    lib.gemm_panels_f32.restype = None
+
+
+def _panels_lib() -> ctypes.CDLL | None:
+    if os.environ.get("PAGEDQ_DISABLE_PANEL_LINEAR"):
+        return None
+    lib = c_build.load("cpu_gemm", _bind)
+    # Without AVX2 the portable loop is slower than oneDNN: leave those machines to oneDNN.
+    return lib if lib is not None and lib.gemm_panels_simd() else None
+
+
+def _onednn_available(dtype: torch.dtype) -> bool:
     if os.environ.get("PAGEDQ_DISABLE_ONEDNN_LINEAR"):
         return False
     if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
@@ -36,16 +75,83 @@ def available(dtype: torch.dtype) -> bool:
     return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight [out, in]`` reordered for :func:`linear`, or None where this CPU/dtype cannot have it."""
-    if weight.device.type != "cpu" or not available(weight.dtype):
+def available_kinds(dtype: torch.dtype) -> list[Kind]:
+    """The packed layouts this machine can run for ``dtype``, preferred first."""
+    kinds: list[Kind] = []
+    if dtype == torch.float32 and _panels_lib() is not None:
+        kinds.append("panels")
+    if _onednn_available(dtype):
+        kinds.append("onednn")
+    return kinds
+
+
+def pack(weight: torch.Tensor, kind: Kind | None = None) -> PackedWeight | None:
+    """``weight [out, in]`` packed for :func:`linear` (``kind`` or the preferred one), or None."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
         return None
+    kinds = available_kinds(weight.dtype)
+    for k in kinds if kind is None else [kind] if kind in kinds else []:
+        data = _pack_panels(weight, glu=False) if k == "panels" else _pack_onednn(weight)
+        if data is not None:
+            return PackedWeight(k, data, weight.shape[0], weight.shape[1])
+    return None
+
+
+def pack_gated(gate_up: torch.Tensor) -> PackedWeight | None:
+    """A merged ``[gate; up]`` weight ``[2i, in]`` packed so :func:`linear` returns ``silu(gate) * up``.
+
+    The SiLU-and-mul runs in the matmul's epilogue, on values still in registers: the ``2i``-wide
+    intermediate is never written or read back (at prefill sizes that pass cost ~4% of the step).
+    Panel kernel only; None where it cannot run, and the caller keeps the unfused pair.
+    """
+    if gate_up.device.type != "cpu" or gate_up.dim() != 2 or gate_up.shape[0] % 2:
+        return None
+    if "panels" not in available_kinds(gate_up.dtype):
+        return None
+    return PackedWeight("panels", _pack_panels(gate_up, glu=True), gate_up.shape[0] // 2, gate_up.shape[1], glu=True)
+
+
+def _pack_panels(weight: torch.Tensor, glu: bool) -> torch.Tensor:
+    lib = _panels_lib()
+    assert lib is not None
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    out = host_memory.empty((-(-n // PANEL) * PANEL * k,), torch.float32)
+    if glu:  # n // 2 outputs, PANEL // 2 per panel: the same number of panel floats
+        lib.pack_glu_panels_f32(w.data_ptr(), n // 2, k, out.data_ptr())
+    else:
+        lib.pack_panels_f32(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def _pack_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
     except RuntimeError:  # e.g. an ISA oneDNN's reorder does not support for this dtype
         return None
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` with ``packed`` from :func:`pack`; ``x`` may have any leading dimensions."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed.kind == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
+    n, k = packed.out_features, packed.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight expects {k}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.dtype != torch.float32:
+        x2 = x2.contiguous().float()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32)
+    if bias is not None:
+        if packed.glu:
+            raise ValueError("linear: a gated (glu) packed weight takes no bias")
+        bias = bias.detach().float().contiguous()
+    if m:
+        lib = _panels_lib()
+        assert lib is not None, "panel-packed weight without its kernel"
+        lib.gemm_panels_f32(
+            x2.data_ptr(), x2.stride(0), packed.data.data_ptr(), bias.data_ptr() if bias is not None else None,
+            out.data_ptr(), n, m, n, k, int(packed.glu), torch.get_num_threads(),
+        )
+    return out.view(*x.shape[:-1], n)

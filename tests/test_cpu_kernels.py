@@ -1,4 +1,4 @@
-"""The CPU matmul (oneDNN, reordered weights) and fused C row ops against their torch references."""
+"""The CPU matmul (packed weights: C panels, oneDNN) and fused C row ops against their torch references."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from kernels.rms_norm import rms_norm_torch
 from kernels.rotary import rotary_embedding_torch
 
 needs_c = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the torch references run here")
-needs_onednn = pytest.mark.skipif(not cpu_linear.available(torch.float32), reason="torch built without oneDNN")
+KINDS = cpu_linear.available_kinds(torch.float32)
 
 
-@needs_onednn
-@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 5, 7, 64, 300, 400])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
+def test_packed_linear_matches_f_linear(kind: cpu_linear.Kind, rows: int, bias: bool) -> None:
+    # 200 outputs: a partial last panel; 400 rows: two row blocks of the panel kernel.
     torch.manual_seed(rows)
     layer = Linear(96, 200, bias, torch.float32)
     with torch.no_grad():
@@ -29,12 +30,46 @@ def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
     dense_w = layer.weight.detach().clone()
     x = torch.randn(rows, 96)
     ref = F.linear(x, dense_w, layer.bias)
+    packed = cpu_linear.pack(layer.weight, kind)
+    assert packed is not None and packed.kind == kind
+    torch.testing.assert_close(cpu_linear.linear(x, packed, layer.bias), ref, atol=1e-4, rtol=1e-5)
     assert layer.prepack()
     assert layer.weight.numel() == 0  # the dense copy is freed, not kept twice
+    assert layer.packed is not None and layer.packed.kind == KINDS[0]
     torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(layer(x.view(1, rows, 96)), ref.view(1, rows, 200), atol=1e-4, rtol=1e-5)
     strided = torch.randn(rows, 150)[:, 10:106]  # a column slice, like the model's split views
     torch.testing.assert_close(layer(strided), F.linear(strided, dense_w, layer.bias), atol=1e-4, rtol=1e-5)
+    assert layer(torch.empty(0, 96)).shape == (0, 200)
+
+
+@pytest.mark.skipif("panels" not in KINDS, reason="no C compiler or no AVX2: the panel kernel does not run here")
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (15, 3), (17, 33), (49, 1536)])
+def test_panel_kernel_odd_shapes(n: int, k: int) -> None:
+    torch.manual_seed(n * k)
+    w, b = torch.randn(n, k), torch.randn(n)
+    packed = cpu_linear.pack(w, "panels")
+    assert packed is not None
+    for rows in (1, 6, 13):
+        x = torch.randn(rows, k)
+        torch.testing.assert_close(cpu_linear.linear(x, packed, b), F.linear(x, w, b), atol=2e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="features"):
+        cpu_linear.linear(torch.randn(2, k + 1), packed, None)
+
+
+@pytest.mark.skipif("panels" not in KINDS, reason="no C compiler or no AVX2: the panel kernel does not run here")
+@pytest.mark.parametrize(("inter", "rows"), [(1, 1), (7, 5), (40, 13), (64, 400)])
+def test_gated_panels_fuse_silu_and_mul(inter: int, rows: int) -> None:
+    # inter not a multiple of 8: a partial last panel of the gated layout.
+    torch.manual_seed(inter)
+    gate_up = torch.randn(2 * inter, 48)
+    x = torch.randn(rows, 48) * 2  # gate values well into both tails of the SiLU
+    packed = cpu_linear.pack_gated(gate_up)
+    assert packed is not None and packed.glu and packed.out_features == inter
+    ref = silu_and_mul_torch(F.linear(x, gate_up))
+    torch.testing.assert_close(cpu_linear.linear(x, packed, None), ref, atol=2e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_linear.linear(x, packed, torch.zeros(inter))
 
 
 def test_pack_declines_what_it_cannot_run() -> None:
@@ -98,3 +133,12 @@ def test_cpu_ops_fall_back_for_other_dtypes() -> None:
     w = torch.randn(16, dtype=torch.bfloat16)
     assert torch.equal(cpu_ops.rms_norm_cpu(x, w, 1e-6)[0], rms_norm_torch(x, w, 1e-6)[0])
     assert torch.equal(cpu_ops.silu_and_mul_cpu(x), silu_and_mul_torch(x))
+
+
+def test_host_memory_buffers_are_ordinary_tensors() -> None:
+    from kernels import host_memory
+
+    big = host_memory.zeros((3, 1 << 20), torch.float32)  # 12 MB: madvised interior
+    assert big.shape == (3, 1 << 20) and big.dtype == torch.float32 and not big.any()
+    small = host_memory.empty((5,), torch.float16)  # too small to advise: plain torch.empty
+    assert small.shape == (5,) and small.dtype == torch.float16

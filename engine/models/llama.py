@@ -91,8 +91,19 @@ class LlamaMLP(nn.Module):
         self.ops = ops
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device)
+        self.gated: cpu_linear.PackedWeight | None = None  # CPU: gate_up with the SiLU-and-mul fused in
+
+    def prepack_gated(self) -> bool:
+        """Pack gate_up with its activation fused (``cpu_linear.pack_gated``); False where unsupported."""
+        self.gated = cpu_linear.pack_gated(self.gate_up_proj.weight)
+        if self.gated is None:
+            return False
+        self.gate_up_proj.weight.data = self.gate_up_proj.weight.data.new_empty(0)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated is not None:
+            return self.down_proj(cpu_linear.linear(x, self.gated, None))
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -167,15 +178,17 @@ class LlamaForCausalLM(nn.Module):
                 requires_grad=False,
             )
         )
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: cpu_linear.PackedWeight | None = None
 
     def prepack_cpu_weights(self) -> int:
-        """Reorder every matmul weight for the CPU kernel (after loading); returns how many were.
+        """Pack every matmul weight for the CPU kernels (after loading); returns how many were.
 
-        The lm_head gets its own reordered copy, since a tied embedding table must stay dense for
-        the token lookups.
+        Each MLP's gate_up is packed with its SiLU-and-mul fused in where the panel kernel runs. The
+        lm_head gets its own packed copy, since a tied embedding table must stay dense for the
+        token lookups.
         """
-        count = sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
+        count = sum(m.prepack_gated() for m in self.modules() if isinstance(m, LlamaMLP))
+        count += sum(m.prepack() for m in self.modules() if isinstance(m, Linear) and m.weight.numel())
         self.lm_head_packed = cpu_linear.pack(self.lm_head_weight)
         if self.lm_head_packed is not None and not self.config.tie_word_embeddings:
             self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)

@@ -130,10 +130,10 @@ def _loadavg() -> str:
 def measure_matmul_peak(mc: Any, device: str, dtype: torch.dtype, tokens: int = 512) -> dict[str, Any]:
     """Best matmul throughput over the model's own projection shapes at a prefill-sized M.
 
-    Each shape is timed through ``F.linear`` and, on CPU, through the oneDNN path with the weight reordered
-    once (``kernels/cpu_linear``, what pagedq's engine runs): the best of either is the ceiling the engine's
-    matmuls could reach on this machine, right now (same threads, same load), which is what "useful-FLOP
-    utilisation" is measured against.
+    Each shape is timed through ``F.linear`` and, on CPU, through every packed-weight path
+    (``kernels/cpu_linear``: C panels, which pagedq's engine runs, and oneDNN): the best of all is the
+    ceiling the engine's matmuls could reach on this machine, right now (same threads, same load), which
+    is what "useful-FLOP utilisation" is measured against.
     """
     import torch
     import torch.nn.functional as F
@@ -167,24 +167,26 @@ def measure_matmul_peak(mc: Any, device: str, dtype: torch.dtype, tokens: int = 
         return best
 
     per_shape: dict[str, float] = {}
-    per_shape_onednn: dict[str, float] = {}
+    per_shape_packed: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
         for name, (k, n) in shapes.items():
             x = torch.randn(tokens, k, dtype=dtype, device=device)
             w = torch.randn(n, k, dtype=dtype, device=device)
             flop = 2.0 * tokens * k * n
             per_shape[name] = flop / best_seconds(lambda: F.linear(x, w)) / 1e9  # noqa: B023
-            packed = cpu_linear.pack(w)
-            if packed is not None:
-                per_shape_onednn[name] = flop / best_seconds(lambda: cpu_linear.linear(x, packed, None)) / 1e9  # noqa: B023
-    peak = max([*per_shape.values(), *per_shape_onednn.values()])
+            for kind in cpu_linear.available_kinds(dtype) if device == "cpu" else []:
+                packed = cpu_linear.pack(w, kind)
+                if packed is not None:
+                    seconds = best_seconds(lambda: cpu_linear.linear(x, packed, None))  # noqa: B023
+                    per_shape_packed.setdefault(kind, {})[name] = flop / seconds / 1e9
+    peak = max([*per_shape.values(), *(v for d in per_shape_packed.values() for v in d.values())])
     out: dict[str, Any] = {
         "gflop_s": round(peak, 2),
         "tokens": tokens,
         "per_shape_gflop_s": {k: round(v, 2) for k, v in per_shape.items()},
     }
-    if per_shape_onednn:
-        out["per_shape_onednn_gflop_s"] = {k: round(v, 2) for k, v in per_shape_onednn.items()}
+    for layout, values in per_shape_packed.items():
+        out[f"per_shape_{layout}_gflop_s"] = {k: round(v, 2) for k, v in values.items()}
     return out
 
 

@@ -44,21 +44,32 @@ class _Prefill:
 
 
 @dataclass
+class _PrefillBatch:
+    """Every prefill chunk of the step, for one call of the C prefill kernel."""
+
+    q_starts: torch.Tensor  # int64 [Sp] first query row of each chunk
+    q_lens: torch.Tensor  # int32 [Sp]
+    seq_lens: torch.Tensor  # int32 [Sp]
+    tables: torch.Tensor  # int32 [Sp, max_blocks]
+
+
+@dataclass
 class _TorchPlan:
     decode_rows: torch.Tensor  # int64 [Sd] query rows of single-token sequences
     decode_seq_lens: torch.Tensor  # int32 [Sd]
     decode_tables: torch.Tensor  # int32 [Sd, max_blocks]
     decode_max_len: int
     prefills: list[_Prefill]
+    prefill_batch: _PrefillBatch | None
 
 
 class TorchAttention:
     """CPU backend.
 
-    Decode tokens (one query each, the bulk of a busy step) go through a C kernel that reads the
-    cache in place (``kernels/cpu_attention``) with one call for the whole batch; without a compiler,
-    or for non-float32 caches, a torch path gathers whole blocks instead. Prefill chunks are few per
-    step and compute-bound: each gathers its blocks once and runs one SDPA call.
+    Decode tokens (one query each, the bulk of a busy step) and prefill chunks each go through a C
+    kernel that reads the cache in place (``kernels/cpu_attention``), one call per layer for all of
+    them; without a compiler, for non-float32 caches or head sizes the prefill kernel does not
+    cover, torch paths gather the blocks instead (decode: one batched SDPA; prefill: one per chunk).
     """
 
     name = "torch"
@@ -74,12 +85,22 @@ class TorchAttention:
                      _chunk_mask(q_lens[i], seq_lens[i], meta.block_tables.device))
             for i, n in enumerate(q_lens) if n > 1
         ]
+        pre = torch.tensor([i for i, n in enumerate(q_lens) if n > 1], dtype=torch.long)
+        batch = None
+        if len(pre) and meta.block_tables.device.type == "cpu":
+            batch = _PrefillBatch(
+                q_starts=meta.query_start_loc.long()[pre].contiguous(),
+                q_lens=torch.tensor([q_lens[i] for i in pre.tolist()], dtype=torch.int32),
+                seq_lens=meta.seq_lens[pre].to(torch.int32).contiguous(),
+                tables=meta.block_tables[pre].to(torch.int32).contiguous(),
+            )
         meta.backend_state = _TorchPlan(
             decode_rows=meta.query_start_loc.long()[idx].contiguous(),
             decode_seq_lens=meta.seq_lens[idx].contiguous(),
             decode_tables=meta.block_tables[idx].contiguous(),
             decode_max_len=max((seq_lens[i] for i in dec), default=0),
             prefills=prefills,
+            prefill_batch=batch,
         )
 
     def forward(
@@ -102,9 +123,25 @@ class TorchAttention:
                 )
             else:
                 out[plan.decode_rows] = _decode_torch(q[plan.decode_rows], k_cache, v_cache, plan, scale)
-        for p in plan.prefills:
-            out[p.rows] = _prefill_torch(q[p.rows], k_cache, v_cache, p, scale)
+        if plan.prefill_batch is not None and _c_prefill_ok(q, k_cache):
+            b = plan.prefill_batch
+            cpu_attention.paged_prefill_attention(
+                q, k_cache, v_cache, out, b.q_starts, b.q_lens, b.seq_lens, b.tables, scale
+            )
+        else:
+            for p in plan.prefills:
+                out[p.rows] = _prefill_torch(q[p.rows], k_cache, v_cache, p, scale)
         return out
+
+
+def _c_prefill_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (
+        q.dtype == torch.float32
+        and k_cache.dtype == torch.float32
+        and q.stride(-1) == 1
+        and k_cache.is_contiguous()
+        and cpu_attention.prefill_supported(q.shape[-1])
+    )
 
 
 def _chunk_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:

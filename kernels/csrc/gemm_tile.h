@@ -1,0 +1,123 @@
+/* The register tile shared by the panel GEMM (cpu_gemm.c) and prefill attention (cpu_attention.c):
+ * y[rows, 0:16] = x[rows, 0:k] @ panel[0:k, 0:16] with rows <= MR, x rows at stride ldx, panel rows at
+ * stride ldw (16 for a packed weight panel). Epilogue: + bias, or with glu, silu(lanes 0-7) * lanes 8-15. */
+#ifndef PAGEDQ_GEMM_TILE_H
+#define PAGEDQ_GEMM_TILE_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "simd_math.h"
+
+#define NR 16
+#define MR 6
+#ifndef PF
+#define PF 128 /* k-rows ahead to prefetch (8 KB): DRAM latency is ~300 cycles of a few FMAs each */
+#endif
+
+#ifdef PAGEDQ_AVX2
+
+static inline __m256 silu_mul8(__m256 g, __m256 u)
+{
+    const __m256 one = _mm256_set1_ps(1.f);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    return _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
+}
+
+/* rows x 16 tile: acc[r] += x[r, :] * panel[:, 0:16], then stored (+bias) into y (ncols valid). */
+static inline __attribute__((always_inline)) void tile(int rows, const float *x, int64_t ldx,
+                                                       const float *panel, int64_t ldw, int64_t k, float *y,
+                                                       int64_t ldy, const float *bias, int ncols, int glu)
+{
+    /* Named accumulators, not an array: gcc spills an accumulator array to the stack every step. */
+    __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a;
+    __m256 c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
+    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx,
+                *x5 = x + 5 * ldx;
+#define ROW(r, ca, cb)                                          \
+    if (rows > r) {                                             \
+        const __m256 b = _mm256_broadcast_ss(x##r + kk);        \
+        ca = _mm256_fmadd_ps(b, w0, ca);                        \
+        cb = _mm256_fmadd_ps(b, w1, cb);                        \
+    }
+    for (int64_t kk = 0; kk < k; kk++) {
+        const float *wp = panel + kk * ldw;
+        _mm_prefetch((const char *)(wp + PF * ldw), _MM_HINT_T0);
+        const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
+        ROW(0, c0a, c0b) ROW(1, c1a, c1b) ROW(2, c2a, c2b) ROW(3, c3a, c3b) ROW(4, c4a, c4b) ROW(5, c5a, c5b)
+    }
+#undef ROW
+    const __m256 acc[MR][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    float tmp[NR];
+    if (bias) {
+        if (ncols == NR) {
+            b0 = _mm256_loadu_ps(bias);
+            b1 = _mm256_loadu_ps(bias + 8);
+        } else {
+            memset(tmp, 0, sizeof tmp);
+            memcpy(tmp, bias, (size_t)ncols * sizeof(float));
+            b0 = _mm256_loadu_ps(tmp);
+            b1 = _mm256_loadu_ps(tmp + 8);
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        if (r >= rows) break;
+        float *yr = y + r * ldy;
+        if (glu) { /* 8 outputs: silu(gate lanes) * up lanes; no bias (the MLPs pagedq runs have none) */
+            const __m256 v = silu_mul8(acc[r][0], acc[r][1]);
+            if (ncols == NR / 2) {
+                _mm256_storeu_ps(yr, v);
+            } else {
+                _mm256_storeu_ps(tmp, v);
+                memcpy(yr, tmp, (size_t)ncols * sizeof(float));
+            }
+            continue;
+        }
+        const __m256 v0 = _mm256_add_ps(acc[r][0], b0), v1 = _mm256_add_ps(acc[r][1], b1);
+        if (ncols == NR) {
+            _mm256_storeu_ps(yr, v0);
+            _mm256_storeu_ps(yr + 8, v1);
+        } else {
+            _mm256_storeu_ps(tmp, v0);
+            _mm256_storeu_ps(tmp + 8, v1);
+            memcpy(yr, tmp, (size_t)ncols * sizeof(float));
+        }
+    }
+}
+
+static inline void tile_rows(int rows, const float *x, int64_t ldx, const float *panel, int64_t ldw, int64_t k, float *y,
+                      int64_t ldy, const float *bias, int ncols, int glu)
+{
+    switch (rows) { /* constant row counts let the compiler keep every accumulator in a register */
+    case 6: tile(6, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 5: tile(5, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 4: tile(4, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 3: tile(3, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 2: tile(2, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    default: tile(1, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    }
+}
+
+#else
+
+static inline void tile_rows(int rows, const float *x, int64_t ldx, const float *panel, int64_t ldw, int64_t k, float *y,
+                      int64_t ldy, const float *bias, int ncols, int glu)
+{
+    for (int r = 0; r < rows; r++) {
+        float acc[NR] = {0};
+        for (int64_t kk = 0; kk < k; kk++) {
+            const float b = x[r * ldx + kk];
+            for (int j = 0; j < NR; j++) acc[j] += b * panel[kk * ldw + j];
+        }
+        for (int j = 0; j < ncols; j++) {
+            const float g = acc[j];
+            y[r * ldy + j] = glu ? g / (1.f + expf(-g)) * acc[NR / 2 + j] : g + (bias ? bias[j] : 0.f);
+        }
+    }
+}
+
+#endif
+
+#endif /* PAGEDQ_GEMM_TILE_H */

@@ -101,10 +101,14 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj.weight.data = self.gate_up_proj.weight.data.new_empty(0)
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def gate_up_act(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x @ gate.T) * (x @ up.T)``: one fused matmul when packed gated, else matmul then op."""
         if self.gated is not None:
-            return self.down_proj(cpu_linear.linear(x, self.gated, None))
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+            return cpu_linear.linear(x, self.gated, None)
+        return self.ops.silu_and_mul(self.gate_up_proj(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_act(x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -8,7 +8,9 @@
  * for up to MB rows of x at a time; the 6x16 register tile (12 accumulators, BLIS's Haswell shape) keeps
  * the FMA units busy once rows are many.
  *
- * Layout of a packed weight: ceil(N/16) panels of K x 16 floats; columns past N are zero.
+ * Layout of a packed weight: ceil(N/16) panels of K x 16 floats; columns past N are zero. The
+ * register tile lives in gemm_tile.h (prefill attention runs on it too); with glu, the merged
+ * gate/up weight is packed so the tile's epilogue emits silu(gate) * up directly.
  */
 #include <stdint.h>
 

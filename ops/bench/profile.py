@@ -41,13 +41,19 @@ def _timed(fn: Callable[..., Any], bucket: dict[str, float], key: str) -> Callab
 
 
 def _instrument_model(engine: Any, bucket: dict[str, float]) -> None:
-    """Wrap this engine's model: every Linear (decoder matmuls), lm_head, attention, norms, rotary, act."""
+    """Wrap this engine's model: every Linear (decoder matmuls), lm_head, attention, norms, rotary, act.
+
+    A gated MLP packed with its SiLU-and-mul fused (CPU) runs gate_up as one kernel: it counts as a matmul.
+    """
     from engine.layers import Linear
+    from engine.models.llama import LlamaMLP
 
     model = engine.runner.model
     for module in model.modules():
         if isinstance(module, Linear):
             module.forward = _timed(module.forward, bucket, "linear (decoder matmuls)")  # type: ignore[method-assign]
+        elif isinstance(module, LlamaMLP) and module.gated is not None:  # gate_up + SiLU-and-mul, one kernel
+            module.gate_up_act = _timed(module.gate_up_act, bucket, "linear (decoder matmuls)")  # type: ignore[method-assign]
     model.compute_logits = _timed(model.compute_logits, bucket, "lm_head (logits matmul)")
     model.embed_tokens.forward = _timed(model.embed_tokens.forward, bucket, "embedding")
     ops = model.ops

@@ -51,7 +51,7 @@ class Linear(nn.Module):
         self.packed: cpu_linear.PackedWeight | None = None
 
     def prepack(self) -> bool:
-        """Reorder the loaded weight for the CPU kernel; False (and nothing changed) where unsupported."""
+        """Pack the loaded weight for the CPU kernel; False (and nothing changed) where unsupported."""
         packed = cpu_linear.pack(self.weight)
         if packed is None:
             return False

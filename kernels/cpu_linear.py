@@ -50,8 +50,6 @@ class PackedWeight:
 
 def _bind(lib: ctypes.CDLL) -> None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.gemm_panels_simd.argtypes = []
-    lib.gemm_panels_simd.restype = i32
     for fn in (lib.pack_panels_f32, lib.pack_glu_panels_f32):
         fn.argtypes = [ptr, i64, i64, ptr]
         fn.restype = None
@@ -60,11 +58,10 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 def _panels_lib() -> ctypes.CDLL | None:
+    """The panel kernel, or None: switched off, no compiler, or no AVX2/FMA (the source refuses to build)."""
     if os.environ.get("PAGEDQ_DISABLE_PANEL_LINEAR"):
         return None
-    lib = c_build.load("cpu_gemm", _bind)
-    # Without AVX2 the portable loop is slower than oneDNN: leave those machines to oneDNN.
-    return lib if lib is not None and lib.gemm_panels_simd() else None
+    return c_build.load("cpu_gemm", _bind)
 
 
 def _onednn_available(dtype: torch.dtype) -> bool:
@@ -89,8 +86,8 @@ def pack(weight: torch.Tensor, kind: Kind | None = None) -> PackedWeight | None:
     """``weight [out, in]`` packed for :func:`linear` (``kind`` or the preferred one), or None."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
-    kinds = available_kinds(weight.dtype)
-    for k in kinds if kind is None else [kind] if kind in kinds else []:
+    kinds = [k for k in available_kinds(weight.dtype) if kind in (None, k)]
+    for k in kinds:
         data = _pack_panels(weight, glu=False) if k == "panels" else _pack_onednn(weight)
         if data is not None:
             return PackedWeight(k, data, weight.shape[0], weight.shape[1])
@@ -148,7 +145,7 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
             raise ValueError("linear: a gated (glu) packed weight takes no bias")
         bias = bias.detach().float().contiguous()
     if m:
-        lib = _panels_lib()
+        lib = c_build.load("cpu_gemm", _bind)  # loaded when the weight was packed: a dict lookup here
         assert lib is not None, "panel-packed weight without its kernel"
         lib.gemm_panels_f32(
             x2.data_ptr(), x2.stride(0), packed.data.data_ptr(), bias.data_ptr() if bias is not None else None,

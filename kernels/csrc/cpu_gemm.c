@@ -15,6 +15,10 @@
 #include <stdint.h>
 
 #include "gemm_tile.h"
+
+#ifndef PAGEDQ_AVX2
+#error "cpu_gemm needs AVX2/FMA: without them the packed weights go to oneDNN (kernels/cpu_linear.py)"
+#endif
 #ifndef MB
 #define MB 384 /* rows of x per block (measured 256-384 best here): the block is reused across every panel */
 #endif
@@ -73,14 +77,4 @@ void gemm_panels_f32(const float *x, int64_t ldx, const float *packed, const flo
             }
         }
     }
-}
-
-/* 1 when built with the AVX2/FMA tile (the fast path), 0 for the portable loop. */
-int gemm_panels_simd(void)
-{
-#ifdef PAGEDQ_AVX2
-    return 1;
-#else
-    return 0;
-#endif
 }

@@ -1,6 +1,7 @@
 /* The register tile shared by the panel GEMM (cpu_gemm.c) and prefill attention (cpu_attention.c):
  * y[rows, 0:16] = x[rows, 0:k] @ panel[0:k, 0:16] with rows <= MR, x rows at stride ldx, panel rows at
- * stride ldw (16 for a packed weight panel). Epilogue: + bias, or with glu, silu(lanes 0-7) * lanes 8-15. */
+ * stride ldw (16 for a packed weight panel). Epilogue: + bias, or with glu, silu(lanes 0-7) * lanes 8-15.
+ * AVX2/FMA only: without them neither user runs (the callers keep oneDNN and torch's SDPA). */
 #ifndef PAGEDQ_GEMM_TILE_H
 #define PAGEDQ_GEMM_TILE_H
 
@@ -97,24 +98,6 @@ static inline void tile_rows(int rows, const float *x, int64_t ldx, const float 
     case 3: tile(3, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
     case 2: tile(2, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
     default: tile(1, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    }
-}
-
-#else
-
-static inline void tile_rows(int rows, const float *x, int64_t ldx, const float *panel, int64_t ldw, int64_t k, float *y,
-                      int64_t ldy, const float *bias, int ncols, int glu)
-{
-    for (int r = 0; r < rows; r++) {
-        float acc[NR] = {0};
-        for (int64_t kk = 0; kk < k; kk++) {
-            const float b = x[r * ldx + kk];
-            for (int j = 0; j < NR; j++) acc[j] += b * panel[kk * ldw + j];
-        }
-        for (int j = 0; j < ncols; j++) {
-            const float g = acc[j];
-            y[r * ldy + j] = glu ? g / (1.f + expf(-g)) * acc[NR / 2 + j] : g + (bias ? bias[j] : 0.f);
-        }
     }
 }
 

@@ -19,7 +19,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
-                   i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+                   i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn.restype = None
     fn = lib.paged_prefill_attention_f32
     fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
@@ -27,6 +27,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn.restype = None
     lib.paged_prefill_attention_supported.argtypes = [i64]
     lib.paged_prefill_attention_supported.restype = ctypes.c_int
+    lib.decode_cascade_blocks.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64]
+    lib.decode_cascade_blocks.restype = i64
 
 
 def available() -> bool:
@@ -43,11 +45,15 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    cascade: bool = True,
 ) -> None:
     """Write into ``out[rows]`` the attention of the single-token queries ``q[rows]`` over their contexts.
 
     ``q [N, H, D]`` float32 with a unit last stride; ``rows`` int64, ``seq_lens``/``block_tables``
     int32, all contiguous CPU tensors; caches contiguous ``[num_blocks, block_size, KVH, D]``.
+    With ``cascade``, blocks that start every sequence's table (a shared prompt prefix) are attended
+    once for all sequences and merged into each (same result; the prefix is read once, not per
+    sequence). The kernel finds them itself, so the engine needs no plan for it.
     """
     lib = c_build.load(_NAME, _bind)
     assert lib is not None, "call available() first"
@@ -58,8 +64,24 @@ def paged_decode_attention(
         k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         rows.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         rows.shape[0], block_tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size,
-        scale, torch.get_num_threads(),
+        scale, int(cascade), torch.get_num_threads(),
     )
+
+
+def cascade_blocks(seq_lens: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor, num_heads: int) -> int:
+    """How many leading blocks :func:`paged_decode_attention` attends once for all these sequences.
+
+    0 when they share none, are fewer than the kernel's minimum, or the cascade path does not run
+    here (no AVX2, ``head_dim % 16 != 0``). Same inputs as the kernel's.
+    """
+    lib = c_build.load(_NAME, _bind)
+    if lib is None:
+        return 0
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    return int(lib.decode_cascade_blocks(
+        seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0], block_tables.shape[1], block_size,
+        num_heads, num_kv_heads, head_dim,
+    ))
 
 
 def prefill_supported(head_dim: int) -> bool:

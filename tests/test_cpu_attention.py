@@ -23,11 +23,23 @@ def random_batch(
 
 
 def make_batch(
-    seq_lens: list[int], q_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+    seq_lens: list[int],
+    q_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    shared_blocks: int = 0,
 ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's batch over random caches; every table starts with the same ``shared_blocks`` blocks
+    (a cached prefix; a sequence shorter than it holds only the blocks it reaches)."""
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 8
     free = torch.randperm(num_blocks).tolist()
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+    shared = [free.pop() for _ in range(shared_blocks)]
+    tables = [
+        shared[: -(-n // block_size)] + [free.pop() for _ in range(-(-n // block_size) - shared_blocks)]
+        for n in seq_lens
+    ]
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     slots = [
@@ -59,7 +71,7 @@ def make_batch(
 @pytest.mark.parametrize("use_c", [True, False])
 # head_dim 20 takes the decode kernel's portable path (not a multiple of 8) and torch's prefill (not a
 # multiple of 16); block size 4 leaves every block shorter than the AVX2 decode path's 8-row step, so
-# only its tail loops run, and makes the prefill kernel's 16-key chunks span several blocks.
+# only its tail loops run, and makes the prefill kernel's 64-key chunks span many blocks.
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 1, 32), (6, 2, 20)])
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 def test_matches_reference(
@@ -95,7 +107,7 @@ def test_matches_reference(
 
 @pytest.mark.skipif(not cpu_attention.prefill_supported(64), reason="no C compiler or no AVX2: torch's prefill runs")
 def test_prefill_kernel_long_chunks() -> None:
-    # Many 16-query tiles and 16-key chunks: a whole 300-token prompt, a 70-token chunk after 230
+    # Many 16-query tiles and 64-key chunks: a whole 300-token prompt, a 70-token chunk after 230
     # cached tokens, a chunk starting mid-block, next to decode tokens in the same step.
     torch.manual_seed(0)
     meta, q, k, v, k_cache, v_cache = make_batch([300, 300, 45, 77, 9], [300, 70, 13, 1, 1], 9, 3, 64, 16)
@@ -105,3 +117,61 @@ def test_prefill_kernel_long_chunks() -> None:
     args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125, meta.max_query_len, meta.max_seq_len)
     ref = paged_attention_torch(q, k_cache, v_cache, *args)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 32), (4, 4, 16), (6, 2, 20)])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_decode_cascade_over_shared_prefix(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    # Decode sequences whose tables start with the same blocks (a cached prompt prefix): the kernel
+    # attends those once for all of them (in tiles of 16 sequences) and merges each one's own part.
+    if not cpu_attention.available():
+        pytest.skip("no C compiler: the torch fallback is what runs here")
+    rng = random.Random(head_dim * 7 + block_size)
+    torch.manual_seed(rng.randrange(1000))
+    cascade_runs = head_dim % 16 == 0 and cpu_attention.prefill_supported(head_dim)
+    shared = 96 // block_size
+    cases = [
+        # 37 sequences (tiles of 16, 16, 5), one of them with a single position of its own
+        ([shared * block_size + 1] + [shared * block_size + rng.randint(1, 150) for _ in range(36)], shared),
+        # one shorter sequence ends inside the prefix: only the blocks before its last position are shared
+        ([shared * block_size - 5] + [shared * block_size + rng.randint(1, 40) for _ in range(5)],
+         (shared * block_size - 6) // block_size),
+        # three sequences: below the minimum, read one by one
+        ([shared * block_size + 7] * 3, 0),
+    ]
+    for seq_lens, expected in cases:
+        meta, q, _, _, k_cache, v_cache = make_batch(
+            seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, shared_blocks=shared
+        )
+        rows = torch.arange(len(seq_lens))
+        tables = meta.block_tables.contiguous()
+        assert cpu_attention.cascade_blocks(meta.seq_lens, tables, k_cache, num_heads) == (
+            expected if cascade_runs else 0
+        )
+        scale = head_dim**-0.5
+        outs = []
+        for cascade in (True, False):
+            out = torch.zeros_like(q)
+            cpu_attention.paged_decode_attention(
+                q, k_cache, v_cache, out, rows, meta.seq_lens, tables, scale, cascade=cascade
+            )
+            outs.append(out)
+        args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len, meta.max_seq_len)
+        ref = paged_attention_torch(q, k_cache, v_cache, *args)
+        torch.testing.assert_close(outs[0], ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(outs[1], ref, atol=2e-5, rtol=1e-4)
+
+
+def test_backend_cascade_next_to_prefills() -> None:
+    # The engine's path: six decodes behind a shared 64-token prefix plus prefill chunks in one step.
+    if not cpu_attention.available():
+        pytest.skip("no C compiler: the torch fallback is what runs here")
+    torch.manual_seed(3)
+    seq_lens = [64 + n for n in (5, 30, 17, 1, 60, 44)] + [64 + 40, 64 + 25]
+    q_lens = [1] * 6 + [40, 25]
+    meta, q, k, v, k_cache, v_cache = make_batch(seq_lens, q_lens, 9, 3, 64, 16, shared_blocks=4)
+    backend = TorchAttention()
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125, meta.max_query_len, meta.max_seq_len)
+    torch.testing.assert_close(out, paged_attention_torch(q, k_cache, v_cache, *args), atol=2e-5, rtol=1e-4)

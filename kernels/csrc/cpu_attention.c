@@ -5,6 +5,8 @@
  * on a CPU (advanced indexing moves data at a fraction of memory bandwidth), so this kernel walks the
  * block table and reads every K/V row where it lies, once per (sequence, kv head), for all the query
  * heads that share that kv head (GQA/MQA). float32 only; the caller falls back to torch otherwise.
+ * Where many decode sequences start with the same blocks (a cached prompt prefix), those are attended
+ * once for all of them (cascade attention, see decode_cascade_blocks) and merged into each.
  *
  * Layouts: q [*, H, D] with strides (q_tok, q_head, 1); out [N, H, D] contiguous;
  * k_cache, v_cache [num_blocks, block_size, KVH, D] contiguous; block_tables [S, max_blocks].
@@ -19,6 +21,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+/* The tiles here multiply L1-resident scratch: prefetching ahead of a packed weight panel would
+   only pull unrelated lines into L1. */
+#define PF 0
 #include "gemm_tile.h"
 #include "simd_math.h"
 
@@ -48,6 +53,12 @@ typedef struct {
     const int64_t *rows; const int32_t *seq_lens, *block_tables;
     int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
+    int64_t num_seqs;
+    /* Cascade: blocks 0..prefix_blocks-1 of every table are the same physical blocks; their partial
+       attention (unnormalised output [S, H, D], running max and sum [S, H]) is computed once for all
+       sequences (prefix_task) and each task merges it with its own positions. 0: no shared prefix. */
+    int64_t prefix_blocks;
+    float *prefix_o, *prefix_m, *prefix_l;
 } attn_args;
 
 /* Where one (sequence s, kv head h) task reads and writes. */
@@ -139,7 +150,8 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, f
 {
     const task_view tv = view_of(a, s, h);
     const int64_t group = tv.group, D = a->head_dim, block_size = a->block_size;
-    const int64_t rs = tv.rs, block_stride = tv.block_stride, len = tv.len, nblocks = tv.nblocks;
+    const int64_t rs = tv.rs, block_stride = tv.block_stride, nblocks = tv.nblocks;
+    const int64_t b0 = a->prefix_blocks, first = b0 * block_size, len = tv.len - first; /* own positions */
     const int32_t *table = tv.table;
     float *acc = tv.acc;
     const float *qg = tv.qg;
@@ -148,10 +160,10 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, f
         for (int64_t c = 0; c < D; c += 8)
             _mm256_storeu_ps(qs + g * D + c, _mm256_mul_ps(_mm256_loadu_ps(qg + g * a->q_head + c), vscale));
 
-    for (int64_t b = 0; b < nblocks; b++) {
+    for (int64_t b = b0; b < nblocks; b++) {
         const float *kb = a->k_cache + (int64_t)table[b] * block_stride + h * D;
-        const int64_t n = (b + 1) * block_size <= len ? block_size : len - b * block_size;
-        const int64_t base = b * block_size;
+        const int64_t base = b * block_size - first;
+        const int64_t n = base + block_size <= len ? block_size : len - base;
         for (int64_t g = 0; g < group; g++) {
             const float *qq = qs + g * D;
             float *sc = scores + g * len + base;
@@ -182,7 +194,7 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, f
         }
     }
     /* Softmax numerators; the 1/sum is applied to the output at the end. */
-    float inv[64];
+    float mxs[64], sums[64];
     for (int64_t g = 0; g < group; g++) {
         float *sc = scores + g * len;
         __m256 vmx = _mm256_set1_ps(-INFINITY);
@@ -205,13 +217,14 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, f
         }
         float sum = hsum1(vsum);
         for (; pos < len; pos++) { sc[pos] = expf(sc[pos] - mx); sum += sc[pos]; }
-        inv[g] = 1.f / sum;
+        mxs[g] = mx;
+        sums[g] = sum;
     }
     memset(acc, 0, sizeof(float) * group * D);
-    for (int64_t b = 0; b < nblocks; b++) {
+    for (int64_t b = b0; b < nblocks; b++) {
         const float *vb = a->v_cache + (int64_t)table[b] * block_stride + h * D;
-        const int64_t n = (b + 1) * block_size <= len ? block_size : len - b * block_size;
-        const int64_t base = b * block_size;
+        const int64_t base = b * block_size - first;
+        const int64_t n = base + block_size <= len ? block_size : len - base;
         for (int64_t g = 0; g < group; g++) {
             const float *sc = scores + g * len + base;
             float *o = acc + g * D;
@@ -237,37 +250,244 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, f
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        const __m256 vi = _mm256_set1_ps(inv[g]);
+        if (b0 == 0) {
+            const __m256 vi = _mm256_set1_ps(1.f / sums[g]);
+            for (int64_t c = 0; c < D; c += 8)
+                _mm256_storeu_ps(acc + g * D + c, _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + c), vi));
+            continue;
+        }
+        /* Merge with the shared prefix's partial result, rescaled to the larger running max. */
+        const int64_t i = s * a->num_heads + h * group + g;
+        const float mx = fmaxf(mxs[g], a->prefix_m[i]);
+        const float wo = expf(mxs[g] - mx), wp = expf(a->prefix_m[i] - mx);
+        const __m256 vo = _mm256_set1_ps(wo / (sums[g] * wo + a->prefix_l[i] * wp));
+        const __m256 vp = _mm256_set1_ps(wp / (sums[g] * wo + a->prefix_l[i] * wp));
+        const float *po = a->prefix_o + i * D;
         for (int64_t c = 0; c < D; c += 8)
-            _mm256_storeu_ps(acc + g * D + c, _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + c), vi));
+            _mm256_storeu_ps(acc + g * D + c, _mm256_fmadd_ps(_mm256_loadu_ps(acc + g * D + c), vo,
+                                                              _mm256_mul_ps(_mm256_loadu_ps(po + c), vp)));
     }
 }
 #endif
+
+/* ---- Flash-style attention of a tile of query rows over a range of cached positions, shared by
+ * prefill chunks and by the shared-prefix pass of decode steps.
+ *
+ * Keys go in chunks of KC; S = Q K^T and P V run through the GEMM register tile (gemm_tile.h) on a
+ * transposed copy of the chunk's keys and a copy of its values, with an online softmax in between: a
+ * tile of R rows reads each K/V row once. torch's CPU flash SDPA ran these shapes at ~40 GFLOP/s on 2
+ * EPYC cores and needed each context gathered out of the cache first; chunks of 64 keys instead of 16
+ * measured 59 -> 78 GFLOP/s over 512-token contexts (the per-row max/rescale is paid per chunk). AVX2
+ * and head_dim % 16 == 0 only: the callers keep the per-sequence paths otherwise
+ * (paged_prefill_attention_supported). */
+#define QT 16 /* prefill queries per tile; also the decode sequences per tile of the prefix pass */
+#define KC 64 /* keys per chunk */
+
+int paged_prefill_attention_supported(int64_t head_dim)
+{
+#ifdef PAGEDQ_AVX2
+    return head_dim % NR == 0;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
+
+#ifdef PAGEDQ_AVX2
+/* One thread's tile: R query rows Qs [R, D] (already scaled) of kv head h, the running output O [R, D]
+ * (unnormalised), max m and sum l [R]; work space S [R, KC], alpha [R], Kt [D, KC], Vc [KC, D], T [R, D]. */
+typedef struct {
+    int64_t R;
+    float *Qs, *O, *m, *l, *S, *alpha, *Kt, *Vc, *T;
+} flash_tile;
+
+static flash_tile flash_tile_in(float *scratch, int64_t R, int64_t D)
+{
+    flash_tile t;
+    t.R = R;
+    t.Qs = scratch; t.O = t.Qs + R * D; t.T = t.O + R * D; t.S = t.T + R * D;
+    t.m = t.S + R * KC; t.l = t.m + R; t.alpha = t.l + R; t.Kt = t.alpha + R; t.Vc = t.Kt + D * KC;
+    for (int64_t r = 0; r < R; r++) { t.m[r] = -INFINITY; t.l[r] = 0.f; }
+    memset(t.O, 0, sizeof(float) * R * D);
+    return t;
+}
+
+static size_t flash_tile_floats(int64_t R, int64_t D) { return (size_t)(3 * R * D + R * KC + 3 * R + 2 * D * KC + 16); }
+
+/* Accumulate positions 0..end-1 (through `table`, blocks of bs, K/V rows of stride rs) into the tile.
+ * Causal when nq > 0: row r is the query at position p0 + r % nq and sees keys up to it. */
+static void flash_rows(flash_tile *t, const float *k_cache, const float *v_cache, const int32_t *table,
+                       int64_t bs, int64_t rs, int64_t h, int64_t D, int64_t end, int64_t p0, int64_t nq)
+{
+    const int64_t R = t->R;
+    float *S = t->S, *Kt = t->Kt, *Vc = t->Vc;
+    const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t c0 = 0; c0 < end; c0 += KC) {
+        const int64_t nk = end - c0 < KC ? end - c0 : KC;
+        const int64_t nk16 = (nk + NR - 1) / NR * NR; /* keys computed (a short last chunk stops early) */
+        for (int64_t j0 = 0; j0 < nk16; j0 += 8) {  /* Kt = the chunk's keys transposed, 8x8 at a time */
+            const float *kr[8];
+            for (int64_t j = j0; j < j0 + 8; j++) {
+                const int64_t pos = c0 + j;
+                if (j >= nk) { kr[j - j0] = NULL; continue; }
+                const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * rs + h * D;
+                kr[j - j0] = k_cache + off;
+                memcpy(Vc + j * D, v_cache + off, sizeof(float) * D);
+            }
+            for (int64_t d0 = 0; d0 < D; d0 += 8) {
+                __m256 m8[8];
+                for (int i = 0; i < 8; i++) m8[i] = kr[i] ? _mm256_loadu_ps(kr[i] + d0) : _mm256_setzero_ps();
+                transpose8(m8);
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(Kt + (d0 + i) * KC + j0, m8[i]);
+            }
+        }
+        for (int64_t c = 0; c < nk16; c += NR)  /* S = Qs Kt, 16 keys at a time; columns past nk16 are masked */
+            for (int64_t r = 0; r < R; r += MR)
+                tile_rows((int)(R - r < MR ? R - r : MR), t->Qs + r * D, D, Kt + c, KC, D, S + r * KC + c, KC, NULL, NR, 0);
+        /* Some key of the chunk is past some query (the chunk's padding keys count as past). */
+        const int masked = nq > 0 ? c0 + KC - 1 > p0 : nk < KC;
+        for (int64_t r = 0; r < R; r++) {
+            float *sr = S + r * KC;
+            __m256 sv[KC / 8], ok[KC / 8];
+            __m256 vmax = _mm256_set1_ps(t->m[r]);
+            const __m256 lim = _mm256_set1_ps((float)((nq > 0 ? p0 + r % nq : end - 1) - c0));
+            for (int v = 0; v < KC / 8; v++) {
+                sv[v] = _mm256_loadu_ps(sr + 8 * v);
+                ok[v] = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+                if (masked) {  /* key c0 + j visible iff c0 + j <= the row's last visible position */
+                    ok[v] = _mm256_cmp_ps(_mm256_add_ps(iota, _mm256_set1_ps(8.f * v)), lim, _CMP_LE_OQ);
+                    sv[v] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv[v], ok[v]);
+                }
+                vmax = _mm256_max_ps(vmax, sv[v]);
+            }
+            const float mx = hmax1(vmax);
+            const __m256 vm = _mm256_set1_ps(mx);
+            __m256 vsum = _mm256_setzero_ps();
+            for (int v = 0; v < KC / 8; v++) {
+                const __m256 pv = _mm256_and_ps(exp8(_mm256_sub_ps(sv[v], vm)), ok[v]);
+                _mm256_storeu_ps(sr + 8 * v, pv);
+                vsum = _mm256_add_ps(vsum, pv);
+            }
+            t->alpha[r] = t->m[r] == -INFINITY ? 0.f : expf(t->m[r] - mx);
+            t->l[r] = t->l[r] * t->alpha[r] + hsum1(vsum);
+            t->m[r] = mx;
+        }
+        for (int64_t c = 0; c < D; c += NR)  /* T = P Vc, 16 output dims at a time */
+            for (int64_t r = 0; r < R; r += MR)
+                tile_rows((int)(R - r < MR ? R - r : MR), S + r * KC, KC, Vc + c, D, nk, t->T + r * D + c, D, NULL, NR, 0);
+        for (int64_t r = 0; r < R; r++) {  /* O = O * alpha + T */
+            const __m256 al = _mm256_set1_ps(t->alpha[r]);
+            float *o = t->O + r * D;
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(_mm256_loadu_ps(o + d), al, _mm256_loadu_ps(t->T + r * D + d)));
+        }
+    }
+}
+
+/* Cascade, first half: the queries of up to QT decode sequences (for one kv head) over the shared
+ * prefix, as one tile of QT * G rows instead of one pass over the prefix per sequence. Leaves the
+ * unnormalised output, max and sum of every (sequence, query head) in the prefix_* arrays. */
+static void prefix_task(const attn_args *a, int64_t h, int64_t s0, float *scratch)
+{
+    const int64_t D = a->head_dim, G = a->num_heads / a->num_kv_heads, H = a->num_heads;
+    const int64_t ns = a->num_seqs - s0 < QT ? a->num_seqs - s0 : QT;
+    flash_tile t = flash_tile_in(scratch, ns * G, D);
+    for (int64_t j = 0; j < ns; j++)  /* row j * G + g: query head h * G + g of sequence s0 + j */
+        for (int64_t g = 0; g < G; g++) {
+            const float *src = a->q + a->rows[s0 + j] * a->q_tok + (h * G + g) * a->q_head;
+            float *dst = t.Qs + (j * G + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = src[d] * a->scale;
+        }
+    flash_rows(&t, a->k_cache, a->v_cache, a->block_tables + s0 * a->max_blocks, a->block_size,
+               a->num_kv_heads * D, h, D, a->prefix_blocks * a->block_size, 0, 0);
+    for (int64_t j = 0; j < ns; j++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t i = (s0 + j) * H + h * G + g, r = j * G + g;
+            memcpy(a->prefix_o + i * D, t.O + r * D, sizeof(float) * D);
+            a->prefix_m[i] = t.m[r];
+            a->prefix_l[i] = t.l[r];
+        }
+}
+#endif
+
+/* Blocks that start every sequence's table (the same physical blocks, so the same K/V) and lie wholly
+ * before every sequence's last position: what cascade attention can read once for all of them. */
+static int64_t shared_prefix_blocks(const int32_t *seq_lens, const int32_t *block_tables, int64_t num_seqs,
+                                    int64_t max_blocks, int64_t block_size)
+{
+    int64_t n = max_blocks;
+    for (int64_t s = 0; s < num_seqs && n > 0; s++) {
+        const int64_t own = (seq_lens[s] - 1) / block_size; /* full blocks before the last position */
+        n = own < n ? own : n;
+        const int32_t *t = block_tables + s * max_blocks;
+        for (int64_t b = 0; b < n; b++)
+            if (t[b] != block_tables[b]) { n = b; break; }
+    }
+    return n > 0 ? n : 0;
+}
+
+/* With cascade set and at least CASCADE_MIN_SEQS sequences whose tables start with the same blocks
+ * (a shared system prompt or instruction, a forked prompt), the attention over those blocks is
+ * computed once for all of them as one GEMM-shaped tile per kv head (prefix_task) and merged into each
+ * sequence's own part: the prefix is read once per step instead of once per sequence. AVX2 and
+ * head_dim % 16 == 0 only (the same results otherwise, by per-sequence reads). */
+#define CASCADE_MIN_SEQS 4
+
+/* How many leading blocks paged_decode_attention_f32 attends once for all sequences (0: none). */
+int64_t decode_cascade_blocks(const int32_t *seq_lens, const int32_t *block_tables, int64_t num_seqs,
+                              int64_t max_blocks, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim)
+{
+#ifdef PAGEDQ_AVX2
+    if (num_seqs >= CASCADE_MIN_SEQS && head_dim % NR == 0 && num_heads / num_kv_heads <= 64)
+        return shared_prefix_blocks(seq_lens, block_tables, num_seqs, max_blocks, block_size);
+#else
+    (void)seq_lens; (void)block_tables; (void)num_seqs; (void)max_blocks; (void)block_size;
+    (void)num_heads; (void)num_kv_heads; (void)head_dim;
+#endif
+    return 0;
+}
 
 void paged_decode_attention_f32(
     const float *q, int64_t q_tok, int64_t q_head,
     const float *k_cache, const float *v_cache, float *out,
     const int64_t *rows, const int32_t *seq_lens, const int32_t *block_tables,
     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, int num_threads)
+    int64_t head_dim, int64_t block_size, float scale, int cascade, int num_threads)
 {
-    const attn_args a = {q, q_tok, q_head, k_cache, v_cache, out, rows, seq_lens, block_tables,
-                         max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale};
     const int64_t group = num_heads / num_kv_heads;
     int use_avx2 = 0;
 #ifdef PAGEDQ_AVX2
     use_avx2 = head_dim % 8 == 0 && group <= 64;
 #endif
+    int64_t prefix_blocks = cascade ? decode_cascade_blocks(seq_lens, block_tables, num_seqs, max_blocks, block_size,
+                                                            num_heads, num_kv_heads, head_dim) : 0;
+    float *prefix = prefix_blocks ? (float *)malloc(sizeof(float) * num_seqs * num_heads * (head_dim + 2)) : NULL;
+    if (!prefix) prefix_blocks = 0;
+    const attn_args a = {q, q_tok, q_head, k_cache, v_cache, out, rows, seq_lens, block_tables,
+                         max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale, num_seqs,
+                         prefix_blocks, prefix, prefix ? prefix + num_seqs * num_heads * head_dim : NULL,
+                         prefix ? prefix + num_seqs * num_heads * (head_dim + 1) : NULL};
     int64_t max_len = 0;
     for (int64_t s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    const int64_t prefix_tiles = prefix_blocks ? (num_seqs + QT - 1) / QT : 0;
 
     /* One task per (sequence, kv head): the G query heads sharing that kv head are done together,
        so each K/V row is read from memory once. (Measured: one task per sequence, and software
        prefetching of the next block, changed nothing beyond noise; the hardware prefetchers cope.)
-       Scratch is per thread, sized for the longest context. */
+       Scratch is per thread, sized for the longest context and the prefix pass's tile. */
     #pragma omp parallel num_threads(num_threads)
     {
-        float *scratch = (float *)malloc(sizeof(float) * (group * max_len + group * head_dim + 8));
+        size_t floats = (size_t)(group * max_len + group * head_dim + 8);
+#ifdef PAGEDQ_AVX2
+        if (prefix_tiles && flash_tile_floats(QT * group, head_dim) > floats) floats = flash_tile_floats(QT * group, head_dim);
+#endif
+        float *scratch = (float *)malloc(sizeof(float) * floats);
+#ifdef PAGEDQ_AVX2
+        #pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            for (int64_t i = 0; i < prefix_tiles; i++) prefix_task(&a, h, i * QT, scratch);
+#endif
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t s = 0; s < num_seqs; s++) {
             for (int64_t h = 0; h < num_kv_heads; h++) {
@@ -282,6 +502,7 @@ void paged_decode_attention_f32(
         }
         free(scratch);
     }
+    free(prefix);
 }
 
 /* ---- Prefill: causal attention of each sequence's chunk of new queries over its cached context.
@@ -289,25 +510,7 @@ void paged_decode_attention_f32(
  * Sequence i's q_lens[i] queries are the flattened rows q_starts[i]... at positions
  * seq_lens[i] - q_lens[i] ... seq_lens[i] - 1, and attend to cache positions 0..their own (the
  * chunk's K/V are already in the cache). One task = (sequence, kv head, tile of QT positions): the
- * G query heads sharing the kv head give R = G * QT rows, so every K/V row is read once per tile.
- * Flash-style: keys in chunks of KC = 16; S = Q K^T and P V run through the GEMM register tile
- * (gemm_tile.h) on a transposed copy of the chunk's keys and a copy of its values, with an online
- * softmax in between. torch's CPU flash SDPA ran these shapes at ~40 GFLOP/s on 2 EPYC cores and
- * needed each context gathered out of the cache first. AVX2 and head_dim % 16 == 0 only: the caller
- * keeps torch's SDPA otherwise (paged_prefill_attention_supported). */
-#define QT 16
-#define KC 16
-
-int paged_prefill_attention_supported(int64_t head_dim)
-{
-#ifdef PAGEDQ_AVX2
-    return head_dim % KC == 0;
-#else
-    (void)head_dim;
-    return 0;
-#endif
-}
-
+ * G query heads sharing the kv head give R = G * QT rows, so every K/V row is read once per tile. */
 #ifdef PAGEDQ_AVX2
 typedef struct {
     const float *q; int64_t q_tok, q_head;
@@ -317,84 +520,27 @@ typedef struct {
     float scale;
 } prefill_args;
 
-/* Scratch of one thread, for R rows: Qs, O, T [R, D]; S [R, KC]; m, l, alpha [R]; Kt [D, KC]; Vc [KC, D]. */
 static void prefill_task(const prefill_args *a, int64_t s, int64_t h, int64_t t0, float *scratch)
 {
-    const int64_t D = a->head_dim, G = a->num_heads / a->num_kv_heads, bs = a->block_size;
-    const int64_t rs = a->num_kv_heads * D, q_len = a->q_lens[s];
-    const int64_t nq = q_len - t0 < QT ? q_len - t0 : QT, R = G * nq;
-    const int64_t p0 = a->seq_lens[s] - q_len + t0, p_last = p0 + nq - 1;
-    const int32_t *table = a->block_tables + s * a->max_blocks;
-    float *Qs = scratch, *O = Qs + R * D, *T = O + R * D, *S = T + R * D;
-    float *m = S + R * KC, *l = m + R, *alpha = l + R, *Kt = alpha + R, *Vc = Kt + D * KC;
-
+    const int64_t D = a->head_dim, G = a->num_heads / a->num_kv_heads, q_len = a->q_lens[s];
+    const int64_t nq = q_len - t0 < QT ? q_len - t0 : QT;
+    const int64_t p0 = a->seq_lens[s] - q_len + t0;
+    flash_tile t = flash_tile_in(scratch, G * nq, D);
     for (int64_t g = 0; g < G; g++)  /* row r = g * nq + i: query i of head h * G + g */
         for (int64_t i = 0; i < nq; i++) {
             const float *src = a->q + (a->q_starts[s] + t0 + i) * a->q_tok + (h * G + g) * a->q_head;
-            float *dst = Qs + (g * nq + i) * D;
+            float *dst = t.Qs + (g * nq + i) * D;
             for (int64_t d = 0; d < D; d++) dst[d] = src[d] * a->scale;
         }
-    for (int64_t r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.f; }
-    memset(O, 0, sizeof(float) * R * D);
-    const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm256_set1_ps(8.f);
-
-    for (int64_t c0 = 0; c0 <= p_last; c0 += KC) {
-        const int64_t nk = p_last + 1 - c0 < KC ? p_last + 1 - c0 : KC;
-        for (int64_t j = 0; j < KC; j++) {
-            if (j < nk) {
-                const int64_t pos = c0 + j;
-                const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * rs + h * D;
-                const float *kr = a->k_cache + off;
-                for (int64_t d = 0; d < D; d++) Kt[d * KC + j] = kr[d];
-                memcpy(Vc + j * D, a->v_cache + off, sizeof(float) * D);
-            } else {
-                for (int64_t d = 0; d < D; d++) Kt[d * KC + j] = 0.f;
-                memset(Vc + j * D, 0, sizeof(float) * D);
-            }
-        }
-        for (int64_t r = 0; r < R; r += MR)  /* S = Qs Kt */
-            tile_rows((int)(R - r < MR ? R - r : MR), Qs + r * D, D, Kt, KC, D, S + r * KC, KC, NULL, KC, 0);
-        const int masked = c0 + KC - 1 > p0;  /* some key of the chunk is past some query */
-        for (int64_t r = 0; r < R; r++) {
-            float *sr = S + r * KC;
-            __m256 s0 = _mm256_loadu_ps(sr), s1 = _mm256_loadu_ps(sr + 8);
-            __m256 ok0 = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), ok1 = ok0;
-            if (masked) {  /* key c0 + j visible to the query at position p iff c0 + j <= p */
-                const __m256 lim = _mm256_set1_ps((float)(p0 + r % nq - c0));
-                ok0 = _mm256_cmp_ps(iota, lim, _CMP_LE_OQ);
-                ok1 = _mm256_cmp_ps(_mm256_add_ps(iota, eight), lim, _CMP_LE_OQ);
-                s0 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s0, ok0);
-                s1 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s1, ok1);
-            }
-            float lanes[8], mx = m[r];
-            _mm256_storeu_ps(lanes, _mm256_max_ps(s0, s1));
-            for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
-            const __m256 vm = _mm256_set1_ps(mx);
-            const __m256 p0v = _mm256_and_ps(exp8(_mm256_sub_ps(s0, vm)), ok0);
-            const __m256 p1v = _mm256_and_ps(exp8(_mm256_sub_ps(s1, vm)), ok1);
-            _mm256_storeu_ps(sr, p0v);
-            _mm256_storeu_ps(sr + 8, p1v);
-            alpha[r] = m[r] == -INFINITY ? 0.f : expf(m[r] - mx);
-            l[r] = l[r] * alpha[r] + hsum1(_mm256_add_ps(p0v, p1v));
-            m[r] = mx;
-        }
-        for (int64_t c = 0; c < D; c += KC)  /* T = P Vc, 16 output dims at a time */
-            for (int64_t r = 0; r < R; r += MR)
-                tile_rows((int)(R - r < MR ? R - r : MR), S + r * KC, KC, Vc + c, D, KC, T + r * D + c, D, NULL, KC, 0);
-        for (int64_t r = 0; r < R; r++) {  /* O = O * alpha + T */
-            const __m256 al = _mm256_set1_ps(alpha[r]);
-            for (int64_t d = 0; d < D; d += 8)
-                _mm256_storeu_ps(O + r * D + d, _mm256_fmadd_ps(_mm256_loadu_ps(O + r * D + d), al,
-                                                                _mm256_loadu_ps(T + r * D + d)));
-        }
-    }
+    flash_rows(&t, a->k_cache, a->v_cache, a->block_tables + s * a->max_blocks, a->block_size,
+               a->num_kv_heads * D, h, D, p0 + nq, p0, nq);
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < nq; i++) {
             const int64_t r = g * nq + i;
             float *dst = a->out + ((a->q_starts[s] + t0 + i) * a->num_heads + h * G + g) * D;
-            const __m256 inv = _mm256_set1_ps(1.f / l[r]);
+            const __m256 inv = _mm256_set1_ps(1.f / t.l[r]);
             for (int64_t d = 0; d < D; d += 8)
-                _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(O + r * D + d), inv));
+                _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(t.O + r * D + d), inv));
         }
 }
 #endif
@@ -410,7 +556,7 @@ void paged_prefill_attention_f32(
 #ifdef PAGEDQ_AVX2
     const prefill_args a = {q, q_tok, q_head, k_cache, v_cache, out, q_starts, q_lens, seq_lens,
                             block_tables, max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale};
-    const int64_t G = num_heads / num_kv_heads, R = G * QT, D = head_dim;
+    const int64_t G = num_heads / num_kv_heads;
     int64_t num_tasks = 0;
     for (int64_t s = 0; s < num_seqs; s++) num_tasks += num_kv_heads * ((q_lens[s] + QT - 1) / QT);
     int64_t *tasks = (int64_t *)malloc(sizeof(int64_t) * 3 * (num_tasks ? num_tasks : 1));
@@ -423,7 +569,7 @@ void paged_prefill_attention_f32(
             }
     #pragma omp parallel num_threads(num_threads)
     {
-        float *scratch = (float *)malloc(sizeof(float) * (3 * R * D + R * KC + 3 * R + 2 * D * KC + 16));
+        float *scratch = (float *)malloc(sizeof(float) * flash_tile_floats(G * QT, head_dim));
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_tasks; i++) prefill_task(&a, tasks[3 * i], tasks[3 * i + 1], tasks[3 * i + 2], scratch);
         free(scratch);

@@ -199,6 +199,10 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
         assert stats["ttft_ms"]["p50"] > 0 and stats["jobs_per_s"] > 0
         assert stats["streamed_tokens"] == report["workloads"]["online"]["workload"]["output_tokens"]
         assert "pagedq-redis/pagedq" in mixed["ratios"]
+        loop = mixed["systems"]["pagedq-redis"]["worker_loop"]  # the worker's own account of the run
+        assert loop["ticks"] > 0 and loop["seconds"]["engine_step"] > 0
+        assert set(loop["shares"]) == {"engine_step", "redis", "idle", "other", "outside_loop"}
+        assert 0.99 <= sum(loop["shares"].values()) <= 1.01 or loop["seconds"]["outside_loop"] == 0
 
     assert [t["target"] for t in report["targets"]]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

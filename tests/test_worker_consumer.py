@@ -336,6 +336,9 @@ def test_heartbeat_reports_idle_without_leaked_blocks(ctx: Ctx, engine: EngineLi
         )
         assert beat["num_free_blocks"] == beat["num_total_blocks"] > 0
         assert beat["running"] == beat["waiting"] == beat["in_flight"] == 0
+        loop = beat["loop"]  # cumulative: the steps of 6 jobs of 5 tokens, Redis round trips, idle reads, the rest
+        assert loop["ticks"] >= 5 and loop["engine_step_s"] > 0 and loop["redis_s"] > 0
+        assert loop["idle_s"] > 0 and loop["other_s"] >= 0
         ttl = ctx.r.pttl(ctx.keys.heartbeat(worker.name))
         assert 0 < ttl <= 3 * 300
     assert worker.name not in ctx.heartbeats()  # removed on shutdown

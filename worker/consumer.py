@@ -269,6 +269,10 @@ class Worker:
         self._blocked = False
         self.started = time.time()
         self.counts: dict[str, int] = {"final": 0, "error": 0, "duplicate": 0, "lost": 0, "reconnects": 0}
+        # Where the loop's time goes (status "loop"): engine steps (with their outputs' bookkeeping), Redis
+        # round trips, blocking reads of an idle worker, the rest of the tick. Cumulative seconds.
+        self.loop_s: dict[str, float] = {"engine_step": 0.0, "redis": 0.0, "idle": 0.0, "other": 0.0}
+        self.ticks = 0
         self.errors = 0  # unexpected exceptions swallowed by the loop (tests assert this stays 0)
         self.metrics: WorkerMetrics | None = None  # set by run_worker when the metrics port is on
 
@@ -329,6 +333,8 @@ class Worker:
             return False
 
     def _tick(self) -> bool:
+        start = time.perf_counter()
+        redis_s = step_s = idle_s = 0.0
         now = time.monotonic()
         if self._stop.is_set() and not self._draining:
             self._begin_drain(now)
@@ -339,22 +345,38 @@ class Worker:
                 return self._final_flush()
         self._drain_keeper_queues()
         if self._redis_usable(now):
+            t = time.perf_counter()
             with self._redis_phase():
                 self._flush()
                 if now >= self._next_cancel_poll:
                     self._poll_cancels(now)
                 if not self._draining:
                     self._admit(now)
+            if self._blocked:  # nothing to do: the read waited for work
+                idle_s = time.perf_counter() - t
+            else:
+                redis_s += time.perf_counter() - t
         self._expire_deadlines()
         self._start_backlog()
         if self.engine.has_unfinished():
+            t = time.perf_counter()
             self._step()
+            step_s = time.perf_counter() - t
             if self._redis_usable(time.monotonic()):
+                t = time.perf_counter()
                 with self._redis_phase():
                     self._flush()
+                redis_s += time.perf_counter() - t
         elif not self._blocked:
+            t = time.perf_counter()
             time.sleep(0.01)  # nothing to step and no blocking read happened: do not spin
+            idle_s += time.perf_counter() - t
         self._update_status()
+        self.ticks += 1
+        self.loop_s["engine_step"] += step_s
+        self.loop_s["redis"] += redis_s
+        self.loop_s["idle"] += idle_s
+        self.loop_s["other"] += time.perf_counter() - start - step_s - redis_s - idle_s
         return False
 
     # ---------------------------------------------------------------------------- redis health
@@ -1005,6 +1027,7 @@ class Worker:
             "ts": round(time.time(), 3),
             **kv,
             **{f"jobs_{k}": v for k, v in self.counts.items()},
+            "loop": {"ticks": self.ticks, **{f"{k}_s": round(v, 4) for k, v in self.loop_s.items()}},
         }
 
 

@@ -203,6 +203,10 @@ def _details(w: dict[str, Any]) -> list[str]:
                 f"  {sname} step breakdown ({bd['steps']} steps, {bd['mean_step_ms']:.1f} ms/step, "
                 f"{bd['mean_batch_tokens']:.0f} tok/step, {bd['mean_batch_seqs']:.0f} seqs/step): {shares}"
             )
+        loop = rec.get("worker_loop")
+        if loop:
+            shares = "  ".join(f"{k} {100 * v:.1f}%" for k, v in loop["shares"].items())
+            out.append(f"  {sname} worker loop ({loop['ticks']} ticks), share of wall: {shares}")
         kv = rec.get("kv")
         pc = rec.get("prefix_cache")
         if kv and "block_fill_at_peak" in kv:

@@ -641,6 +641,15 @@ class RedisWorker:
             client.close()
         return json.loads(raw) if raw else {}
 
+    def heartbeat_since(self, t: float, timeout_s: float = 10.0) -> dict[str, Any]:
+        """The worker's first heartbeat whose status was taken at or after wall-clock time ``t``."""
+        deadline = time.monotonic() + timeout_s
+        hb = self.heartbeat()
+        while float(hb.get("ts", 0.0)) < t and time.monotonic() < deadline:
+            time.sleep(0.1)
+            hb = self.heartbeat()
+        return hb
+
     def offline(self, reqs: list[BenchRequest], stream: bool) -> list[Any]:
         """Submit every request in one pipeline and wait for every terminal event (FinalEvent)."""
         from worker.client import PagedqClient
@@ -664,6 +673,23 @@ class RedisWorker:
                 proc.kill()
                 proc.wait()
         self.redis.stop(force=True)
+
+
+def _loop_breakdown(before: dict[str, Any], after: dict[str, Any], wall: float) -> dict[str, Any]:
+    """Where the worker's loop spent the run (deltas of its cumulative ``loop`` status), as seconds and
+    shares of the client's wall time; ``outside_loop`` is the rest (results reaching the client)."""
+    keys = ("engine_step_s", "redis_s", "idle_s", "other_s")
+    if not all(k in before and k in after for k in keys):
+        return {}
+    secs = {k[:-2]: max(0.0, float(after[k]) - float(before[k])) for k in keys}
+    # Idle reads before the first job and after the last one fall outside the client's wall time.
+    secs["idle"] = min(secs["idle"], max(0.0, wall - secs["engine_step"] - secs["redis"] - secs["other"]))
+    secs["outside_loop"] = max(0.0, wall - sum(secs.values()))
+    return {
+        "ticks": int(after.get("ticks", 0)) - int(before.get("ticks", 0)),
+        "seconds": {k: round(v, 3) for k, v in secs.items()},
+        "shares": {k: round(v / wall, 4) if wall > 0 else 0.0 for k, v in secs.items()},
+    }
 
 
 @contextlib.contextmanager
@@ -722,11 +748,13 @@ class PagedqRedisSystem(System):
             hb = w.heartbeat()
             peak["kv_cache_usage"] = max(peak["kv_cache_usage"], float(hb.get("kv_cache_usage", 0.0)))
 
+        loop0 = w.heartbeat_since(time.time()).get("loop", {})
         with _sampling(sample, 0.25):
             t1, cpu1 = time.perf_counter(), w.cpu_seconds()
             finals = w.offline(workload.requests, stream=ctx.redis_stream)
             wall = time.perf_counter() - t1
             cpu_s = w.cpu_seconds() - cpu1
+        loop1 = w.heartbeat_since(time.time()).get("loop", {})
         res = SystemResult(self.name, "ok", wall_s=wall, load_s=w.load_s if fresh else 0.0, cpu_s=cpu_s)
         res.outputs = [list(f.choices[0].token_ids) for f in finals]
         res.check(workload)
@@ -734,6 +762,7 @@ class PagedqRedisSystem(System):
         queued = [f.timings.queued_s for f in finals]
         res.extra = {
             "stream": ctx.redis_stream,
+            "worker_loop": _loop_breakdown(loop0, loop1, wall),
             "kv": {"peak_usage_sampled": round(peak["kv_cache_usage"], 4)},
             "worker_timings": {
                 "queued_s_mean": round(sum(queued) / len(queued), 4) if queued else 0.0,

@@ -206,3 +206,22 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
 
     assert [t["target"] for t in report["targets"]]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_benchmark_repeat_reports_the_fastest_run(tmp_path: Path) -> None:
+    """``--repeat 2``: every system runs twice in interleaved rounds; the report keeps each one's fastest."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.bench", "--quick", "--threads", "1", "--json", str(out), "--repeat", "2",
+         "--systems", "pagedq,hf-static", "--workloads", "mixed,prefix", "--work-dir", str(tmp_path / "work")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "round 2 of 2" in proc.stderr and "fastest of 2" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["meta"]["repeat"] == 2
+    for wname, sname in (("mixed", "pagedq"), ("mixed", "hf-static"), ("prefix", "pagedq-nocache")):
+        rec = report["workloads"][wname]["systems"][sname]
+        assert rec["status"] == "ok" and rec["tokens_ok"] is True
+        assert len(rec["walls_s"]) == 2 and rec["wall_s"] == pytest.approx(min(rec["walls_s"]), abs=2e-3)

@@ -57,6 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--redis-stream", action="store_true", help="stream token events in Redis offline runs")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every system this many times on mixed and prefix, in interleaved rounds, and report each"
+        " one's fastest run (all wall times go to the JSON): on a noisy machine one run of each can land"
+        " several percent either way",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the full report as JSON here")
     parser.add_argument("--chart", type=Path, default=None, help="PNG of the ratios (default: next to --json)")
     parser.add_argument("--work-dir", type=Path, default=None, help="scratch folder (default: a temp dir)")
@@ -277,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
             hf_batch_size=args.hf_batch_size,
             work_dir=work_dir,
             redis_stream=args.redis_stream,
+            repeat=max(1, args.repeat),
             log=log,
         )
         meta = {
@@ -293,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
             "transformers": _version("transformers"),
             "python": platform.python_version(),
             "omp_wait_policy": omp_policy,
+            "repeat": max(1, args.repeat),
             "loadavg_start": _loadavg(),
             "engine_config": {
                 "max_num_seqs": args.max_num_seqs,
@@ -396,32 +406,45 @@ def _run_workload(
         f"workload {workload.name}: {summary['requests']} requests, {summary['prompt_tokens']} prompt + "
         f"{summary['output_tokens']} output tokens"
     )
-    for name, system in plan:
-        reason = unavailable.get(system.name)
-        if reason:
-            ctx.log(f"  {name}: skipped ({reason})")
-            results[name] = SystemResult(name, "skipped", reason)
-            continue
-        ctx.log(f"  {name}: running")
-        try:
-            if workload.name == "online":
-                assert isinstance(system, PagedqRedisSystem)
-                res = system.run_online(workload, ctx)
+    rounds = 1 if workload.name == "online" else ctx.repeat
+    walls: dict[str, list[float]] = {}
+    for rnd in range(rounds):
+        for name, system in plan:
+            if results.get(name) is not None and results[name].status != "ok":
+                continue  # skipped or failed in an earlier round
+            reason = unavailable.get(system.name)
+            if reason:
+                ctx.log(f"  {name}: skipped ({reason})")
+                results[name] = SystemResult(name, "skipped", reason)
+                continue
+            ctx.log(f"  {name}: running" + (f" (round {rnd + 1} of {rounds})" if rounds > 1 else ""))
+            try:
+                if workload.name == "online":
+                    assert isinstance(system, PagedqRedisSystem)
+                    res = system.run_online(workload, ctx)
+                else:
+                    res = system.run(workload, ctx)
+            except Exception as exc:
+                ctx.log(f"  {name}: FAILED {type(exc).__name__}: {exc}")
+                res = SystemResult(name, "failed", f"{type(exc).__name__}: {exc}")
+                if isinstance(system, PagedqRedisSystem):
+                    unavailable[system.name] = f"failed earlier: {type(exc).__name__}: {exc}"
             else:
-                res = system.run(workload, ctx)
-        except Exception as exc:
-            ctx.log(f"  {name}: FAILED {type(exc).__name__}: {exc}")
-            res = SystemResult(name, "failed", f"{type(exc).__name__}: {exc}")
-            if isinstance(system, PagedqRedisSystem):
-                unavailable[system.name] = f"failed earlier: {type(exc).__name__}: {exc}"
-        else:
-            ctx.log(
-                f"  {name}: {res.output_tokens} tokens in {res.wall_s:.2f} s "
-                f"({res.output_tokens / max(res.wall_s, 1e-9):.1f} tok/s, load {res.load_s:.1f} s)"
-                + ("" if res.tokens_ok else f", {res.bad_requests} requests with wrong lengths")
-            )
-        res.system = name
-        results[name] = res
+                ctx.log(
+                    f"  {name}: {res.output_tokens} tokens in {res.wall_s:.2f} s "
+                    f"({res.output_tokens / max(res.wall_s, 1e-9):.1f} tok/s, load {res.load_s:.1f} s)"
+                    + ("" if res.tokens_ok else f", {res.bad_requests} requests with wrong lengths")
+                )
+            res.system = name
+            best = results.get(name)
+            if res.status == "ok":
+                walls.setdefault(name, []).append(round(res.wall_s, 3))
+            if best is None or res.status != "ok" or (res.tokens_ok, -res.wall_s) > (best.tokens_ok, -best.wall_s):
+                results[name] = res
+    if rounds > 1:
+        for name, res in results.items():
+            if name in walls:
+                res.extra["walls_s"] = walls[name]
     return results
 
 

@@ -70,6 +70,7 @@ class BenchContext:
     work_dir: Path
     redis_stream: bool = False
     request_timeout_s: float = 1800.0
+    repeat: int = 1  # rounds of every system on an offline workload; the fastest run of each is reported
     log: Log = print
 
     @property

@@ -214,7 +214,8 @@ def test_quick_benchmark_repeat_reports_the_fastest_run(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-m", "ops.bench", "--quick", "--threads", "1", "--json", str(out), "--repeat", "2",
-         "--systems", "pagedq,hf-static", "--workloads", "mixed,prefix", "--work-dir", str(tmp_path / "work")],
+         "--systems", "pagedq,pagedq-redis,hf-static", "--workloads", "mixed,prefix",
+         "--work-dir", str(tmp_path / "work")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -225,3 +226,11 @@ def test_quick_benchmark_repeat_reports_the_fastest_run(tmp_path: Path) -> None:
         rec = report["workloads"][wname]["systems"][sname]
         assert rec["status"] == "ok" and rec["tokens_ok"] is True
         assert len(rec["walls_s"]) == 2 and rec["wall_s"] == pytest.approx(min(rec["walls_s"]), abs=2e-3)
+    for wname in ("mixed", "prefix"):
+        systems = report["workloads"][wname]["systems"]
+        redis_rec = systems["pagedq-redis"]
+        if redis_rec["status"] == "skipped":
+            continue
+        # Each round on a cold worker: a rerun must not be served from the first round's prefix cache.
+        assert len(redis_rec["walls_s"]) == 2
+        assert redis_rec["cached_tokens"] == systems["pagedq"]["cached_tokens"], wname

@@ -719,6 +719,7 @@ class PagedqRedisSystem(System):
 
     def __init__(self) -> None:
         self.worker: RedisWorker | None = None
+        self._served: set[str] = set()  # workloads the current worker has run
 
     def unavailable(self, ctx: BenchContext) -> str | None:
         try:
@@ -741,6 +742,11 @@ class PagedqRedisSystem(System):
         return self.worker
 
     def run(self, workload: Workload, ctx: BenchContext) -> SystemResult:
+        if workload.name in self._served:
+            # A repeat (--repeat): the worker's prefix cache still holds these prompts, which would turn
+            # the rerun into cache hits. Start a cold one, as every offline pagedq run is.
+            self.close()
+        self._served.add(workload.name)
         fresh = self.worker is None
         w = self.ensure_worker(ctx)
         peak: dict[str, float] = {"kv_cache_usage": 0.0}
@@ -791,6 +797,7 @@ class PagedqRedisSystem(System):
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
+        self._served.clear()
 
 
 async def _online_client(url: str, namespace: str, reqs: list[BenchRequest], timeout: float) -> list[dict[str, Any]]:

@@ -140,19 +140,24 @@ def test_runner_lists_the_same_systems_without_importing_torch() -> None:
 # --------------------------------------------------------------------------------- end to end
 
 
-def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
-    """``--quick`` with every system and workload: structure, and every system made all its tokens."""
+def _run_quick_bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """``python -m ops.bench --quick`` on one thread with ``args``; the finished process and its JSON report."""
     out = tmp_path / "bench.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-m", "ops.bench", "--quick", "--threads", "1", "--json", str(out),
-         "--work-dir", str(tmp_path / "work")],
+         "--work-dir", str(tmp_path / "work"), *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, json.loads(out.read_text())
+
+
+def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
+    """``--quick`` with every system and workload: structure, and every system made all its tokens."""
+    proc, report = _run_quick_bench(tmp_path)
     assert "out tok/s" in proc.stdout and "targets" in proc.stdout
 
-    report = json.loads(out.read_text())
     assert {"meta", "matmul_peak", "model", "workloads", "targets"} <= report.keys()
     assert report["matmul_peak"]["gflop_s"] > 0
     assert report["meta"]["quick"] is True
@@ -205,22 +210,15 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
         assert 0.99 <= sum(loop["shares"].values()) <= 1.01 or loop["seconds"]["outside_loop"] == 0
 
     assert [t["target"] for t in report["targets"]]
-    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_quick_benchmark_repeat_reports_the_fastest_run(tmp_path: Path) -> None:
     """``--repeat 2``: every system runs twice in interleaved rounds; the report keeps each one's fastest."""
-    out = tmp_path / "bench.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(
-        [sys.executable, "-m", "ops.bench", "--quick", "--threads", "1", "--json", str(out), "--repeat", "2",
-         "--systems", "pagedq,pagedq-redis,hf-static", "--workloads", "mixed,prefix",
-         "--work-dir", str(tmp_path / "work")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc, report = _run_quick_bench(
+        tmp_path, "--repeat", "2", "--systems", "pagedq,pagedq-redis,hf-static", "--workloads", "mixed,prefix"
+    )
     assert "round 2 of 2" in proc.stderr and "fastest of 2" in proc.stdout
-    report = json.loads(out.read_text())
     assert report["meta"]["repeat"] == 2
     for wname, sname in (("mixed", "pagedq"), ("mixed", "hf-static"), ("prefix", "pagedq-nocache")):
         rec = report["workloads"][wname]["systems"][sname]

@@ -260,8 +260,8 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, f
         const int64_t i = s * a->num_heads + h * group + g;
         const float mx = fmaxf(mxs[g], a->prefix_m[i]);
         const float wo = expf(mxs[g] - mx), wp = expf(a->prefix_m[i] - mx);
-        const __m256 vo = _mm256_set1_ps(wo / (sums[g] * wo + a->prefix_l[i] * wp));
-        const __m256 vp = _mm256_set1_ps(wp / (sums[g] * wo + a->prefix_l[i] * wp));
+        const float inv = 1.f / (sums[g] * wo + a->prefix_l[i] * wp);
+        const __m256 vo = _mm256_set1_ps(wo * inv), vp = _mm256_set1_ps(wp * inv);
         const float *po = a->prefix_o + i * D;
         for (int64_t c = 0; c < D; c += 8)
             _mm256_storeu_ps(acc + g * D + c, _mm256_fmadd_ps(_mm256_loadu_ps(acc + g * D + c), vo,

@@ -29,6 +29,14 @@ class EngineConfig:
     cuda_graphs: bool = True
     cpu_weight_prepack: bool = True  # CPU: matmul weights packed once (kernels/cpu_linear)
     seed: int = 0  # seeds the generator shared by unseeded sampling requests
+    # Speculative decoding by prompt lookup (engine/ngram_proposer.py), greedy requests only:
+    # up to this many draft tokens per decode step; 0 turns it off.
+    num_speculative_tokens: int = 8
+    prompt_lookup_min: int = 2  # shortest context suffix (tokens) matched against earlier context
+    prompt_lookup_max: int = 4  # longest one, tried first
+    # No drafts while more sequences than this run: a big batch is compute-bound, and every rejected
+    # draft would cost as much as a generated token.
+    speculative_disable_by_batch_size: int = 32
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
@@ -37,6 +45,17 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.speculative_disable_by_batch_size < 1:
+            raise ValueError(
+                f"speculative_disable_by_batch_size must be >= 1, got {self.speculative_disable_by_batch_size}"
+            )
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -21,6 +21,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import PromptTooLongError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
+from engine.ngram_proposer import NgramIndex
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, TokenLogprobs
 from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.scheduler import Scheduler
@@ -64,6 +65,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted, since start
+        self.num_accepted_tokens = 0
         self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
         torch.manual_seed(config.seed)
         log.info(
@@ -170,42 +173,89 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        sample_rows = [
-            i
-            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True))
-            if seq.num_computed_tokens + n == seq.num_tokens
-        ]
-        logits = self.runner.execute(batch, sample_rows)
+        sample_rows: list[int] = []
+        num_logits: list[int] = []  # per sampled sequence: 1 + its draft tokens
+        for i, seq in enumerate(batch.seqs):
+            past_end = seq.num_computed_tokens + batch.num_new_tokens[i] - seq.num_tokens
+            if past_end >= 0:
+                sample_rows.append(i)
+                num_logits.append(past_end + 1)
+        logits = self.runner.execute(batch, sample_rows, num_logits)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
+            # Drafts' KV counts as computed only once the model has accepted them (below).
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)
             self.kv.commit(seq)
         if logits is None:
             return []
 
-        samplers: list[Sequence] = []
+        # (sequence, logits rows): forked samples share their parent's row; a speculating
+        # sequence has one row per position, each scored as if the drafts before it were accepted.
+        samplers: list[tuple[Sequence, int]] = []
         logit_rows: list[int] = []
         copies: list[tuple[int, int]] = []
-        for row, i in enumerate(sample_rows):
+        offset = 0
+        for i, count in zip(sample_rows, num_logits, strict=True):
             seq = batch.seqs[i]
             group = [seq]
             if seq.pending_fork:
                 seq.pending_fork = False
                 group += self._fork(seq, copies)
-            samplers.extend(group)
-            logit_rows.extend([row] * len(group))
+            for member in group:
+                samplers.append((member, count))
+                logit_rows.extend(range(offset, offset + count))
+            offset += count
         self.runner.copy_blocks(copies)
         if len(logit_rows) != logits.shape[0]:
             logits = logits[torch.tensor(logit_rows, device=logits.device)]
         rows = [
-            SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids) for s in samplers
+            SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids + s.spec_token_ids[:j])
+            for s, count in samplers
+            for j in range(count)
         ]
         out = self.sampler.sample(logits, rows)
 
         touched: dict[str, Request] = {}
-        for seq, token, lp in zip(samplers, out.token_ids, out.logprobs, strict=True):
-            self._append_token(seq, token, lp)
+        at = 0
+        for seq, count in samplers:
+            self._accept(seq, out.token_ids[at : at + count], out.logprobs[at : at + count])
+            at += count
             touched[seq.request_id] = self.requests[seq.request_id]
+        self._propose_drafts()
         return [self._delta(req) for req in touched.values()]
+
+    def _accept(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> None:
+        """Append the model's tokens: the first always, then one more per draft it agreed with."""
+        drafts = seq.spec_token_ids
+        accepted = 0
+        for j, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            self._append_token(seq, token, lp)
+            if seq.is_finished or j == len(drafts) or token != drafts[j]:
+                break
+            accepted += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += accepted
+        seq.spec_token_ids = []
+        if accepted and not seq.is_finished:
+            seq.num_computed_tokens += accepted  # the accepted drafts' KV was written this step
+            self.kv.commit(seq)
+
+    def _propose_drafts(self) -> None:
+        """Draft tokens for the next step (prompt lookup) for decoding greedy sequences, while the
+        batch is small enough for extra positions to ride along with the weights' memory traffic."""
+        config = self.config
+        k_max = config.num_speculative_tokens
+        running = self.scheduler.running
+        if not k_max or len(running) > config.speculative_disable_by_batch_size:
+            return
+        for seq in running:
+            if not seq.params.greedy or not seq.is_decoding:
+                continue
+            k = min(k_max, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+            if k <= 0:
+                continue
+            if seq.ngram_index is None:
+                seq.ngram_index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+            seq.spec_token_ids = seq.ngram_index.propose(seq.token_ids, k)
 
     def _fork(self, parent: Sequence, copies: list[tuple[int, int]]) -> list[Sequence]:
         """The other samples of an n > 1 request, sharing the parent's prompt blocks."""
@@ -289,6 +339,8 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_total_blocks,
+            spec_draft_tokens=self.num_draft_tokens,
+            spec_accepted_tokens=self.num_accepted_tokens,
         )
 
 

@@ -7,6 +7,7 @@ Logits are computed only for the rows that will be sampled.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -85,9 +86,15 @@ class ModelRunner:
         return int(num_blocks)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor | None:
+    def execute(
+        self, batch: ScheduledBatch, sample_rows: list[int], num_logits: list[int] | None = None
+    ) -> torch.Tensor | None:
         """Run the batch; returns float32 logits for the sequences at ``sample_rows`` (batch order),
-        or None when every sequence was a mid-prompt chunk (its KV still had to be written)."""
+        or None when every sequence was a mid-prompt chunk (its KV still had to be written).
+
+        ``num_logits[i]``: how many of that sequence's last positions need logits (1, or 1 + its
+        draft tokens when speculating); the rows come out sequence by sequence, positions in order.
+        """
         t0 = time.perf_counter()
         input_ids, positions, meta = self.prepare_inputs(batch)
         t1 = time.perf_counter()
@@ -98,9 +105,11 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = None
         if sample_rows:
-            last = meta.query_start_loc[1:].long() - 1
-            rows = last[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            ends = list(itertools.accumulate(batch.num_new_tokens))  # one past each sequence's last row
+            counts = num_logits or [1] * len(sample_rows)
+            rows = [r for i, c in zip(sample_rows, counts, strict=True) for r in range(ends[i] - c, ends[i])]
+            index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden.index_select(0, index))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
@@ -118,7 +127,10 @@ class ModelRunner:
         seq_lens: list[int] = []
         for seq, n in zip(seqs, q_lens, strict=True):
             c = seq.num_computed_tokens
-            token_ids.extend(seq.token_ids[c : c + n])
+            ids = seq.token_ids[c : c + n]
+            token_ids.extend(ids)
+            if len(ids) < n:  # speculative decoding: the drafts follow the last real token
+                token_ids.extend(seq.spec_token_ids[: n - len(ids)])
             computed.append(c)
             seq_lens.append(c + n)
         max_blocks = max(len(seq.block_table) for seq in seqs)

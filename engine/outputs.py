@@ -69,3 +69,5 @@ class EngineStats:
     num_preemptions: int
     num_free_blocks: int
     num_total_blocks: int
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified since start
+    spec_accepted_tokens: int = 0  # ... and accepted (each one a decode step saved)

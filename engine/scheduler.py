@@ -6,6 +6,9 @@ priority order, so decodes never stall behind a long prompt. When the KV cache c
 running sequence, the lowest-priority, latest-arrived sequence is preempted by recompute: its
 blocks go back to the pool and it rejoins the waiting queue with every token it has generated, so
 nothing is lost (with prefix caching, most of its recompute is a cache hit).
+
+A decoding sequence with draft tokens (speculative decoding, proposed by the engine) is scheduled
+for ``1 + drafts`` tokens, the drafts trimmed to the budget and dropped first when blocks run out.
 """
 
 from __future__ import annotations
@@ -72,7 +75,15 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            drafts = seq.spec_token_ids
+            if drafts:  # speculative decoding: verify the drafts in the same step, budget permitting
+                del drafts[budget - 1 if seq.is_decoding else 0 :]
+                num_new += len(drafts)
             while not self.kv.allocate(seq, num_new):
+                if drafts:  # no room for the drafts: drop them before evicting anyone
+                    num_new -= len(drafts)
+                    drafts.clear()
+                    continue
                 victim = self._pick_victim(exclude=scheduled)
                 self._preempt(victim)
                 preempted = True
@@ -128,5 +139,6 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids.clear()
         self.num_preemptions += 1
         self.add(seq)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.ngram_proposer import NgramIndex
 from engine.outputs import TokenLogprobs
 from schemas.sampling import SamplingParams
 
@@ -47,6 +48,9 @@ class Sequence:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     pending_fork: bool = False  # n > 1: fork the other samples once the prompt has been computed
+    # Speculative decoding: draft tokens to verify in the next step (not in token_ids until accepted).
+    spec_token_ids: list[int] = field(default_factory=list)
+    ngram_index: NgramIndex | None = None
     # Streaming bookkeeping: what has not been handed to the caller yet.
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
@@ -59,6 +63,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every token but the last (just sampled) is in the KV cache: the next step is a decode."""
+        return self.num_computed_tokens == len(self.token_ids) - 1
 
     @property
     def num_output_tokens(self) -> int:

@@ -153,6 +153,10 @@ class _StateCollector(Collector):
         yield from counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits")
         yield from counter("preemptions", "Requests preempted by the engine for lack of KV blocks.",
                            "num_preemptions")  # fmt: skip
+        yield from counter("spec_draft_tokens", "Draft tokens verified by speculative decoding.",
+                           "spec_draft_tokens")  # fmt: skip
+        yield from counter("spec_accepted_tokens", "Draft tokens accepted (decode steps saved).",
+                           "spec_accepted_tokens")  # fmt: skip
         yield from counter("redis_reconnects", "Times the worker got Redis back after losing it.",
                            "jobs_reconnects")  # fmt: skip
         yield from counter("duplicate_deliveries", "Deliveries of jobs that had already ended (acked only).",

@@ -57,6 +57,14 @@ class Settings(BaseSettings):
     kv_cache_bytes: int | None = Field(None, gt=0, description="KV cache size; unset lets the engine size it")
     block_size: int = Field(16, gt=0, le=1024, description="tokens per KV cache block")
     enable_prefix_caching: bool = True
+    num_speculative_tokens: int = Field(
+        8, ge=0, le=64, description="greedy jobs: draft tokens per decode step from prompt lookup; 0 = off"
+    )
+    prompt_lookup_min: int = Field(2, ge=1, le=16, description="shortest context suffix matched for drafts")
+    prompt_lookup_max: int = Field(4, ge=1, le=16, description="longest context suffix matched for drafts")
+    speculative_disable_by_batch_size: int = Field(
+        32, ge=1, description="no drafts while more sequences than this run (the step is compute-bound)"
+    )
     max_model_len: int | None = Field(None, gt=0, description="context cap; unset: the model's own")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="CUDA: share of free memory for KV")
 

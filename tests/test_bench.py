@@ -192,6 +192,10 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
     assert pq["breakdown"]["steps"] > 0
     assert 0 < pq["kv"]["peak_usage"] <= 1 and 0 < pq["kv"]["block_fill_at_peak"] <= 1
     assert "hit_rate" in pq["prefix_cache"]
+    spec = pq["speculative"]  # greedy workloads: drafts are verified and counted
+    assert spec["num_speculative_tokens"] > 0 and spec["draft_tokens"] >= spec["accepted_tokens"] >= 0
+    assert spec["draft_tokens"] > 0  # real-text prompts always have some earlier match
+    assert spec["output_share"] == pytest.approx(spec["accepted_tokens"] / pq["output_tokens"], abs=1e-4)
 
     prefix = report["workloads"]["prefix"]
     assert prefix["systems"]["pagedq-nocache"]["prefix_cache"]["enabled"] is False
@@ -208,6 +212,8 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
         assert loop["ticks"] > 0 and loop["seconds"]["engine_step"] > 0
         assert set(loop["shares"]) == {"engine_step", "redis", "idle", "other", "outside_loop"}
         assert 0.99 <= sum(loop["shares"].values()) <= 1.01 or loop["seconds"]["outside_loop"] == 0
+        # The worker's heartbeat counts its engine's drafts (its batches differ from offline's).
+        assert mixed["systems"]["pagedq-redis"]["speculative"]["draft_tokens"] > 0
 
     assert [t["target"] for t in report["targets"]]
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

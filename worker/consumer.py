@@ -1008,6 +1008,8 @@ class Worker:
                 "num_preemptions": st.num_preemptions,
                 "prefix_cache_queries": st.prefix_cache_queries,
                 "prefix_cache_hits": st.prefix_cache_hits,
+                "spec_draft_tokens": st.spec_draft_tokens,
+                "spec_accepted_tokens": st.spec_accepted_tokens,
             }
         except Exception:
             kv = {}

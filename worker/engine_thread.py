@@ -347,6 +347,8 @@ class EngineThread:
             "num_total_blocks": st.num_total_blocks,
             "prefix_cache_hit_rate": round(st.prefix_cache_hit_rate, 4),
             "num_preemptions": st.num_preemptions,
+            "spec_draft_tokens": st.spec_draft_tokens,
+            "spec_accepted_tokens": st.spec_accepted_tokens,
         }
 
     def _expire_deadlines(self) -> None:

@@ -218,6 +218,13 @@ def _details(w: dict[str, Any]) -> list[str]:
                 f"{100 * kv['block_fill_at_peak']:.1f}% at peak / {100 * kv['block_fill_mean']:.1f}% mean, "
                 f"preemptions {kv['preemptions']}" + (f", prefix hit rate {100 * pc['hit_rate']:.1f}%" if pc else "")
             )
+        spec = rec.get("speculative")
+        if spec and spec["num_speculative_tokens"]:
+            out.append(
+                f"  {sname} speculative (prompt lookup, up to {spec['num_speculative_tokens']} drafts): "
+                f"{spec['accepted_tokens']} of {spec['draft_tokens']} drafts accepted "
+                f"({100 * spec['acceptance']:.0f}%), {100 * spec['output_share']:.1f}% of output tokens"
+            )
         online = rec.get("online")
         if online:
             out.append(

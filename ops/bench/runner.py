@@ -55,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV budget (CPU default 2 GiB)")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=None,
+        help="pagedq systems: draft tokens per decode step (prompt lookup, greedy); 0 = off; default: the engine's",
+    )  # fmt: skip
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--redis-stream", action="store_true", help="stream token events in Redis offline runs")
     parser.add_argument(
@@ -282,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_bytes=kv_bytes,
             block_size=args.block_size,
+            num_speculative_tokens=args.num_speculative_tokens,
             hf_batch_size=args.hf_batch_size,
             work_dir=work_dir,
             redis_stream=args.redis_stream,
@@ -309,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "kv_cache_bytes": kv_bytes,
                 "block_size": args.block_size,
+                "num_speculative_tokens": ctx.num_speculative_tokens,
             },
         }
         log(f"model {model_path} ({dtype}, {args.device}, {threads} threads); measuring the matmul peak")

@@ -68,6 +68,7 @@ class BenchContext:
     block_size: int
     hf_batch_size: int
     work_dir: Path
+    num_speculative_tokens: int | None = None  # pagedq: None -> the engine's default
     redis_stream: bool = False
     request_timeout_s: float = 1800.0
     repeat: int = 1  # rounds of every system on an offline workload; the fastest run of each is reported
@@ -309,6 +310,8 @@ class PagedqSystem(System):
             "enable_prefix_caching": self.caching,
             "seed": ctx.seed,
         }
+        if ctx.num_speculative_tokens is not None:
+            kwargs["num_speculative_tokens"] = ctx.num_speculative_tokens
         if ctx.kv_cache_bytes is not None:
             kwargs["kv_cache_bytes"] = ctx.kv_cache_bytes
         return LLM(str(ctx.model_path), **kwargs)
@@ -331,6 +334,7 @@ class PagedqSystem(System):
         engine.runner.timings = StepTimings()
         engine.kv.reset_counters()
         preemptions0 = engine.scheduler.num_preemptions
+        drafts0, accepted0 = engine.num_draft_tokens, engine.num_accepted_tokens
         probe = EngineProbe(engine)
         probe.install()
         prompts = [r.prompt_ids for r in workload.requests]
@@ -364,10 +368,26 @@ class PagedqSystem(System):
                 "hit_tokens": stats.prefix_cache_hits,
                 "queried_tokens": stats.prefix_cache_queries,
             },
+            "speculative": _speculative_record(
+                engine.config.num_speculative_tokens, stats.spec_draft_tokens - drafts0,
+                stats.spec_accepted_tokens - accepted0, sum(len(o) for o in res.outputs),
+            ),
         }
         del llm, engine
         _free_memory()
         return res
+
+
+def _speculative_record(k: int, drafts: int, accepted: int, output_tokens: int) -> dict[str, Any]:
+    """Speculative decoding's share of a run: drafts verified, accepted, and the output tokens that
+    came from accepted drafts (each one a decode step's token without a step of its own)."""
+    return {
+        "num_speculative_tokens": k,
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+        "acceptance": round(accepted / drafts, 4) if drafts else 0.0,
+        "output_share": round(accepted / output_tokens, 4) if output_tokens else 0.0,
+    }
 
 
 # --------------------------------------------------------------------------------------- transformers
@@ -591,6 +611,8 @@ class RedisWorker:
         ]  # fmt: skip
         if ctx.kv_cache_bytes is not None:
             cmd += ["--kv-cache-bytes", str(ctx.kv_cache_bytes)]
+        if ctx.num_speculative_tokens is not None:
+            cmd += ["--num-speculative-tokens", str(ctx.num_speculative_tokens)]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["OMP_NUM_THREADS"] = str(ctx.threads)
@@ -755,22 +777,31 @@ class PagedqRedisSystem(System):
             hb = w.heartbeat()
             peak["kv_cache_usage"] = max(peak["kv_cache_usage"], float(hb.get("kv_cache_usage", 0.0)))
 
-        loop0 = w.heartbeat_since(time.time()).get("loop", {})
+        hb0 = w.heartbeat_since(time.time())
+        loop0 = hb0.get("loop", {})
         with _sampling(sample, 0.25):
             t1, cpu1 = time.perf_counter(), w.cpu_seconds()
             finals = w.offline(workload.requests, stream=ctx.redis_stream)
             wall = time.perf_counter() - t1
             cpu_s = w.cpu_seconds() - cpu1
-        loop1 = w.heartbeat_since(time.time()).get("loop", {})
+        hb1 = w.heartbeat_since(time.time())
+        loop1 = hb1.get("loop", {})
         res = SystemResult(self.name, "ok", wall_s=wall, load_s=w.load_s if fresh else 0.0, cpu_s=cpu_s)
         res.outputs = [list(f.choices[0].token_ids) for f in finals]
         res.check(workload)
+        spec = {k: int(hb1.get(k, 0)) - int(hb0.get(k, 0)) for k in ("spec_draft_tokens", "spec_accepted_tokens")}
+        from engine.config import EngineConfig
+
+        k = EngineConfig.num_speculative_tokens if ctx.num_speculative_tokens is None else ctx.num_speculative_tokens
         res.cached_tokens = sum(f.usage.cached_tokens for f in finals)
         queued = [f.timings.queued_s for f in finals]
         res.extra = {
             "stream": ctx.redis_stream,
             "worker_loop": _loop_breakdown(loop0, loop1, wall),
             "kv": {"peak_usage_sampled": round(peak["kv_cache_usage"], 4)},
+            "speculative": _speculative_record(
+                k, spec["spec_draft_tokens"], spec["spec_accepted_tokens"], sum(len(o) for o in res.outputs)
+            ),
             "worker_timings": {
                 "queued_s_mean": round(sum(queued) / len(queued), 4) if queued else 0.0,
                 "total_s_max": round(max((f.timings.total_s for f in finals), default=0.0), 4),

@@ -205,7 +205,7 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
     if redis_ran:
         assert online["status"] == "ok"
         stats = online["online"]
-        assert stats["ttft_ms"]["p50"] > 0 and stats["jobs_per_s"] > 0
+        assert stats["ttft_ms"]["p50"] > 0 and stats["jobs_per_s"] > 0 and stats["tpot_ms"]["p50"] > 0
         assert stats["streamed_tokens"] == report["workloads"]["online"]["workload"]["output_tokens"]
         assert "pagedq-redis/pagedq" in mixed["ratios"]
         loop = mixed["systems"]["pagedq-redis"]["worker_loop"]  # the worker's own account of the run

@@ -230,6 +230,7 @@ def _details(w: dict[str, Any]) -> list[str]:
             out.append(
                 f"  {sname} online: TTFT p50 {online['ttft_ms']['p50']:.0f} ms p99 {online['ttft_ms']['p99']:.0f} ms;"
                 f" ITL p50 {online['itl_ms']['p50']:.1f} ms p99 {online['itl_ms']['p99']:.1f} ms;"
+                f" TPOT p50 {online['tpot_ms']['p50']:.1f} ms p99 {online['tpot_ms']['p99']:.1f} ms;"
                 f" {online['jobs_per_s']:.2f} jobs/s"
             )
         agree = rec.get("agreement_with_pagedq")

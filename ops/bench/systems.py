@@ -887,6 +887,13 @@ def _latency_stats(records: list[dict[str, Any]], wall: float) -> dict[str, Any]
     """TTFT (submit -> first streamed token), ITL (gaps between token events), end-to-end, jobs/s."""
     ttft = [rec["stamps"][0] - rec["submit"] for rec in records if rec["stamps"]]
     itl = [b - a for rec in records for a, b in zip(rec["stamps"], rec["stamps"][1:], strict=False)]
+    # Time per output token after the first (vLLM's TPOT): with speculative decoding one event can
+    # carry several tokens, so the gap between events (ITL) is a step, not a token.
+    tpot = [
+        (rec["done"] - rec["stamps"][0]) / (rec["streamed_tokens"] - 1)
+        for rec in records
+        if rec["stamps"] and rec["streamed_tokens"] > 1
+    ]
     e2e = [rec["done"] - rec["submit"] for rec in records]
     first = min((rec["submit"] for rec in records), default=0.0)
     last = max((rec["done"] for rec in records), default=0.0)
@@ -895,6 +902,7 @@ def _latency_stats(records: list[dict[str, Any]], wall: float) -> dict[str, Any]
     return {
         "ttft_ms": {"p50": ms(_pct(ttft, 50)), "p99": ms(_pct(ttft, 99)), "mean": ms(sum(ttft) / max(1, len(ttft)))},
         "itl_ms": {"p50": ms(_pct(itl, 50)), "p99": ms(_pct(itl, 99)), "mean": ms(sum(itl) / max(1, len(itl)))},
+        "tpot_ms": {"p50": ms(_pct(tpot, 50)), "p99": ms(_pct(tpot, 99))},
         "e2e_ms": {"p50": ms(_pct(e2e, 50)), "p99": ms(_pct(e2e, 99))},
         "jobs_per_s": round(len(records) / span, 3),
         "span_s": round(span, 3),

@@ -230,6 +230,60 @@ def test_client_submit_stream_result_cancel(fx: Fixture) -> None:
     assert failed.value.code == "invalid_request"
 
 
+def test_client_reads_tokens_published_with_the_terminal_after_an_empty_read(fx: Fixture) -> None:
+    """The job ends between the client's empty blocking read and its look at the result key (the
+    last token events and the terminal land together): those tokens still reach the caller, sync and
+    asyncio. Reproduced exactly by publishing from inside the client's first (empty) XREAD."""
+    job_id = "race-1"
+    tok = TokenEvent(id=job_id, attempt=1, index=0, text=" last", token_ids=[7, 8])
+    final = _final(job_id, "first last")
+
+    def publish_after_first_read(redis_client: Any, is_async: bool) -> None:
+        real = redis_client.xread
+        calls = {"n": 0}
+
+        def flush() -> None:
+            calls["n"] += 1
+            if calls["n"] == 1:  # the read came back empty: now the worker publishes
+                outbox = Outbox()
+                outbox.tokens.append((fx.keys.reply(job_id), tok.to_json()))
+                outbox.terminals.append(Terminal("", job_id, fx.keys.reply(job_id), final))
+                fx.pub.flush(outbox)
+
+        if is_async:
+
+            async def xread_async(*args: Any, **kwargs: Any) -> Any:
+                reply = await real(*args, **kwargs)
+                flush()
+                return reply
+
+            redis_client.xread = xread_async
+        else:
+
+            def xread(*args: Any, **kwargs: Any) -> Any:
+                reply = real(*args, **kwargs)
+                flush()
+                return reply
+
+            redis_client.xread = xread
+
+    client = PagedqClient(fx.server.client(), namespace=fx.ns, block_ms=50)
+    publish_after_first_read(client.redis, is_async=False)
+    assert list(client.events(job_id, timeout=5)) == [tok, final]
+
+    fx.r.delete(fx.keys.reply(job_id), fx.keys.result(job_id))
+
+    async def main() -> list[object]:
+        aclient = AsyncPagedqClient(fx.server.url, namespace=fx.ns, block_ms=50)
+        publish_after_first_read(aclient.redis, is_async=True)
+        try:
+            return [event async for event in aclient.events(job_id, timeout=5)]
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(main()) == [tok, final]
+
+
 def test_client_stream_divergent_redelivery_yields_restart(fx: Fixture) -> None:
     client = PagedqClient(fx.server.client(), namespace=fx.ns, block_ms=100)
     job_id = client.submit("x")

@@ -232,7 +232,14 @@ class PagedqClient(_Base):
                 if not isinstance(event, TokenEvent):
                     return
             if new_last is None and (stored := self.redis.get(self.keys.result(job_id))) is not None:
-                # Reply stream expired or never written (e.g. a foreign reply_to): the result key has it.
+                # The job ended after the empty read (its last token events and terminal land together):
+                # read the stream once more, so those tokens are not skipped; only a reply stream that
+                # expired or was never written (a foreign reply_to) leaves the result key alone.
+                events, _ = _events(self.redis.xread({key: last}, count=1000))
+                for event in events:
+                    yield event
+                    if not isinstance(event, TokenEvent):
+                        return
                 yield parse_event(stored)
                 return
 
@@ -320,6 +327,11 @@ class AsyncPagedqClient(_Base):
                 if not isinstance(event, TokenEvent):
                     return
             if new_last is None and (stored := await self.redis.get(self.keys.result(job_id))) is not None:
+                events, _ = _events(await self.redis.xread({key: last}, count=1000))  # see PagedqClient.events
+                for event in events:
+                    yield event
+                    if not isinstance(event, TokenEvent):
+                        return
                 yield parse_event(stored)
                 return
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -144,7 +146,7 @@ def _submit_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_submit(args: argparse.Namespace) -> int:
-    from worker.client import JobFailed, PagedqClient, Restart
+    from worker.client import JobFailed, PagedqClient, Restart, new_job_id
 
     try:
         settings = settings_from_args(args)
@@ -152,9 +154,27 @@ def run_submit(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         return _fail("submit", str(exc), 2)
     client = PagedqClient(connect(url), namespace=settings.namespace, queue=settings.queue)
+    job_id = args.id or new_job_id()  # known before the XADD, so Ctrl-C at any point can cancel it
+
+    def on_sigint(signum: int, frame: object) -> None:
+        # Ctrl-C can land anywhere, also inside redis-py while it holds its connection pool's lock,
+        # where unwinding a KeyboardInterrupt and closing the client can deadlock (seen under load in
+        # CI): cancel through a client of its own, then leave at once.
+        try:
+            PagedqClient(connect(url), namespace=settings.namespace, queue=settings.queue).cancel(job_id)
+            print(f"\npagedq submit: cancelled job {job_id}", file=sys.stderr)
+            code = 130
+        except redis.RedisError as exc:
+            print(f"\npagedq submit: could not cancel job {job_id}: {exc}", file=sys.stderr)
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         try:
-            job_id = client.submit(**_submit_fields(args))
+            client.submit(**{**_submit_fields(args), "id": job_id})
         except ValidationError as exc:
             return _fail("submit", describe_validation_error(exc), 2)
         except redis.RedisError as exc:
@@ -190,13 +210,10 @@ def run_submit(args: argparse.Namespace) -> int:
             return _fail("submit", f"job {job_id} failed ({exc.code}): {exc.event.message}")
         except TimeoutError:
             return _fail("submit", f"no result for job {job_id} within {args.wait_s}s (it stays queued)", 124)
-        except KeyboardInterrupt:
-            client.cancel(job_id)
-            print(f"\npagedq submit: cancelled job {job_id}", file=sys.stderr)
-            return 130
         except redis.RedisError as exc:
             return _fail("submit", f"lost Redis while waiting for job {job_id}: {exc}")
     finally:
+        signal.signal(signal.SIGINT, previous)
         client.close()
 
 

@@ -166,6 +166,8 @@ class Settings(BaseSettings):
     def _consistent(self) -> Settings:
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be at most prompt_lookup_max")
         return self
 
     @property

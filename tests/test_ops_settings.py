@@ -90,3 +90,5 @@ def test_config_file_sits_below_env_and_flags(tmp_path: Path, monkeypatch: pytes
         load_settings(str(bad))
     with pytest.raises(SettingsError, match="config"):
         load_settings(str(tmp_path / "missing.toml"))
+    with pytest.raises(SettingsError, match="prompt_lookup_min"):  # caught here, not at engine start
+        load_settings(prompt_lookup_min=5, prompt_lookup_max=3)

@@ -790,9 +790,11 @@ class PagedqRedisSystem(System):
         res.outputs = [list(f.choices[0].token_ids) for f in finals]
         res.check(workload)
         spec = {k: int(hb1.get(k, 0)) - int(hb0.get(k, 0)) for k in ("spec_draft_tokens", "spec_accepted_tokens")}
-        from engine.config import EngineConfig
+        from ops.settings import Settings
 
-        k = EngineConfig.num_speculative_tokens if ctx.num_speculative_tokens is None else ctx.num_speculative_tokens
+        # What the worker runs: its own setting's default unless the bench passed one.
+        default = Settings.model_fields["num_speculative_tokens"].default
+        k = default if ctx.num_speculative_tokens is None else ctx.num_speculative_tokens
         res.cached_tokens = sum(f.usage.cached_tokens for f in finals)
         queued = [f.timings.queued_s for f in finals]
         res.extra = {

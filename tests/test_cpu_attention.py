@@ -105,6 +105,38 @@ def test_matches_reference(
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 32), (6, 2, 16)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_task_shapes_agree(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    # The decode kernel runs one task per sequence (copying each block's rows in memory order) when
+    # there are at least as many sequences as threads, else one per (sequence, kv head): both must
+    # give the reference's result, and the same bits as each other (same arithmetic, in the same order).
+    if not cpu_attention.available():
+        pytest.skip("no C compiler: the torch fallback is what runs here")
+    rng = random.Random(head_dim + block_size)
+    torch.manual_seed(rng.randrange(1000))
+    seq_lens = [rng.randint(1, 120) for _ in range(5)] + [block_size * 3, 1]
+    meta, q, _, _, k_cache, v_cache = make_batch(
+        seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size
+    )
+    rows = torch.arange(len(seq_lens))
+    tables = meta.block_tables.contiguous()
+    scale = head_dim**-0.5
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, len(seq_lens) + 1):  # per sequence; per (sequence, kv head)
+            torch.set_num_threads(n)
+            out = torch.zeros_like(q)
+            cpu_attention.paged_decode_attention(q, k_cache, v_cache, out, rows, meta.seq_lens, tables, scale)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len, meta.max_seq_len)
+    torch.testing.assert_close(outs[0], paged_attention_torch(q, k_cache, v_cache, *args), atol=2e-5, rtol=1e-4)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.skipif(not cpu_attention.prefill_supported(64), reason="no C compiler or no AVX2: torch's prefill runs")
 def test_prefill_kernel_long_chunks() -> None:
     # Many 16-query tiles and 64-key chunks: a whole 300-token prompt, a 70-token chunk after 230
@@ -134,8 +166,10 @@ def test_decode_cascade_over_shared_prefix(num_heads: int, num_kv_heads: int, he
         # 37 sequences (tiles of 16, 16, 5), one of them with a single position of its own
         ([shared * block_size + 1] + [shared * block_size + rng.randint(1, 150) for _ in range(36)], shared),
         # one shorter sequence ends inside the prefix: only the blocks before its last position are shared
-        ([shared * block_size - 5] + [shared * block_size + rng.randint(1, 40) for _ in range(5)],
-         (shared * block_size - 6) // block_size),
+        (
+            [shared * block_size - 5] + [shared * block_size + rng.randint(1, 40) for _ in range(5)],
+            (shared * block_size - 6) // block_size,
+        ),
         # three sequences: below the minimum, read one by one
         ([shared * block_size + 7] * 3, 0),
     ]

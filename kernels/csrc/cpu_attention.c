@@ -3,8 +3,8 @@
  *
  * Gathering each sequence's context into a contiguous tensor costs more than the attention itself
  * on a CPU (advanced indexing moves data at a fraction of memory bandwidth), so this kernel walks the
- * block table and reads every K/V row where it lies, once per (sequence, kv head), for all the query
- * heads that share that kv head (GQA/MQA). float32 only; the caller falls back to torch otherwise.
+ * block table and reads every K/V row once per step, block by block, for all the query heads that
+ * share its kv head (GQA/MQA). float32 only; the caller falls back to torch otherwise.
  * Where many decode sequences start with the same blocks (a cached prompt prefix), those are attended
  * once for all of them (cascade attention, see decode_cascade_blocks) and merged into each.
  *
@@ -145,31 +145,51 @@ static void task_generic(const attn_args *a, int64_t s, int64_t h, float *scores
 }
 
 #ifdef PAGEDQ_AVX2
-/* AVX2 task: head_dim % 8 == 0. */
-static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, float *qs)
+/* AVX2 task: kv heads h0..h1-1 of sequence s, head_dim % 8 == 0. `scratch` holds
+ * nh * (len + D + 2) + block_size * KVH * D floats, nh = (h1 - h0) * group query heads.
+ *
+ * A task over all kv heads first copies each block's K (then V) rows, which lie contiguous, into
+ * scratch, prefetches the next block, and computes from the copy: the copy reads memory front to back,
+ * which the hardware prefetchers follow, where the dot products' own order (one kv head's 256 B of
+ * every 768 B row, head after head) defeats them. Measured on this VM, pure reads of K/V far larger
+ * than the caches: 7.3-8.2 GB/s one kv head at a time, 13.7-14.6 GB/s whole rows in order; the kernel,
+ * 30 layers of 96 sequences x 350 positions: 190 -> 157 ms (copy alone 171 ms), 64 x 700: 268 -> 205 ms,
+ * same results to the bit. */
+static inline void prefetch_block(const float *p, int64_t floats)
 {
-    const task_view tv = view_of(a, s, h);
-    const int64_t group = tv.group, D = a->head_dim, block_size = a->block_size;
+    for (int64_t off = 0; off < floats; off += 16) _mm_prefetch((const char *)(p + off), _MM_HINT_T0);
+}
+
+static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
+{
+    const task_view tv = view_of(a, s, h0);
+    const int64_t group = tv.group, D = a->head_dim, block_size = a->block_size, nh = (h1 - h0) * group;
     const int64_t rs = tv.rs, block_stride = tv.block_stride, nblocks = tv.nblocks;
     const int64_t b0 = a->prefix_blocks, first = b0 * block_size, len = tv.len - first; /* own positions */
+    const int copy = h1 - h0 == a->num_kv_heads;
     const int32_t *table = tv.table;
-    float *acc = tv.acc;
-    const float *qg = tv.qg;
+    float *acc = tv.acc;  /* nh contiguous output rows: query heads h0 * group ... */
+    float *scores = scratch, *qs = scores + nh * len, *mxs = qs + nh * D, *sums = mxs + nh, *blk = sums + nh;
     const __m256 vscale = _mm256_set1_ps(a->scale);
-    for (int64_t g = 0; g < group; g++)
+    for (int64_t r = 0; r < nh; r++)
         for (int64_t c = 0; c < D; c += 8)
-            _mm256_storeu_ps(qs + g * D + c, _mm256_mul_ps(_mm256_loadu_ps(qg + g * a->q_head + c), vscale));
+            _mm256_storeu_ps(qs + r * D + c, _mm256_mul_ps(_mm256_loadu_ps(tv.qg + r * a->q_head + c), vscale));
 
     for (int64_t b = b0; b < nblocks; b++) {
-        const float *kb = a->k_cache + (int64_t)table[b] * block_stride + h * D;
+        const float *kb = a->k_cache + (int64_t)table[b] * block_stride + h0 * D;
         const int64_t base = b * block_size - first;
         const int64_t n = base + block_size <= len ? block_size : len - base;
-        for (int64_t g = 0; g < group; g++) {
-            const float *qq = qs + g * D;
-            float *sc = scores + g * len + base;
+        if (copy) {
+            memcpy(blk, kb, sizeof(float) * n * rs);
+            kb = blk;
+            if (b + 1 < nblocks) prefetch_block(a->k_cache + (int64_t)table[b + 1] * block_stride, block_stride);
+        }
+        for (int64_t r = 0; r < nh; r++) {
+            const float *qq = qs + r * D, *kh = kb + (r / group) * D;
+            float *sc = scores + r * len + base;
             int64_t t = 0;
             for (; t + 8 <= n; t += 8) {
-                const float *k0 = kb + t * rs;
+                const float *k0 = kh + t * rs;
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
                 for (int64_t c = 0; c < D; c += 8) {
                     const __m256 qv = _mm256_loadu_ps(qq + c);
@@ -185,7 +205,7 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, f
                 _mm256_storeu_ps(sc + t, hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7));
             }
             for (; t < n; t++) {
-                const float *kr = kb + t * rs;
+                const float *kr = kh + t * rs;
                 __m256 a0 = _mm256_setzero_ps();
                 for (int64_t c = 0; c < D; c += 8)
                     a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qq + c), _mm256_loadu_ps(kr + c), a0);
@@ -194,18 +214,12 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, f
         }
     }
     /* Softmax numerators; the 1/sum is applied to the output at the end. */
-    float mxs[64], sums[64];
-    for (int64_t g = 0; g < group; g++) {
-        float *sc = scores + g * len;
+    for (int64_t r = 0; r < nh; r++) {
+        float *sc = scores + r * len;
         __m256 vmx = _mm256_set1_ps(-INFINITY);
         int64_t pos = 0;
         for (; pos + 8 <= len; pos += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sc + pos));
-        float mx = -INFINITY;
-        {
-            float lanes[8];
-            _mm256_storeu_ps(lanes, vmx);
-            for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
-        }
+        float mx = hmax1(vmx);
         for (; pos < len; pos++) mx = sc[pos] > mx ? sc[pos] : mx;
         const __m256 vm = _mm256_set1_ps(mx);
         __m256 vsum = _mm256_setzero_ps();
@@ -217,22 +231,27 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, f
         }
         float sum = hsum1(vsum);
         for (; pos < len; pos++) { sc[pos] = expf(sc[pos] - mx); sum += sc[pos]; }
-        mxs[g] = mx;
-        sums[g] = sum;
+        mxs[r] = mx;
+        sums[r] = sum;
     }
-    memset(acc, 0, sizeof(float) * group * D);
+    memset(acc, 0, sizeof(float) * nh * D);
     for (int64_t b = b0; b < nblocks; b++) {
-        const float *vb = a->v_cache + (int64_t)table[b] * block_stride + h * D;
+        const float *vb = a->v_cache + (int64_t)table[b] * block_stride + h0 * D;
         const int64_t base = b * block_size - first;
         const int64_t n = base + block_size <= len ? block_size : len - base;
-        for (int64_t g = 0; g < group; g++) {
-            const float *sc = scores + g * len + base;
-            float *o = acc + g * D;
+        if (copy) {
+            memcpy(blk, vb, sizeof(float) * n * rs);
+            vb = blk;
+            if (b + 1 < nblocks) prefetch_block(a->v_cache + (int64_t)table[b + 1] * block_stride, block_stride);
+        }
+        for (int64_t r = 0; r < nh; r++) {
+            const float *sc = scores + r * len + base, *vh = vb + (r / group) * D;
+            float *o = acc + r * D;
             int64_t t = 0;
             for (; t + 4 <= n; t += 4) {
                 const __m256 p0 = _mm256_set1_ps(sc[t]), p1 = _mm256_set1_ps(sc[t + 1]);
                 const __m256 p2 = _mm256_set1_ps(sc[t + 2]), p3 = _mm256_set1_ps(sc[t + 3]);
-                const float *v0 = vb + t * rs;
+                const float *v0 = vh + t * rs;
                 for (int64_t c = 0; c < D; c += 8) {
                     __m256 x = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + c), _mm256_loadu_ps(o + c));
                     __m256 y = _mm256_mul_ps(p1, _mm256_loadu_ps(v0 + rs + c));
@@ -243,28 +262,28 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h, float *scores, f
             }
             for (; t < n; t++) {
                 const __m256 p = _mm256_set1_ps(sc[t]);
-                const float *v = vb + t * rs;
+                const float *v = vh + t * rs;
                 for (int64_t c = 0; c < D; c += 8)
                     _mm256_storeu_ps(o + c, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + c), _mm256_loadu_ps(o + c)));
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
+    for (int64_t r = 0; r < nh; r++) {
         if (b0 == 0) {
-            const __m256 vi = _mm256_set1_ps(1.f / sums[g]);
+            const __m256 vi = _mm256_set1_ps(1.f / sums[r]);
             for (int64_t c = 0; c < D; c += 8)
-                _mm256_storeu_ps(acc + g * D + c, _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + c), vi));
+                _mm256_storeu_ps(acc + r * D + c, _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + c), vi));
             continue;
         }
         /* Merge with the shared prefix's partial result, rescaled to the larger running max. */
-        const int64_t i = s * a->num_heads + h * group + g;
-        const float mx = fmaxf(mxs[g], a->prefix_m[i]);
-        const float wo = expf(mxs[g] - mx), wp = expf(a->prefix_m[i] - mx);
-        const float inv = 1.f / (sums[g] * wo + a->prefix_l[i] * wp);
+        const int64_t i = s * a->num_heads + h0 * group + r;
+        const float mx = fmaxf(mxs[r], a->prefix_m[i]);
+        const float wo = expf(mxs[r] - mx), wp = expf(a->prefix_m[i] - mx);
+        const float inv = 1.f / (sums[r] * wo + a->prefix_l[i] * wp);
         const __m256 vo = _mm256_set1_ps(wo * inv), vp = _mm256_set1_ps(wp * inv);
         const float *po = a->prefix_o + i * D;
         for (int64_t c = 0; c < D; c += 8)
-            _mm256_storeu_ps(acc + g * D + c, _mm256_fmadd_ps(_mm256_loadu_ps(acc + g * D + c), vo,
+            _mm256_storeu_ps(acc + r * D + c, _mm256_fmadd_ps(_mm256_loadu_ps(acc + r * D + c), vo,
                                                               _mm256_mul_ps(_mm256_loadu_ps(po + c), vp)));
     }
 }
@@ -433,6 +452,7 @@ static int64_t shared_prefix_blocks(const int32_t *seq_lens, const int32_t *bloc
  * head_dim % 16 == 0 only (the same results otherwise, by per-sequence reads). */
 #define CASCADE_MIN_SEQS 4
 
+
 /* How many leading blocks paged_decode_attention_f32 attends once for all sequences (0: none). */
 int64_t decode_cascade_blocks(const int32_t *seq_lens, const int32_t *block_tables, int64_t num_seqs,
                               int64_t max_blocks, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
@@ -458,7 +478,7 @@ void paged_decode_attention_f32(
     const int64_t group = num_heads / num_kv_heads;
     int use_avx2 = 0;
 #ifdef PAGEDQ_AVX2
-    use_avx2 = head_dim % 8 == 0 && group <= 64;
+    use_avx2 = head_dim % 8 == 0;
 #endif
     int64_t prefix_blocks = cascade ? decode_cascade_blocks(seq_lens, block_tables, num_seqs, max_blocks, block_size,
                                                             num_heads, num_kv_heads, head_dim) : 0;
@@ -472,13 +492,15 @@ void paged_decode_attention_f32(
     for (int64_t s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
     const int64_t prefix_tiles = prefix_blocks ? (num_seqs + QT - 1) / QT : 0;
 
-    /* One task per (sequence, kv head): the G query heads sharing that kv head are done together,
-       so each K/V row is read from memory once. (Measured: one task per sequence, and software
-       prefetching of the next block, changed nothing beyond noise; the hardware prefetchers cope.)
-       Scratch is per thread, sized for the longest context and the prefix pass's tile. */
+    /* One task per sequence (all its kv heads: its K/V blocks are copied in memory order, see
+       task_avx2), or per (sequence, kv head) when there are fewer sequences than threads; either way the G query heads sharing a kv head are done together, so each K/V row is
+       read from memory once. Scratch is per thread, sized for the longest context and the prefix
+       pass's tile. */
+    const int64_t per_task = use_avx2 && num_seqs >= num_threads ? num_kv_heads : 1;
+    const int64_t parts = num_kv_heads / per_task;
     #pragma omp parallel num_threads(num_threads)
     {
-        size_t floats = (size_t)(group * max_len + group * head_dim + 8);
+        size_t floats = (size_t)(per_task * group * (max_len + head_dim + 2) + block_size * num_kv_heads * head_dim + 8);
 #ifdef PAGEDQ_AVX2
         if (prefix_tiles && flash_tile_floats(QT * group, head_dim) > floats) floats = flash_tile_floats(QT * group, head_dim);
 #endif
@@ -490,14 +512,12 @@ void paged_decode_attention_f32(
 #endif
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t s = 0; s < num_seqs; s++) {
-            for (int64_t h = 0; h < num_kv_heads; h++) {
+            for (int64_t part = 0; part < parts; part++) {
                 if (seq_lens[s] <= 0) continue;
-                float *scores = scratch, *qs = scratch + group * max_len;
 #ifdef PAGEDQ_AVX2
-                if (use_avx2) { task_avx2(&a, s, h, scores, qs); continue; }
+                if (use_avx2) { task_avx2(&a, s, part * per_task, (part + 1) * per_task, scratch); continue; }
 #endif
-                (void)use_avx2;
-                task_generic(&a, s, h, scores, qs);
+                task_generic(&a, s, part, scratch, scratch + group * max_len);
             }
         }
         free(scratch);

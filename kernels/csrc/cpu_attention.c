@@ -145,6 +145,21 @@ static void task_generic(const attn_args *a, int64_t s, int64_t h, float *scores
 }
 
 #ifdef PAGEDQ_AVX2
+/* Block b's rows of `cache` (all kv heads): with `copy_to`, copied there in memory order (the next
+ * block prefetched meanwhile) and read from the copy; else read in place. */
+static inline const float *block_rows(const float *cache, const int32_t *table, int64_t b, int64_t nblocks,
+                                      int64_t block_stride, int64_t floats, float *copy_to)
+{
+    const float *rows = cache + (int64_t)table[b] * block_stride;
+    if (!copy_to) return rows;
+    memcpy(copy_to, rows, sizeof(float) * floats);
+    if (b + 1 < nblocks) {
+        const float *next = cache + (int64_t)table[b + 1] * block_stride;
+        for (int64_t off = 0; off < block_stride; off += 16) _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
+    }
+    return copy_to;
+}
+
 /* AVX2 task: kv heads h0..h1-1 of sequence s, head_dim % 8 == 0. `scratch` holds
  * nh * (len + D + 2) + block_size * KVH * D floats, nh = (h1 - h0) * group query heads.
  *
@@ -153,37 +168,27 @@ static void task_generic(const attn_args *a, int64_t s, int64_t h, float *scores
  * which the hardware prefetchers follow, where the dot products' own order (one kv head's 256 B of
  * every 768 B row, head after head) defeats them. Measured on this VM, pure reads of K/V far larger
  * than the caches: 7.3-8.2 GB/s one kv head at a time, 13.7-14.6 GB/s whole rows in order; the kernel,
- * 30 layers of 96 sequences x 350 positions: 190 -> 157 ms (copy alone 171 ms), 64 x 700: 268 -> 205 ms,
- * same results to the bit. */
-static inline void prefetch_block(const float *p, int64_t floats)
-{
-    for (int64_t off = 0; off < floats; off += 16) _mm_prefetch((const char *)(p + off), _MM_HINT_T0);
-}
-
+ * 30 layers of 96 sequences x 350 positions: 186 -> 148 ms, 64 x 700: 257 -> 193 ms, same results
+ * to the bit. */
 static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
 {
     const task_view tv = view_of(a, s, h0);
     const int64_t group = tv.group, D = a->head_dim, block_size = a->block_size, nh = (h1 - h0) * group;
     const int64_t rs = tv.rs, block_stride = tv.block_stride, nblocks = tv.nblocks;
     const int64_t b0 = a->prefix_blocks, first = b0 * block_size, len = tv.len - first; /* own positions */
-    const int copy = h1 - h0 == a->num_kv_heads;
     const int32_t *table = tv.table;
     float *acc = tv.acc;  /* nh contiguous output rows: query heads h0 * group ... */
-    float *scores = scratch, *qs = scores + nh * len, *mxs = qs + nh * D, *sums = mxs + nh, *blk = sums + nh;
+    float *scores = scratch, *qs = scores + nh * len, *mxs = qs + nh * D, *sums = mxs + nh;
+    float *copy_to = h1 - h0 == a->num_kv_heads ? sums + nh : NULL;  /* whole rows: stage each block */
     const __m256 vscale = _mm256_set1_ps(a->scale);
     for (int64_t r = 0; r < nh; r++)
         for (int64_t c = 0; c < D; c += 8)
             _mm256_storeu_ps(qs + r * D + c, _mm256_mul_ps(_mm256_loadu_ps(tv.qg + r * a->q_head + c), vscale));
 
     for (int64_t b = b0; b < nblocks; b++) {
-        const float *kb = a->k_cache + (int64_t)table[b] * block_stride + h0 * D;
         const int64_t base = b * block_size - first;
         const int64_t n = base + block_size <= len ? block_size : len - base;
-        if (copy) {
-            memcpy(blk, kb, sizeof(float) * n * rs);
-            kb = blk;
-            if (b + 1 < nblocks) prefetch_block(a->k_cache + (int64_t)table[b + 1] * block_stride, block_stride);
-        }
+        const float *kb = block_rows(a->k_cache, table, b, nblocks, block_stride, n * rs, copy_to) + h0 * D;
         for (int64_t r = 0; r < nh; r++) {
             const float *qq = qs + r * D, *kh = kb + (r / group) * D;
             float *sc = scores + r * len + base;
@@ -236,14 +241,9 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, flo
     }
     memset(acc, 0, sizeof(float) * nh * D);
     for (int64_t b = b0; b < nblocks; b++) {
-        const float *vb = a->v_cache + (int64_t)table[b] * block_stride + h0 * D;
         const int64_t base = b * block_size - first;
         const int64_t n = base + block_size <= len ? block_size : len - base;
-        if (copy) {
-            memcpy(blk, vb, sizeof(float) * n * rs);
-            vb = blk;
-            if (b + 1 < nblocks) prefetch_block(a->v_cache + (int64_t)table[b + 1] * block_stride, block_stride);
-        }
+        const float *vb = block_rows(a->v_cache, table, b, nblocks, block_stride, n * rs, copy_to) + h0 * D;
         for (int64_t r = 0; r < nh; r++) {
             const float *sc = scores + r * len + base, *vh = vb + (r / group) * D;
             float *o = acc + r * D;
@@ -452,7 +452,6 @@ static int64_t shared_prefix_blocks(const int32_t *seq_lens, const int32_t *bloc
  * head_dim % 16 == 0 only (the same results otherwise, by per-sequence reads). */
 #define CASCADE_MIN_SEQS 4
 
-
 /* How many leading blocks paged_decode_attention_f32 attends once for all sequences (0: none). */
 int64_t decode_cascade_blocks(const int32_t *seq_lens, const int32_t *block_tables, int64_t num_seqs,
                               int64_t max_blocks, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
@@ -493,14 +492,15 @@ void paged_decode_attention_f32(
     const int64_t prefix_tiles = prefix_blocks ? (num_seqs + QT - 1) / QT : 0;
 
     /* One task per sequence (all its kv heads: its K/V blocks are copied in memory order, see
-       task_avx2), or per (sequence, kv head) when there are fewer sequences than threads; either way the G query heads sharing a kv head are done together, so each K/V row is
-       read from memory once. Scratch is per thread, sized for the longest context and the prefix
-       pass's tile. */
+       task_avx2), or per (sequence, kv head) when there are fewer sequences than threads; either way
+       the G query heads sharing a kv head are done together, so each K/V row is read from memory
+       once. Scratch is per thread, sized for the longest context and the prefix pass's tile. */
     const int64_t per_task = use_avx2 && num_seqs >= num_threads ? num_kv_heads : 1;
     const int64_t parts = num_kv_heads / per_task;
     #pragma omp parallel num_threads(num_threads)
     {
-        size_t floats = (size_t)(per_task * group * (max_len + head_dim + 2) + block_size * num_kv_heads * head_dim + 8);
+        const int64_t staging = per_task == num_kv_heads ? block_size * num_kv_heads * head_dim : 0;
+        size_t floats = (size_t)(per_task * group * (max_len + head_dim + 2) + staging + 8);
 #ifdef PAGEDQ_AVX2
         if (prefix_tiles && flash_tile_floats(QT * group, head_dim) > floats) floats = flash_tile_floats(QT * group, head_dim);
 #endif

@@ -128,6 +128,21 @@ def test_ratios_and_targets() -> None:
     assert values["useful-FLOP utilisation >= 60% (pagedq, mixed)"] == 0.7
     assert values["prefix caching >= 3x without (prefix)"] is None
 
+    prefix = {
+        "pagedq": {"status": "ok", "output_tok_s": 30.0, "matmul_gflop": 100.0},
+        "pagedq-nocache": {"status": "ok", "output_tok_s": 10.0, "matmul_gflop": 290.0},
+    }
+    assert rep.matmul_work_ratio(prefix) == 2.9
+    assert rep.matmul_work_ratio({"pagedq": prefix["pagedq"]}) is None
+    report["workloads"]["prefix"] = {"systems": prefix, "ratios": rep.ratios(prefix), "matmul_work_ratio": 2.9}
+    (row,) = [t for t in rep.targets(report) if t["target"].startswith("prefix caching")]
+    assert row["value"] == 3.0 and row["met"] is True and row["ceiling"] == 2.9
+    assert "matmul work ratio 2.900" in rep.format_table(
+        {"meta": {"date": "d", "host": "h", "cpu": "c", "threads": 2, "model": "m", "device": "cpu",
+                  "dtype": "float32", "loadavg_start": 0, "loadavg_end": 0},
+         "matmul_peak": {"gflop_s": 1.0}, "workloads": {}, "targets": rep.targets(report)}
+    )
+
 
 def test_runner_lists_the_same_systems_without_importing_torch() -> None:
     from ops.bench import runner
@@ -200,6 +215,10 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
     prefix = report["workloads"]["prefix"]
     assert prefix["systems"]["pagedq-nocache"]["prefix_cache"]["enabled"] is False
     assert "pagedq/pagedq-nocache" in prefix["ratios"]
+    # Caching saves prefill matmuls only: the uncached run does more, by less than its prompt-token ratio.
+    on, off = prefix["systems"]["pagedq"], prefix["systems"]["pagedq-nocache"]
+    assert off["matmul_gflop"] > on["matmul_gflop"] > 0
+    assert prefix["matmul_work_ratio"] == pytest.approx(off["matmul_gflop"] / on["matmul_gflop"], abs=1e-3)
 
     online = report["workloads"]["online"]["systems"]["pagedq-redis"]
     if redis_ran:

@@ -354,6 +354,8 @@ def run(args: argparse.Namespace) -> int:
                 "systems": records,
                 "ratios": rep.ratios(records),
             }
+            if workload.name == "prefix":
+                report["workloads"]["prefix"]["matmul_work_ratio"] = rep.matmul_work_ratio(records)
         meta["loadavg_end"] = _loadavg()
         report["targets"] = rep.targets(report)
 

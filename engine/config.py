@@ -14,7 +14,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # checkpoint folder; None -> the default SmolLM2 model, prepared on first use
+    model: str | None = None  # checkpoint folder (LLM() and the worker turn None into the default model)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     kv_cache_bytes: int | None = None  # CPU budget; None -> DEFAULT_CPU_KV_CACHE_BYTES

@@ -27,6 +27,8 @@ from typing import Any
 
 import structlog
 
+from engine.checkpoint import checkpoint_folder
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 """Folder name of the prepared default model inside :func:`model_cache_dir`."""
 
@@ -201,22 +203,9 @@ def resolve_model_path(model: str | Path | None, log: Log | None = None) -> Path
     """
     if model is None:
         return prepare_default_model(log=log)
-    path = Path(model).expanduser()
-    if not path.exists() and str(model) in DEFAULT_MODEL_ALIASES:
+    if not Path(model).expanduser().exists() and str(model) in DEFAULT_MODEL_ALIASES:
         return prepare_default_model(log=log)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"Model {str(model)!r} is not a local folder. pagedq loads Hugging Face checkpoints from disk "
-            f"only (no hub access): pass a folder holding config.json, *.safetensors and the tokenizer "
-            f"files, or omit the model to use the default {DEFAULT_MODEL_NAME}."
-        )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"Model folder {path} has no config.json, so it is not a Hugging Face checkpoint. Pass a folder "
-            f"holding config.json, *.safetensors and the tokenizer files, or omit the model to use the "
-            f"default {DEFAULT_MODEL_NAME}."
-        )
-    return path
+    return checkpoint_folder(model)
 
 
 # --------------------------------------------------------------------------------------------- internals

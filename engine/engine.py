@@ -15,8 +15,8 @@ import structlog
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.checkpoint import checkpoint_folder
 from engine.config import EngineConfig
-from engine.default_model import resolve_model_path
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import PromptTooLongError
 from engine.kv_cache_manager import KVCacheManager
@@ -49,7 +49,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **kwargs: object) -> None:
         config = config or EngineConfig(**kwargs)  # type: ignore[arg-type]
         self.config = config
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = checkpoint_folder(config.model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.model_path))
         self.runner = ModelRunner(config, str(self.model_path))
         mc = self.model_config = self.runner.model_config

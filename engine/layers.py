@@ -4,7 +4,7 @@ They differ from their ``torch.nn`` namesakes in two ways that matter for an inf
 
 * parameters are allocated with ``torch.empty`` straight in the target dtype and device (no random
   init, no float32 detour), because the loader overwrites every one of them anyway;
-* the math runs through an :class:`engine.ops.Ops` bundle, so a model runs on the torch reference
+* the math runs through an :class:`engine.kernel_dispatch.Ops` bundle, so a model runs on the torch reference
   ops or on Triton kernels without code changes.
 """
 
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernel_dispatch import Ops
 from engine.model_config import RopeScaling
-from engine.ops import Ops
 from kernels import cpu_linear
 
 

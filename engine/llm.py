@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 from typing import cast
@@ -10,6 +11,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
+from engine.default_model import resolve_model_path
 from engine.engine import Engine
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from schemas.sampling import SamplingParams
@@ -20,7 +22,10 @@ Messages = list[dict[str, str]]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: object) -> None:
-        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))  # type: ignore[arg-type]
+        """``model``: a checkpoint folder, or None (or the default model's name) for the default model,
+        prepared on first use; the engine below only ever loads a folder."""
+        config = EngineConfig(model=str(resolve_model_path(model)), **engine_kwargs)  # type: ignore[arg-type]
+        self.engine = Engine(config)
         self._ids = itertools.count()
 
     @property
@@ -104,7 +109,7 @@ class LLM:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         self = cls.__new__(cls)
-        self.engine = Engine(config)
+        self.engine = Engine(dataclasses.replace(config, model=str(resolve_model_path(config.model))))
         self._ids = itertools.count()
         return self
 

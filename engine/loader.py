@@ -18,9 +18,9 @@ from typing import cast
 import torch
 from safetensors import safe_open
 
+from engine.kernel_dispatch import get_ops
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from engine.ops import get_ops
 
 
 class CheckpointMismatchError(ValueError):

@@ -64,7 +64,6 @@ from typing import IO, Any, Protocol
 import redis
 from pydantic import ValidationError
 
-from ops.settings import Settings, SettingsError
 from schemas.jobs import (
     ErrorEvent,
     FinalEvent,
@@ -73,7 +72,8 @@ from schemas.jobs import (
     describe_validation_error,
     parse_event,
 )
-from worker.keys import EVENT_FIELD, JOB_FIELD, Keys
+from schemas.keys import EVENT_FIELD, JOB_FIELD, Keys
+from worker.settings import Settings, SettingsError
 
 TerminalEvent = FinalEvent | ErrorEvent
 

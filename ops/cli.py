@@ -51,8 +51,10 @@ def _cmd_prepare_model(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     """Offline generation: the engine in this process, tokens streamed to the terminal."""
     from engine import Engine, EngineConfig, SamplingParams
+    from engine.default_model import resolve_model_path
 
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
+    model = str(resolve_model_path(args.model))
+    engine = Engine(EngineConfig(model=model, dtype=args.dtype, device=args.device))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     prompts = args.prompt or DEMO_PROMPTS
     for i, text in enumerate(prompts):

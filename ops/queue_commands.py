@@ -4,7 +4,7 @@ Each command is a pair ``add_<cmd>_arguments(parser)`` / ``run_<cmd>(args) -> ex
 wires in; ``python -m ops.queue_commands <cmd> ...`` runs them without it (tests use that).
 
 Everything here goes through wire protocol v1 (``README.md``, "Wire protocol v1") and the key names of
-``worker/keys.py``: these commands are plain Redis clients, they never talk to a worker directly. Settings
+``schemas/keys.py``: these commands are plain Redis clients, they never talk to a worker directly. Settings
 (``--redis-url``, ``--namespace``, ``--queue``) default to the same ``PAGEDQ_*`` environment the worker
 reads, so on one machine ``pagedq worker`` and ``pagedq submit`` find each other without flags; with no
 Redis URL at all, the embedded Redis of the default data folder is used, as the worker does.
@@ -28,9 +28,9 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from ops.settings import Settings, SettingsError, load_settings
 from schemas.jobs import DeadLetter, FinalEvent, describe_validation_error, salvage_reply_target
-from worker.keys import GROUP, JOB_FIELD, Keys
+from schemas.keys import GROUP, JOB_FIELD, Keys
+from worker.settings import Settings, SettingsError, load_settings
 
 # ------------------------------------------------------------------------------------------ common
 

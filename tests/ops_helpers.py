@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ops.settings import Settings
+from worker.settings import Settings
 
 
 def slow_engine(settings: Settings) -> Any:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.settings import load_settings, mask_url
 from tests.worker_harness import REPO
+from worker.settings import load_settings, mask_url
 
 
 def _worker(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -75,7 +75,7 @@ def test_metrics_port_is_off_by_default() -> None:
 
 
 def test_config_file_sits_below_env_and_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ops.settings import SettingsError, load_settings
+    from worker.settings import SettingsError, load_settings
 
     cfg = tmp_path / "pagedq.toml"
     cfg.write_text('[pagedq]\nmax_num_seqs = 7\nqueue = "from-file"\nprefetch = 3\n')

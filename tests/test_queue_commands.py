@@ -22,10 +22,10 @@ import pytest
 
 from ops import queue_commands
 from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, parse_event
+from schemas.keys import EVENT_FIELD, JOB_FIELD, Keys
 from tests.redis_servers import RedisServer, redis_server  # noqa: F401
 from tests.worker_harness import REPO, Ctx, inprocess_worker, make_engine, wait_for
 from worker.consumer import Worker
-from worker.keys import EVENT_FIELD, JOB_FIELD, Keys
 
 # One server kind is enough here: these commands are plain Redis clients (the worker tests cover both).
 DEBIAN = pytest.mark.parametrize("redis_server", ["debian"], indirect=True)

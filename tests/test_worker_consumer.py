@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, TokenEvent
+from schemas.keys import GROUP, JOB_FIELD
 from tests.redis_servers import RedisServer, redis_server  # noqa: F401
 from tests.worker_harness import Ctx, inprocess_worker, make_engine, wait_for
 from worker.client import JobFailed
 from worker.consumer import EngineLike, Worker
-from worker.keys import GROUP, JOB_FIELD
 from worker.reclaimer import Delivery
 
 

@@ -25,10 +25,10 @@ import pytest
 import redis
 
 from schemas.jobs import FinalEvent
+from schemas.keys import GROUP
 from tests.redis_servers import RedisServer, fresh_redis_server, redis_server  # noqa: F401
 from tests.worker_harness import REPO, Ctx, WorkerProcess, job_counts, wait_for
 from worker.client import PagedqClient, Restart
-from worker.keys import GROUP
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from schemas.jobs import Choice, DeadLetter, ErrorEvent, FinalEvent, Timings, TokenEvent, Usage, parse_event
+from schemas.keys import EVENT_FIELD, GROUP, JOB_FIELD, Keys
 from tests.redis_servers import (  # noqa: F401
     RedisServer,
     fresh_redis_server,
@@ -24,7 +25,6 @@ from tests.redis_servers import (  # noqa: F401
 )
 from worker.client import AsyncPagedqClient, JobFailed, PagedqClient, Restart
 from worker.embedded_redis import EmbeddedRedis
-from worker.keys import EVENT_FIELD, GROUP, JOB_FIELD, Keys
 from worker.publisher import Outbox, Publisher, Terminal
 from worker.reclaimer import Reclaimer, ensure_group
 

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from ops.settings import SettingsError, load_settings
 from schemas.jobs import (
     Choice,
     DeadLetter,
@@ -21,8 +20,9 @@ from schemas.jobs import (
     parse_job,
     salvage_reply_target,
 )
+from schemas.keys import Keys
 from worker.client import JobFailed, Restart, StreamState, build_job
-from worker.keys import Keys
+from worker.settings import SettingsError, load_settings
 
 LIMIT = 1 << 20
 

@@ -22,12 +22,12 @@ from typing import Any
 
 import redis
 
-from ops.settings import Settings
 from schemas.jobs import parse_event
+from schemas.keys import EVENT_FIELD, GROUP, Keys
 from tests.redis_servers import RedisServer, unique_namespace
 from worker.client import PagedqClient
 from worker.consumer import EngineLike, Worker
-from worker.keys import EVENT_FIELD, GROUP, Keys
+from worker.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 

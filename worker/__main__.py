@@ -1,6 +1,6 @@
 """``python -m worker [--redis-url URL] [--model PATH] [--queue NAME] [--name NAME] ...``
 
-Every setting of :class:`ops.settings.Settings` is a flag (``--max-num-seqs 8``) and an env var
+Every setting of :class:`worker.settings.Settings` is a flag (``--max-num-seqs 8``) and an env var
 (``PAGEDQ_MAX_NUM_SEQS=8``); flags win. ``pagedq worker`` in ``ops/cli.py`` is the same thing.
 """
 
@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ops.settings import Settings, SettingsError, load_settings
+from worker.settings import Settings, SettingsError, load_settings
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,9 +54,9 @@ import structlog
 from celery import Celery, signals
 from pydantic import ValidationError
 
-from ops.settings import Settings, load_settings
 from schemas.jobs import JOB_ID_PATTERN, ErrorEvent, describe_validation_error
 from worker.engine_thread import EngineThread
+from worker.settings import Settings, load_settings
 
 log = structlog.get_logger("pagedq.celery")
 

@@ -22,7 +22,7 @@ import redis
 import redis.asyncio as aioredis
 
 from schemas.jobs import ErrorEvent, FinalEvent, JobRequest, TokenEvent, parse_event
-from worker.keys import EVENT_FIELD, JOB_FIELD, Keys
+from schemas.keys import EVENT_FIELD, JOB_FIELD, Keys
 
 CANCEL_TTL_S = 86_400
 

@@ -38,8 +38,6 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from engine.outputs import EngineStats, RequestDelta
-from ops.metrics import WorkerMetrics
-from ops.settings import Settings
 from schemas.jobs import (
     DeadLetter,
     ErrorCode,
@@ -55,10 +53,12 @@ from schemas.jobs import (
     parse_job,
     salvage_reply_target,
 )
+from schemas.keys import GROUP, JOB_FIELD, Keys
 from worker.choices import ChoiceState, final_choices
-from worker.keys import GROUP, JOB_FIELD, Keys
+from worker.metrics import WorkerMetrics
 from worker.publisher import Outbox, Publisher, Terminal
 from worker.reclaimer import Delivery, Reclaimer, ensure_group
+from worker.settings import Settings
 
 try:
     from engine.errors import PromptTooLongError

@@ -23,7 +23,7 @@ import redis
 from redis.commands.core import Script
 
 from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, TokenEvent
-from worker.keys import EVENT_FIELD, GROUP, Keys
+from schemas.keys import EVENT_FIELD, GROUP, Keys
 
 TERMINAL_LUA = """
 -- KEYS[1] jobs stream, KEYS[2] result key, KEYS[3] reply stream, KEYS[4] dead-letter stream

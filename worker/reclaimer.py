@@ -17,7 +17,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from worker.keys import GROUP, Keys
+from schemas.keys import GROUP, Keys
 
 KEEP_FRESH_LUA = """
 -- KEYS[1] jobs stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids held by the consumer.

@@ -14,11 +14,11 @@ from typing import Any
 
 import structlog
 
-from ops.health import HealthServer, start_health_server
-from ops.settings import Settings
+from schemas.keys import Keys
 from worker.consumer import EngineLike, Worker
 from worker.embedded_redis import EmbeddedRedis
-from worker.keys import Keys
+from worker.health import HealthServer, start_health_server
+from worker.settings import Settings
 
 log = structlog.get_logger("pagedq.worker")
 
@@ -54,13 +54,14 @@ def build_engine(settings: Settings) -> EngineLike:
     import torch
 
     from engine import Engine, EngineConfig
+    from engine.default_model import resolve_model_path
 
     device = settings.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return Engine(  # type: ignore[return-value]
         EngineConfig(
-            model=settings.model,
+            model=str(resolve_model_path(settings.model)),
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             kv_cache_bytes=settings.kv_cache_bytes,

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
+from engine.kernel_dispatch import Ops
 from engine.layers import Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from engine.model_config import ModelConfig
-from engine.ops import Ops
 from kernels import cpu_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

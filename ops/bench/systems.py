@@ -790,7 +790,7 @@ class PagedqRedisSystem(System):
         res.outputs = [list(f.choices[0].token_ids) for f in finals]
         res.check(workload)
         spec = {k: int(hb1.get(k, 0)) - int(hb0.get(k, 0)) for k in ("spec_draft_tokens", "spec_accepted_tokens")}
-        from ops.settings import Settings
+        from worker.settings import Settings
 
         # What the worker runs: its own setting's default unless the bench passed one.
         default = Settings.model_fields["num_speculative_tokens"].default

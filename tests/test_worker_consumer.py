@@ -227,7 +227,7 @@ def test_property_random_payloads_never_crash_the_worker(ctx: Ctx, engine: Engin
 
 
 def test_cancel_running_and_waiting_jobs_within_a_second(ctx: Ctx, engine: EngineLike) -> None:
-    with inprocess_worker(ctx, engine, max_num_seqs=4, prefetch=2, test_step_delay_s=0.02) as worker:
+    with inprocess_worker(ctx, engine, max_num_seqs=4, prefetch=2, step_delay_s=0.02) as worker:
         long = dict(max_tokens=900, ignore_eos=True, temperature=0)
         running = [ctx.client.submit(f"long {i}", **long) for i in range(4)]
         waiting = ctx.client.submit("never started", **long)
@@ -253,7 +253,7 @@ def test_cancel_running_and_waiting_jobs_within_a_second(ctx: Ctx, engine: Engin
 
 
 def test_deadlines_before_and_during_generation(ctx: Ctx, engine: EngineLike) -> None:
-    with inprocess_worker(ctx, engine, test_step_delay_s=0.01):
+    with inprocess_worker(ctx, engine, step_delay_s=0.01):
         # Already expired when read: the entry is older than its timeout.
         ctx.r.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": "late", "prompt": "x", "timeout_s": 0.001})})
         with pytest.raises(JobFailed) as err:
@@ -274,7 +274,7 @@ def _first_token_at(ctx: Ctx, job_id: str) -> tuple[int, int]:
 
 
 def test_priority_on_a_saturated_worker(ctx: Ctx, engine: EngineLike) -> None:
-    with inprocess_worker(ctx, engine, max_num_seqs=4, prefetch=2, test_step_delay_s=0.01) as worker:
+    with inprocess_worker(ctx, engine, max_num_seqs=4, prefetch=2, step_delay_s=0.01) as worker:
         # Staggered lengths free the engine's slots one at a time.
         low = [ctx.client.submit(f"low {i}", max_tokens=20 + 8 * i, ignore_eos=True) for i in range(8)]
         wait_for(lambda: worker.engine.num_running() == 4, what="saturation")
@@ -287,7 +287,7 @@ def test_priority_on_a_saturated_worker(ctx: Ctx, engine: EngineLike) -> None:
 
 
 def test_step_failure_is_isolated_retried_then_dead_lettered(ctx: Ctx, engine: EngineLike) -> None:
-    with inprocess_worker(ctx, engine, test_fault_marker="BOOM", max_attempts=3):
+    with inprocess_worker(ctx, engine, fault_marker="BOOM", max_attempts=3):
         ok = [ctx.client.submit(f"fine {i}", max_tokens=8, temperature=0) for i in range(3)]
         bad = ctx.client.submit("this one goes BOOM", max_tokens=8)
         with pytest.raises(JobFailed) as err:
@@ -345,7 +345,7 @@ def test_heartbeat_reports_idle_without_leaked_blocks(ctx: Ctx, engine: EngineLi
 
 
 def test_shutdown_hands_back_unstarted_at_once_and_abandons_after_grace(ctx: Ctx, engine: EngineLike) -> None:
-    with inprocess_worker(ctx, engine, shutdown_grace_s=0.3, test_step_delay_s=0.02) as worker:
+    with inprocess_worker(ctx, engine, shutdown_grace_s=0.3, step_delay_s=0.02) as worker:
         ids = ctx.client.submit_many([f"long {i}" for i in range(6)], max_tokens=500, ignore_eos=True)
         wait_for(lambda: len(worker.jobs) == 6 and all(ctx.events(j) for j in ids[:4]), what="4 running")
     # 4 running jobs were abandoned after the grace period, 2 unstarted ones handed back at once; all

@@ -90,7 +90,7 @@ def stream_text_matches(ctx: Ctx, job_id: str, final: FinalEvent) -> None:
 
 
 def test_sigkill_one_of_two_workers_loses_and_duplicates_nothing(ctx: Ctx, workers: Workers) -> None:
-    slow = {"test_step_delay_s": 0.01, "reclaim_idle_s": 1.5}
+    slow = {"step_delay_s": 0.01, "reclaim_idle_s": 1.5}
     a = workers.start("victim", **slow)
     b = workers.start("survivor", **slow)
     a.wait_ready()
@@ -115,7 +115,7 @@ def test_sigkill_one_of_two_workers_loses_and_duplicates_nothing(ctx: Ctx, worke
 
 @pytest.mark.parametrize("redis_server", ["embedded", pytest.param("debian", marks=pytest.mark.slow)], indirect=True)
 def test_sigterm_drains_running_jobs_and_hands_back_the_rest(ctx: Ctx, workers: Workers) -> None:
-    a = workers.start("draining", test_step_delay_s=0.02, shutdown_grace_s=60)
+    a = workers.start("draining", step_delay_s=0.02, shutdown_grace_s=60)
     a.wait_ready()
     ids = ctx.client.submit_many([f"drain {i}" for i in range(10)], max_tokens=30, ignore_eos=True)
     wait_for(lambda: ctx.heartbeats().get("draining", {}).get("running", 0) == 4, what="4 running")
@@ -141,7 +141,7 @@ def test_redis_restart_mid_run(fresh_redis_server: RedisServer, model_dir: Path,
     ctx = Ctx(fresh_redis_server)
     w = Workers(ctx, model_dir, tmp_path)
     try:
-        a = w.start("steadfast", test_step_delay_s=0.01)
+        a = w.start("steadfast", step_delay_s=0.01)
         a.wait_ready()
         ids = ctx.client.submit_many([f"restart {i}" for i in range(12)], max_tokens=32, ignore_eos=True)
         wait_for(lambda: ctx.heartbeats().get("steadfast", {}).get("running", 0) >= 2, what="running")

@@ -24,9 +24,12 @@ import redis
 
 from schemas.jobs import parse_event
 from schemas.keys import EVENT_FIELD, GROUP, Keys
+from tests.fault_injection import FACTORY as FAULT_FACTORY
+from tests.fault_injection import FaultyEngine, process_environment
 from tests.redis_servers import RedisServer, unique_namespace
 from worker.client import PagedqClient
-from worker.consumer import EngineLike, Worker
+from worker.consumer import Worker
+from worker.job_run import EngineLike
 from worker.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +45,7 @@ ENGINE_KW: dict[str, Any] = {
 def make_engine(model: Path, **overrides: Any) -> EngineLike:
     from engine import Engine, EngineConfig
 
-    return Engine(EngineConfig(model=str(model), **{**ENGINE_KW, **overrides}))  # type: ignore[return-value]
+    return Engine(EngineConfig(model=str(model), **{**ENGINE_KW, **overrides}))
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02, what: str = "") -> Any:
@@ -109,9 +112,15 @@ class Ctx:
 
 
 @contextlib.contextmanager
-def inprocess_worker(ctx: Ctx, engine: EngineLike, **overrides: Any) -> Iterator[Worker]:
-    """A Worker running on a thread; stopped (gracefully) and checked for leaks on exit."""
-    worker = Worker(ctx.settings(**overrides), engine)
+def inprocess_worker(
+    ctx: Ctx, engine: EngineLike, *, fault_marker: str | None = None, step_delay_s: float = 0.0, **overrides: Any
+) -> Iterator[Worker]:
+    """A Worker running on a thread; stopped (gracefully) and checked for leaks on exit. ``fault_marker`` and
+    ``step_delay_s`` wrap the engine in a :class:`~tests.fault_injection.FaultyEngine`."""
+    driven: EngineLike = engine
+    if fault_marker or step_delay_s:
+        driven = FaultyEngine(engine, fault_marker=fault_marker, step_delay_s=step_delay_s)
+    worker = Worker(ctx.settings(**overrides), driven)
     thread = threading.Thread(target=worker.run, name="worker", daemon=True)
     thread.start()
     try:
@@ -129,7 +138,19 @@ def inprocess_worker(ctx: Ctx, engine: EngineLike, **overrides: Any) -> Iterator
 class WorkerProcess:
     """``python -m worker`` as a child process, with its log in a file."""
 
-    def __init__(self, ctx: Ctx, model: Path, log_dir: Path, name: str, **settings: Any) -> None:
+    def __init__(
+        self,
+        ctx: Ctx,
+        model: Path,
+        log_dir: Path,
+        name: str,
+        *,
+        fault_marker: str | None = None,
+        step_delay_s: float = 0.0,
+        **settings: Any,
+    ) -> None:
+        """``settings`` become ``--flags``; ``fault_marker`` / ``step_delay_s`` inject faults into the
+        process's engine (:mod:`tests.fault_injection`)."""
         self.name = name
         self.ctx = ctx
         self.log_path = log_dir / f"worker-{name}.log"
@@ -143,6 +164,9 @@ class WorkerProcess:
                 "PAGEDQ_LOG_FORMAT": "json",
             }
         )
+        if fault_marker or step_delay_s:
+            env.update(process_environment(fault_marker=fault_marker, step_delay_s=step_delay_s))
+            settings.setdefault("engine_factory", FAULT_FACTORY)
         args = {
             "redis_url": ctx.server.url,
             "namespace": ctx.ns,

@@ -28,44 +28,19 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
-from engine.outputs import EngineStats, RequestDelta
-from schemas.jobs import (
-    ErrorCode,
-    ErrorEvent,
-    FinalEvent,
-    FinishReason,
-    InvalidJob,
-    JobRequest,
-    Timings,
-    TokenEvent,
-    Usage,
-    finite_or_none,
-)
-from worker.choices import ChoiceState, final_choices
+from schemas.jobs import ErrorCode, ErrorEvent, FinalEvent, FinishReason, InvalidJob, JobRequest, TokenEvent
+from worker.job_run import EngineLike, JobRun
+from worker.status import engine_load
 
 log = structlog.get_logger("pagedq.engine_thread")
 
 TerminalEvent = FinalEvent | ErrorEvent
 Event = TokenEvent | FinalEvent | ErrorEvent
-
-
-class StepEngine(Protocol):
-    """The part of ``engine.Engine`` this thread drives (a protocol so tests may pass a fake engine)."""
-
-    tokenizer: Any
-
-    def add_request(self, request_id: str, prompt: str | list[int], params: Any, priority: int = 0) -> Any: ...
-    def step(self) -> list[RequestDelta]: ...
-    def abort(self, request_id: str) -> Any: ...
-    def has_unfinished(self) -> bool: ...
-    def num_waiting(self) -> int: ...
-    def num_running(self) -> int: ...
-    def stats(self) -> EngineStats: ...
 
 
 def default_worker_name() -> str:
@@ -84,6 +59,7 @@ class JobHandle:
 
     def __init__(self, job: JobRequest, stream: bool) -> None:
         self.job = job
+        self.submitted_at = time.time()  # timings count from here
         self.future: Future[TerminalEvent] = Future()
         self.events: queue.SimpleQueue[Event] | None = queue.SimpleQueue() if stream else None
 
@@ -108,27 +84,11 @@ class JobHandle:
                 return
 
 
-@dataclass(eq=False)
-class _Active:
-    """A submitted job from the moment the engine thread sees it until its terminal event."""
+@dataclass(eq=False, kw_only=True)
+class _ThreadJob(JobRun):
+    """A submitted job from the moment the engine thread sees it until its terminal event (attempt 1)."""
 
     handle: JobHandle
-    submitted: float  # time.time() at submit
-    request_id: str = ""
-    started: float | None = None
-    first_token: float | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    choices: dict[int, ChoiceState] = field(default_factory=dict)
-
-    @property
-    def job(self) -> JobRequest:
-        return self.handle.job
-
-    @property
-    def deadline(self) -> float | None:
-        timeout = self.job.timeout_s
-        return None if timeout is None else self.submitted + timeout
 
 
 class EngineThread:
@@ -140,7 +100,7 @@ class EngineThread:
 
     def __init__(
         self,
-        engine: StepEngine,
+        engine: EngineLike,
         *,
         worker_name: str | None = None,
         max_num_seqs: int | None = None,
@@ -155,8 +115,8 @@ class EngineThread:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
-        self._active: dict[JobHandle, _Active] = {}
-        self._by_request: dict[str, _Active] = {}
+        self._active: dict[JobHandle, _ThreadJob] = {}
+        self._by_request: dict[str, _ThreadJob] = {}
         self._ids = itertools.count()
         self._closed = False
         self._lock = threading.Lock()  # orders submit() against stop() so no job is left unanswered
@@ -250,86 +210,46 @@ class EngineThread:
             self._step()
 
     def _start(self, handle: JobHandle) -> None:
-        job = handle.job
-        active = _Active(handle, submitted=time.time())
+        run = _ThreadJob(request=handle.job, attempt=1, enqueued_at=handle.submitted_at, handle=handle)
+        request_id = f"{run.id}#{next(self._ids)}"
         try:
-            n = job.n or 1
-            if self.max_num_seqs is not None and n > self.max_num_seqs:
-                raise InvalidJob(f"n={n} is larger than this engine's max_num_seqs={self.max_num_seqs}")
-            params = job.sampling_params()
-            prompt = self._prompt(job)
-            request_id = f"{job.id}#{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, params, priority=job.priority)
+            run.start(self.engine, request_id, max_num_seqs=self.max_num_seqs, now=time.time(), owner="engine")
         except InvalidJob as exc:
-            self._finish(active, self._error(job, exc.code, exc.message))
+            self._finish(run, run.error_event(exc.code, exc.message, self.worker_name))
             return
         except Exception as exc:
-            if type(exc).__name__ == "PromptTooLongError":
-                self._finish(active, self._error(job, "prompt_too_long", str(exc)))
-            elif isinstance(exc, (ValueError, TypeError)):
-                self._finish(active, self._error(job, "invalid_request", str(exc)))
-            else:
-                log.exception("engine_thread.add_request_failed", job_id=job.id)
-                self._finish(active, self._error(job, "internal", f"could not start: {exc!r}"))
+            log.exception("engine_thread.add_request_failed", job_id=run.id)
+            self._finish(run, run.error_event("internal", f"could not start: {exc!r}", self.worker_name))
             return
-        active.request_id = request_id
-        active.started = time.time()
-        self._active[handle] = active
-        self._by_request[request_id] = active
-
-    def _prompt(self, job: JobRequest) -> str | list[int]:
-        """Text, token ids, or chat messages through the model's chat template (as the queue worker does)."""
-        if job.prompt is not None:
-            return job.prompt
-        if job.prompt_token_ids is not None:
-            return list(job.prompt_token_ids)
-        assert job.messages is not None
-        messages = [m.model_dump() for m in job.messages]
-        try:
-            chat = getattr(self.engine, "chat_prompt_ids", None)
-            if chat is not None:
-                return list(chat(messages))
-            ids = self.engine.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        except Exception as exc:  # no template, roles the template refuses...
-            raise InvalidJob(f"messages: {exc}") from exc
-        return list(ids)
+        self._active[handle] = run
+        self._by_request[request_id] = run
 
     def _step(self) -> None:
         try:
             deltas = self.engine.step()
         except Exception as exc:
             self.counts["step_failures"] += 1
-            log.exception("engine_thread.step_failed", jobs=[a.job.id for a in self._active.values()])
-            for active in list(self._active.values()):
-                self._abort(active)
-                self._finish(active, self._error(active.job, "internal", f"engine step failed: {exc!r}"))
+            log.exception("engine_thread.step_failed", jobs=[run.id for run in self._active.values()])
+            for failed in list(self._active.values()):
+                self._abort(failed)
+                self._finish(failed, failed.error_event("internal", f"engine step failed: {exc!r}", self.worker_name))
             return
         self.counts["steps"] += 1
         finished_seqs = 0
         now = time.time()
         for delta in deltas:
-            current = self._by_request.get(delta.request_id)
-            if current is None:
+            run = self._by_request.get(delta.request_id)
+            if run is None:
                 continue
-            current.prompt_tokens = len(delta.prompt_token_ids)
-            current.cached_tokens = delta.num_cached_tokens
-            stream = current.handle.events
-            for out in delta.outputs:
-                if (out.text or out.token_ids) and current.first_token is None:
-                    current.first_token = now
-                current.choices.setdefault(out.index, ChoiceState()).add(out)
-                if out.finish_reason is not None:
-                    finished_seqs += 1
-                if stream is not None and (out.text or out.token_ids):
-                    stream.put(
-                        TokenEvent(id=current.job.id, attempt=1, index=out.index, text=out.text,
-                                   token_ids=list(out.token_ids))
-                    )
+            run.apply(delta, now)
+            finished_seqs += sum(out.finish_reason is not None for out in delta.outputs)
+            stream = run.handle.events
+            if stream is not None:
+                for event in run.take_token_events():
+                    stream.put(event)
             if delta.finished:
                 self._by_request.pop(delta.request_id, None)
-                self._finish(current, self._final(current, None))
+                self._finish(run, run.final_event(None, time.time(), self.worker_name))
         # Sequences that ended during this step were part of its batch too.
         self.max_running = max(self.max_running, self.engine.num_running() + finished_seqs)
         self._snapshot = self._engine_snapshot()
@@ -339,82 +259,43 @@ class EngineThread:
             st = self.engine.stats()
         except Exception:
             return {}
-        return {
-            "running": st.running,
-            "waiting": st.waiting,
-            "kv_cache_usage": round(st.kv_cache_usage, 4),
-            "num_free_blocks": st.num_free_blocks,
-            "num_total_blocks": st.num_total_blocks,
-            "prefix_cache_hit_rate": round(st.prefix_cache_hit_rate, 4),
-            "num_preemptions": st.num_preemptions,
-            "spec_draft_tokens": st.spec_draft_tokens,
-            "spec_accepted_tokens": st.spec_accepted_tokens,
-        }
+        return {"running": st.running, "waiting": st.waiting, **engine_load(st)}
 
     def _expire_deadlines(self) -> None:
         now = time.time()
-        for active in list(self._active.values()):
-            deadline = active.deadline
+        for run in list(self._active.values()):
+            deadline = run.deadline
             if deadline is not None and now >= deadline:
-                self._stop_job(active, "deadline")
+                self._stop_job(run, "deadline")
 
     def _cancel(self, handle: JobHandle) -> None:
-        active = self._active.get(handle)
-        if active is not None:
-            self._stop_job(active, "cancelled")
+        run = self._active.get(handle)
+        if run is not None:
+            self._stop_job(run, "cancelled")
 
-    def _stop_job(self, active: _Active, reason: FinishReason) -> None:
-        self._abort(active)
-        if active.first_token is not None:
-            self._finish(active, self._final(active, reason))
-        elif reason == "cancelled":
-            self._finish(active, self._error(active.job, "cancelled", "cancelled before it produced a token"))
-        else:
-            msg = f"deadline of {active.job.timeout_s}s passed before the first token"
-            self._finish(active, self._error(active.job, "deadline_exceeded", msg))
+    def _stop_job(self, run: _ThreadJob, reason: FinishReason) -> None:
+        self._abort(run)
+        self._finish(run, run.stopped_event(reason, time.time(), self.worker_name))
 
-    def _abort(self, active: _Active) -> None:
-        if active.request_id:
-            self._by_request.pop(active.request_id, None)
+    def _abort(self, run: _ThreadJob) -> None:
+        if run.request_id:
+            self._by_request.pop(run.request_id, None)
             try:
-                self.engine.abort(active.request_id)
+                self.engine.abort(run.request_id)
             except Exception:
-                log.exception("engine_thread.abort_failed", request_id=active.request_id)
+                log.exception("engine_thread.abort_failed", request_id=run.request_id)
 
     # ---------------------------------------------------------------------------- endings
 
-    def _final(self, active: _Active, stop_reason: FinishReason | None) -> FinalEvent:
-        job = active.job
-        choices = final_choices(active.choices, job.n or 1, stop_reason, job.logprobs is not None)
-        now = time.time()
-        start = active.started if active.started is not None else now
-        ttft = None if active.first_token is None else active.first_token - active.submitted
-        return FinalEvent(
-            id=job.id,
-            attempt=1,
-            choices=choices,
-            usage=Usage(
-                prompt_tokens=active.prompt_tokens,
-                completion_tokens=sum(len(c.token_ids) for c in choices),
-                cached_tokens=active.cached_tokens,
-            ),
-            timings=Timings(
-                queued_s=finite_or_none(max(0.0, start - active.submitted)) or 0.0,
-                ttft_s=finite_or_none(ttft),
-                total_s=finite_or_none(max(0.0, now - active.submitted)) or 0.0,
-            ),
-            metadata=job.metadata,
-            worker=self.worker_name,
-        )
-
     def _error(self, job: JobRequest, code: ErrorCode, message: str) -> ErrorEvent:
+        """An error for a job that never became a run (thread stopped before it was picked up)."""
         return ErrorEvent(id=job.id, attempt=1, code=code, message=message, metadata=job.metadata,
                           worker=self.worker_name)
 
-    def _finish(self, active: _Active, event: TerminalEvent) -> None:
-        self._active.pop(active.handle, None)
+    def _finish(self, run: _ThreadJob, event: TerminalEvent) -> None:
+        self._active.pop(run.handle, None)
         self.counts["final" if isinstance(event, FinalEvent) else "error"] += 1
-        self._resolve(active.handle, event)
+        self._resolve(run.handle, event)
 
     @staticmethod
     def _resolve(handle: JobHandle, event: TerminalEvent) -> None:
@@ -430,6 +311,6 @@ class EngineThread:
             kind, handle = self._inbox.popleft()
             if kind == "submit":
                 self._resolve(handle, self._error(handle.job, code, message))
-        for active in list(self._active.values()):
-            self._abort(active)
-            self._finish(active, self._error(active.job, code, message))
+        for run in list(self._active.values()):
+            self._abort(run)
+            self._finish(run, run.error_event(code, message, self.worker_name))

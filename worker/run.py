@@ -59,7 +59,7 @@ def build_engine(settings: Settings) -> EngineLike:
     device = settings.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return Engine(  # type: ignore[return-value]
+    return Engine(
         EngineConfig(
             model=str(resolve_model_path(settings.model)),
             max_num_seqs=settings.max_num_seqs,
@@ -98,7 +98,7 @@ def run_worker(settings: Settings) -> int:
         engine = build_engine(settings)
         worker = Worker(settings, engine, url)
         if health is not None:
-            worker.metrics = health.metrics
+            worker.ledger.metrics = health.metrics
             health.attach(lambda: worker.status)
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -16,6 +16,8 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from schemas.keys import check_name
+
 ENV_PREFIX = "PAGEDQ_"
 
 
@@ -97,14 +99,10 @@ class Settings(BaseSettings):
     )
     metrics_host: str = Field("127.0.0.1", description="address the metrics port binds; 0.0.0.0 in containers")
 
-    # --- extension and test hooks
+    # --- extension
     engine_factory: str | None = Field(
         None, description="'module:callable' taking Settings and returning an engine; unset: pagedq's Engine"
     )
-    test_fault_marker: str | None = Field(
-        None, description="TEST-ONLY: engine steps raise while a job whose prompt contains this runs"
-    )
-    test_step_delay_s: float = Field(0.0, ge=0, description="TEST-ONLY: sleep added to every engine step")
 
     @field_validator("log_level", "log_format", mode="before")
     @classmethod
@@ -114,8 +112,6 @@ class Settings(BaseSettings):
     @field_validator("namespace", "queue", "name")
     @classmethod
     def _simple_name(cls, value: str) -> str:
-        from schemas.keys import check_name
-
         return check_name("name", value)
 
     @field_validator("redis_url")

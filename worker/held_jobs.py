@@ -1,0 +1,293 @@
+"""The jobs a worker holds, and every move a job makes while held: start, step, retry, stop, end.
+
+A held job is either in the engine (``jobs``, by stream entry id, and ``by_request``, by engine request id)
+or waiting outside it (``backlog``): a suspect to rerun alone after a step failure that named no request,
+or a job whose id is already running here. Each end queues exactly one terminal write in the sender's
+outbox and one record in the ledger; nothing here talks to Redis but the duplicate check of a job that
+waited for its id.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from schemas.jobs import DeadLetter, ErrorCode, ErrorEvent, FinalEvent, FinishReason, InvalidJob, salvage_reply_target
+from schemas.keys import Keys
+from worker.job_ledger import JobLedger
+from worker.job_run import EngineLike, JobRun
+from worker.publisher import Terminal
+from worker.reclaimer import Delivery
+from worker.redis_link import REDIS_DOWN
+from worker.sender import Sender
+from worker.settings import Settings
+
+
+@dataclass(eq=False, kw_only=True)
+class Job(JobRun):
+    """A job this worker holds: waiting to start, in the engine, or suspect (to rerun alone)."""
+
+    entry_id: str
+    raw: str  # the payload as delivered, byte for byte (dead letters keep it)
+    reply_to: str
+    log: Any
+    last_publish: float = 0.0
+    suspect: bool = False
+
+    def reset(self, attempt: int) -> None:
+        super().reset(attempt)
+        self.log = self.log.bind(attempt=attempt)
+
+
+class HeldJobs:
+    """The held jobs of one worker over its engine (the loop thread's alone: no locks)."""
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        settings: Settings,
+        keys: Keys,
+        client: Any,
+        sender: Sender,
+        ledger: JobLedger,
+        clock: Callable[[], float],
+        log: Any,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.keys = keys
+        self.redis = client
+        self.sender = sender
+        self.ledger = ledger
+        self.clock = clock  # the Redis server's time (entry ids, deadlines and timings use it)
+        self.log = log
+        self.name = settings.name
+        self.jobs: dict[str, Job] = {}  # by entry id: in the engine
+        self.by_request: dict[str, Job] = {}  # by engine request id
+        self.backlog: list[Job] = []  # held, not in the engine: suspects and jobs whose id is busy
+
+    def __len__(self) -> int:
+        return len(self.jobs) + len(self.backlog)
+
+    def find(self, entry_id: str) -> Job | None:
+        return self.jobs.get(entry_id) or next((j for j in self.backlog if j.entry_id == entry_id), None)
+
+    def take_out(self, job: Job) -> None:
+        """Out of the backlog and the engine, without an end (lost, handed back, abandoned)."""
+        if job in self.backlog:
+            self.backlog.remove(job)
+        self.abort(job)
+
+    def busy_id(self, job_id: str) -> bool:
+        return any(j.id == job_id for j in self.jobs.values())
+
+    def reject(self, d: Delivery, raw: str, exc: InvalidJob, job: Job | None = None) -> None:
+        """Answer an unusable job: error event (when a reply target is known), dead letter, ack."""
+        dead = DeadLetter(
+            job=raw,
+            reason=exc.message,
+            code=exc.code,
+            attempts=d.attempt,
+            worker=self.name,
+            job_id=job.id if job else "",
+            entry_id=d.entry_id,
+        )
+        target = (job.id, job.reply_to) if job else salvage_reply_target(raw, self.settings.max_payload_bytes)
+        if target is None:
+            self.log.warning("job.rejected", entry_id=d.entry_id, reason=exc.message, reply=False)
+            self.sender.outbox.dead_only.append((d.entry_id, dead))
+            self.ledger.rejected()
+            return
+        job_id, reply_to = target
+        if reply_to is None or not self.keys.reply_allowed(reply_to):
+            reply_to = self.keys.reply(job_id)
+        dead.job_id = job_id
+        event = ErrorEvent(id=job_id, attempt=d.attempt, code=exc.code, message=exc.message, worker=self.name)
+        self.log.warning("job.rejected", job_id=job_id, entry_id=d.entry_id, code=exc.code, reason=exc.message)
+        self.sender.outbox.terminals.append(Terminal(d.entry_id, job_id, reply_to, event, dead=dead))
+        self.ledger.rejected()
+
+    def start(self, job: Job) -> None:
+        """Hand a job to the engine; bad input is answered, any other failure costs one attempt."""
+        try:
+            job.start(
+                self.engine,
+                f"{job.entry_id}/{job.attempt}",
+                max_num_seqs=self.settings.max_num_seqs,
+                now=self.clock(),
+                owner="worker",
+            )
+        except InvalidJob as exc:
+            self.reject(Delivery(job.entry_id, None, job.attempt), job.raw, exc, job)
+            return
+        except Exception as exc:
+            job.log.exception("job.start_failed")
+            self.fail_attempt(job, exc)
+            return
+        self.jobs[job.entry_id] = job
+        self.by_request[job.request_id] = job
+
+    def start_backlog(self) -> None:
+        """Start held jobs when allowed: a suspect only into an empty engine, and then alone."""
+        if not self.backlog or any(j.suspect for j in self.jobs.values()):
+            return
+        self.backlog.sort(key=lambda j: (-j.request.priority, j.entry_id))
+        for job in list(self.backlog):
+            if job.suspect:
+                if self.jobs or self.engine.has_unfinished():
+                    continue
+                self.backlog.remove(job)
+                job.log.info("job.rerun_alone")
+                self.start(job)
+                return
+            if not self.busy_id(job.id):
+                self.backlog.remove(job)
+                self.start_unless_duplicate(job)
+
+    def start_unless_duplicate(self, job: Job) -> None:
+        """A job that waited for its id to be free: it is most likely a duplicate by now."""
+        try:
+            exists = self.redis.exists(self.keys.result(job.id))
+        except REDIS_DOWN:
+            self.backlog.append(job)
+            return
+        if exists:
+            self.ledger.counts["duplicate"] += 1
+            self.sender.outbox.acks.append(job.entry_id)
+        else:
+            self.start(job)
+
+    # ------------------------------------------------------------------------------- stepping
+
+    def step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception as exc:
+            self.step_failed(exc)
+            return
+        now = self.clock()
+        for delta in deltas:
+            job = self.by_request.get(delta.request_id)
+            if job is None:
+                continue
+            job.apply(delta, now)
+            if delta.finished:
+                self.end_final(job)
+            elif job.request.stream and time.monotonic() - job.last_publish >= self.settings.stream_interval_s:
+                self.emit_tokens(job)
+
+    def step_failed(self, exc: Exception) -> None:
+        culprit = self.by_request.get(str(getattr(exc, "request_id", "")))
+        running = list(self.jobs.values())
+        if culprit is None and len(running) == 1:
+            culprit = running[0]
+        if culprit is not None:
+            culprit.log.error("job.step_failed", error=repr(exc))
+            self.fail_attempt(culprit, exc)
+            return
+        self.log.error("engine.step_failed", error=repr(exc), suspects=[j.id for j in running])
+        for job in running:  # unknown culprit: rerun each alone to find it
+            self.abort(job)
+            self.retry(job)
+
+    def fail_attempt(self, job: Job, exc: BaseException) -> None:
+        self.abort(job)
+        if job.attempt >= self.settings.max_attempts:
+            msg = f"failed {job.attempt} times; last error: {exc!r}"
+            self.end_error(job, "dead_lettered", msg, dead=True)
+        else:
+            self.retry(job)
+
+    def retry(self, job: Job) -> None:
+        """Run the job again as a new attempt (the PEL counts the delivery), alone in the engine."""
+        self.sender.claims.append(job.entry_id)
+        job.reset(job.attempt + 1)
+        self.ledger.delivery(job.attempt)
+        job.suspect = True
+        self.backlog.append(job)
+        job.log.warning("job.retry")
+
+    def abort(self, job: Job) -> None:
+        """Take a job out of the engine; the tokens it produced but did not publish yet go out first."""
+        if job.request_id:
+            try:
+                self.engine.abort(job.request_id)
+            except Exception:
+                self.log.exception("engine.abort_failed", request_id=job.request_id)
+            self.by_request.pop(job.request_id, None)
+        self.jobs.pop(job.entry_id, None)
+        if job.has_pending_tokens() and job.request.stream and job.produced:
+            self.emit_tokens(job)
+
+    def emit_tokens(self, job: Job) -> None:
+        for event in job.take_token_events():
+            self.sender.outbox.tokens.append((job.reply_to, event.to_json()))
+        job.last_publish = time.monotonic()
+
+    # -------------------------------------------------------------------------------- endings
+
+    def forget(self, job: Job) -> None:
+        if job.request_id:
+            self.by_request.pop(job.request_id, None)
+        self.jobs.pop(job.entry_id, None)
+
+    def end_final(self, job: Job, stopped: FinishReason | None = None) -> None:
+        """End a job the engine finished, or one ``stopped`` from outside (cancelled, deadline): ``final``
+        with what it produced (its last tokens published first), or the matching error if nothing."""
+        self.forget(job)
+        if job.request.stream:
+            self.emit_tokens(job)
+        now = self.clock()
+        event = job.final_event(None, now, self.name) if stopped is None else job.stopped_event(stopped, now, self.name)
+        self.end(job, event)
+
+    def end_error(self, job: Job, code: ErrorCode, message: str, *, dead: bool = False) -> None:
+        self.forget(job)
+        letter = None
+        if dead:
+            letter = DeadLetter(
+                job=job.raw,
+                reason=message,
+                code=code,
+                attempts=job.attempt,
+                worker=self.name,
+                job_id=job.id,
+                entry_id=job.entry_id,
+            )
+        self.end(job, job.error_event(code, message, self.name), letter)
+
+    def end(self, job: Job, event: FinalEvent | ErrorEvent, letter: DeadLetter | None = None) -> None:
+        """Queue the terminal write (with the dead letter, if any) and account for the job."""
+        self.sender.outbox.terminals.append(Terminal(job.entry_id, job.id, job.reply_to, event, dead=letter))
+        self.ledger.ended(job.log, job.request, event, dead_lettered=letter is not None)
+
+    def stop(self, job: Job, reason: FinishReason) -> None:
+        """Cancel or time out a job: a final with its partial text if it produced any, else an error."""
+        if job in self.backlog:
+            self.backlog.remove(job)
+        self.abort(job)
+        self.end_final(job, stopped=reason)
+
+    def all(self) -> list[Job]:
+        return [*self.jobs.values(), *self.backlog]
+
+    def expire_deadlines(self) -> None:
+        now = self.clock()
+        for job in self.all():
+            deadline = job.deadline
+            if deadline is not None and now >= deadline:
+                job.log.info("job.deadline")
+                self.stop(job, "deadline")
+
+    def cancel(self, job_id: str) -> bool:
+        """Cancel a job held by this worker (from a notice or the cancel key); False if not held."""
+        found = False
+        for job in self.all():
+            if job.id == job_id:
+                job.log.info("job.cancel")
+                self.stop(job, "cancelled")
+                found = True
+        return found
+

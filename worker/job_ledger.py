@@ -1,0 +1,73 @@
+"""The account of every job a worker ends: its counters, the one canonical log line, and the metrics.
+
+Each ended job is logged once, as ``job.finished``, with everything an operator asks about it (outcome,
+reason, tokens, timings, and prompt and outputs only where ``log_prompts`` asks), and counted once, so the
+heartbeat's ``jobs_*`` counters and ``/metrics`` agree with the logs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schemas.jobs import ErrorEvent, FinalEvent, JobRequest
+from worker.metrics import WorkerMetrics
+
+COUNTERS = ("final", "error", "duplicate", "lost", "reconnects")
+
+
+class JobLedger:
+    """Counters (``final``, ``error``, ``duplicate``, ``lost``, ``reconnects``) and the per-job record."""
+
+    def __init__(self, *, log_prompts: bool) -> None:
+        self.log_prompts = log_prompts
+        self.counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.metrics: WorkerMetrics | None = None  # set when the metrics port is on
+
+    def delivery(self, attempt: int) -> None:
+        """A job was delivered (or is being run again as ``attempt``)."""
+        if self.metrics is not None:
+            self.metrics.delivery(attempt)
+
+    def rejected(self) -> None:
+        """A payload that could not be read as a job was answered and dead-lettered."""
+        self.counts["error"] += 1
+
+    def ended(self, log: Any, request: JobRequest, event: FinalEvent | ErrorEvent, *, dead_lettered: bool) -> None:
+        """A job's terminal event was queued: count it, log it, measure it."""
+        if isinstance(event, ErrorEvent):
+            self.counts["error"] += 1
+            log.info("job.finished", outcome="error", code=event.code, message=event.message,
+                     dead_lettered=dead_lettered)
+            if self.metrics is not None:
+                self.metrics.job_finished(outcome="error", reason=event.code, dead_lettered=dead_lettered)
+            return
+        self.counts["final"] += 1
+        reason = event.choices[0].finish_reason if event.choices else None
+        usage, timings = event.usage, event.timings
+        gen_s = timings.total_s - (timings.ttft_s if timings.ttft_s is not None else timings.total_s)
+        log.info(
+            "job.finished",
+            outcome="final",
+            finish_reason=reason,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+            tok_s=round(usage.completion_tokens / gen_s, 2) if gen_s > 0 else None,
+            **timings.model_dump(),
+            **self._user_text(request, event),
+        )
+        if self.metrics is not None:
+            self.metrics.job_finished(
+                outcome="final",
+                reason=reason,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                **timings.model_dump(),
+            )
+
+    def _user_text(self, request: JobRequest, event: FinalEvent) -> dict[str, Any]:
+        """Prompt and outputs for the canonical log line, only where ``log_prompts`` asks for them."""
+        if not self.log_prompts:
+            return {}
+        prompt = request.prompt if request.prompt is not None else (request.messages or request.prompt_token_ids)
+        return {"prompt": prompt, "outputs": [c.text for c in event.choices]}

@@ -1,0 +1,7 @@
+"""``python -m ops.batch``: the same command as ``pagedq batch``, without the console script."""
+
+import sys
+
+from ops.batch.command import main
+
+sys.exit(main())

@@ -1,0 +1,308 @@
+"""The ``pagedq batch`` command: arguments, checks before anything runs, the run loop, exit codes.
+
+* **Bounded.** At most ``--max-in-flight`` jobs are outstanding; results are written as they arrive (so the
+  output is in completion order, as with OpenAI).
+* **Duplicate custom_ids are refused up front** (exit 2, nothing written), and a rerun with nothing left to
+  do neither loads a model nor touches Redis.
+* **Redis outages are waited out** (retried with :class:`~worker.backoff.Backoff`, no jitter: one client has
+  no fleet to spread) for up to ``REDIS_GIVE_UP_S``; then exit 1, and a rerun resumes.
+* SIGTERM stops the run like Ctrl-C, so files are closed cleanly either way.
+
+Exit codes: 0 every line has an output or error line, 1 Redis failed or stayed unreachable for 5 minutes
+(rerun to resume), 2 bad arguments or input (duplicates, unreadable file), 130 interrupted (rerun to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+
+import redis
+
+from ops.batch.backends import Backend, LocalBackend, QueueBackend
+from ops.batch.files import Writer, errors_path_for, iter_lines, read_done, scan_input
+from ops.batch.progress import Progress
+from ops.batch.requests import DEFAULT_MAX_TOKENS, BatchLine, LineError, parse_line
+from ops.batch.responses import TerminalEvent, error_record, outcome_record, token_id_text
+from schemas.jobs import FinalEvent
+from worker.backoff import Backoff
+from worker.settings import SettingsError
+
+REDIS_GIVE_UP_S = 300.0
+"""How long the run waits out an unreachable Redis before exiting 1 (a rerun resumes where it stopped)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ops.queue_commands import add_connection_arguments
+
+    parser.description = (
+        "Run an OpenAI Batch JSONL file (chat and completions requests) through the queue's workers, "
+        "or with --local through an engine in this process. Rerun the same command to resume."
+    )
+    parser.add_argument("input", type=Path, help="OpenAI Batch input (JSONL)")
+    parser.add_argument("output", type=Path, help="output JSONL (appended to; existing custom_ids are skipped)")
+    parser.add_argument("--errors", type=Path, default=None, help="errors file (default: OUTPUT.errors.jsonl)")
+    parser.add_argument("--local", action="store_true", help="run an engine in this process instead of the queue")
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="jobs outstanding at once (default: 256 in queue mode, 2 x max-num-seqs local)",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"max_tokens of requests that give none (default {DEFAULT_MAX_TOKENS})",
+    )
+    parser.add_argument("--timeout-s", type=float, default=None, help="per-request deadline (job timeout_s)")
+    parser.add_argument("--overwrite", action="store_true", help="discard OUTPUT and errors file and start over")
+    parser.add_argument(
+        "--retry-errors",
+        action="store_true",
+        help="run again the lines recorded in the errors file (which is started afresh)",
+    )
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "bar", "log", "none"),
+        default="auto",
+        help="auto: a bar on a terminal, log lines otherwise",
+    )
+    parser.add_argument("--log-interval-s", type=float, default=10.0, help="seconds between progress log lines")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="queue mode: tokenizer folder for logprob token strings (default: $PAGEDQ_MODEL)",
+    )
+    add_connection_arguments(parser)
+    g = parser.add_argument_group("engine (--local)")
+    g.add_argument("--model", default=None, help="checkpoint folder (default: $PAGEDQ_MODEL or SmolLM2)")
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--kv-cache-bytes", type=int, default=None)
+    g.add_argument("--dtype", default=None)
+    g.add_argument("--device", default=None)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"pagedq batch: {message}", file=sys.stderr)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """``pagedq batch`` (see :mod:`ops.batch`): check, resume, run the pending lines. Returns the exit code."""
+    from ops.queue_commands import resolve_redis_url, settings_from_args
+
+    inp: Path = args.input
+    out: Path = args.output
+    errors: Path = args.errors or errors_path_for(out)
+    if not inp.is_file():
+        return _fail(f"cannot read {inp}", 2)
+    if len({inp.resolve(), out.resolve(), errors.resolve()}) < 3:
+        return _fail("INPUT, OUTPUT and the errors file must be three different files", 2)
+    if args.max_in_flight is not None and args.max_in_flight < 1:
+        return _fail("--max-in-flight must be at least 1", 2)
+    try:
+        settings = settings_from_args(
+            args,
+            model=args.model,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_bytes=args.kv_cache_bytes,
+            dtype=args.dtype,
+            device=args.device,
+        )
+        url = None if args.local else resolve_redis_url(settings)
+    except SettingsError as exc:
+        return _fail(str(exc), 2)
+
+    scan = scan_input(inp)
+    if scan.duplicates:
+        shown = "; ".join(
+            f"{cid!r} (lines {', '.join(map(str, lines))})" for cid, lines in list(scan.duplicates.items())[:5]
+        )
+        more = len(scan.duplicates) - 5
+        return _fail(
+            f"{inp} has {len(scan.duplicates)} duplicate custom_id(s): {shown}"
+            + (f" and {more} more" if more > 0 else "")
+            + "; nothing was processed",
+            2,
+        )
+
+    if args.overwrite:
+        for path in (out, errors):
+            path.unlink(missing_ok=True)
+    done_ids, _ = read_done(out)
+    err_ids, err_lines = read_done(errors)
+    if args.retry_errors:
+        errors.unlink(missing_ok=True)
+        err_ids, err_lines = set(), set()
+    stray = len((done_ids | err_ids) - scan.ids)
+    done_ids |= err_ids
+    run_key = str(out.resolve()) + (f"#{uuid.uuid4().hex}" if args.overwrite else "")
+
+    def pending_lines() -> Iterator[tuple[int, str | None]]:
+        for line_no, text in iter_lines(inp):
+            if line_no in err_lines:
+                continue
+            if text is not None and done_ids:
+                with contextlib.suppress(ValueError, RecursionError, AttributeError):
+                    if json.loads(text).get("custom_id") in done_ids:
+                        continue
+            yield line_no, text
+
+    skipped = len(done_ids & scan.ids) + len(err_lines)
+    max_in_flight = args.max_in_flight or (2 * settings.max_num_seqs if args.local else 256)
+    if skipped >= scan.total:  # nothing left: do not load a model or touch Redis
+        what = f"all {scan.total} lines of {inp} are already in {out} / {errors}" if scan.total else f"{inp} is empty"
+        print(f"pagedq batch: {what}", file=sys.stderr)
+        return 0
+    try:
+        backend: Backend = LocalBackend(settings) if args.local else QueueBackend(str(url), settings, args.tokenizer)
+    except Exception as exc:
+        return _fail(f"cannot start: {exc}", 1)
+    progress = Progress(scan.total, min(skipped, scan.total), args.progress, args.log_interval_s)
+    if skipped:
+        progress.note(f"resuming: {skipped} of {scan.total} lines already in {out.name} / {errors.name}")
+    if stray:
+        progress.note(f"warning: {stray} custom_id(s) in the output files are not in {inp.name} (another input?)")
+    writer = Writer(out, errors)
+    interrupted = _install_sigterm()
+    code = 0
+    try:
+        if isinstance(backend, QueueBackend) and backend.live_workers() == 0:
+            progress.note(f"warning: no live worker on queue {settings.queue!r}; jobs wait until one starts")
+        code = _process(pending_lines(), backend, writer, progress, args, run_key, max_in_flight)
+    except KeyboardInterrupt:
+        code = 130
+    except redis.RedisError as exc:  # not a lost connection (retried in _process): e.g. auth, wrong type
+        progress.note(f"Redis error: {exc}")
+        code = 1
+    finally:
+        interrupted()
+        backend.close()
+        writer.close()
+    summary = (
+        f"pagedq batch: {writer.ok} written to {out}, {writer.failed} to {errors}"
+        f" this run; {progress.done}/{scan.total} lines done"
+    )
+    if code == 130:
+        summary += "; interrupted: rerun the same command to resume"
+    elif code == 1:
+        summary += "; Redis failed: rerun the same command to resume"
+    progress.close(summary)
+    return code
+
+
+def _install_sigterm() -> Callable[[], None]:
+    """SIGTERM stops the run like Ctrl-C (files closed cleanly); returns the restore function."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers are the main thread's
+        return lambda: None
+
+    def on_term(_signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return restore
+
+
+def _process(
+    lines: Iterator[tuple[int, str | None]],
+    backend: Backend,
+    writer: Writer,
+    progress: Progress,
+    args: argparse.Namespace,
+    run_key: str,
+    max_in_flight: int,
+) -> int:
+    """The loop: keep up to ``max_in_flight`` jobs outstanding, write each answer as it arrives."""
+    in_flight: dict[str, BatchLine] = {}
+    unsent: list[BatchLine] = []
+    exhausted = False
+    redis_down_since: float | None = None
+    backoff = Backoff(0.2, 5.0, jitter=False)
+    while True:
+        while not exhausted and len(in_flight) + len(unsent) < max_in_flight:
+            item = next(lines, None)
+            if item is None:
+                exhausted = True
+                break
+            line_no, text = item
+            if text is None:
+                writer.write(False, error_record(None, line_no, "invalid_json", "line is not valid UTF-8"))
+                progress.update(False)
+                continue
+            try:
+                line = parse_line(text, line_no, run_key=run_key, default_max_tokens=args.default_max_tokens)
+                if args.timeout_s is not None:
+                    line = BatchLine(
+                        line.line_no,
+                        line.custom_id,
+                        line.kind,
+                        line.model,
+                        line.job.model_copy(update={"timeout_s": args.timeout_s}),
+                    )
+            except LineError as exc:
+                writer.write(False, error_record(exc.custom_id, line_no, exc.code, exc.message))
+                progress.update(False)
+                continue
+            unsent.append(line)
+        if exhausted and not in_flight and not unsent:
+            return 0
+        try:
+            if unsent:
+                backend.submit([line.job for line in unsent])
+                in_flight.update((line.job.id, line) for line in unsent)
+                unsent = []
+            events = backend.wait(in_flight.keys(), timeout_s=1.0)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            now = time.monotonic()
+            if redis_down_since is None:
+                redis_down_since = now
+                progress.note(f"Redis unreachable ({exc}); retrying")
+            if now - redis_down_since > REDIS_GIVE_UP_S:
+                return 1
+            time.sleep(backoff.next_delay())
+            continue
+        if redis_down_since is not None:
+            progress.note("Redis reachable again")
+            redis_down_since = None
+            backoff.reset()
+        text_of = None
+        for event in events:
+            answered = in_flight.pop(event.id, None)
+            if answered is None:
+                continue  # answered already (a result seen twice)
+            if text_of is None:
+                text_of = backend.token_text() if _wants_logprobs(events) else token_id_text
+            ok, record = outcome_record(answered, event, backend.served_model, text_of)
+            writer.write(ok, record)
+            progress.update(ok, event.usage.completion_tokens if isinstance(event, FinalEvent) else 0)
+        progress.tick()
+
+
+def _wants_logprobs(events: list[TerminalEvent]) -> bool:
+    return any(isinstance(e, FinalEvent) and any(c.logprobs is not None for c in e.choices) for e in events)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedq batch")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

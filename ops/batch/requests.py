@@ -1,0 +1,185 @@
+"""Request mapping: one OpenAI Batch input line -> a validated pagedq job (protocol v1 fields).
+
+An input line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url`` ``/v1/chat/completions``
+(``messages``) or ``/v1/completions`` (``prompt``).
+
+The mapping is strict: body fields pagedq cannot honour (``tools``, ``response_format``, ``echo``...) make
+the line an error rather than being silently ignored, so a batch never quietly gets answers to a different
+question than it asked; ``user``, ``store``, ``metadata`` and ``service_tier`` are accepted and ignored
+(they change nothing about the answer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from schemas.jobs import JobRequest, describe_validation_error, loads_strict
+
+URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+SAMPLING_BODY_FIELDS = (
+    "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+)  # fmt: skip
+"""Body fields passed to the job as they are (OpenAI's, plus vLLM's extensions)."""
+IGNORED_BODY_FIELDS = frozenset({"model", "user", "store", "metadata", "service_tier", "stream"})
+CHAT_BODY_FIELDS = frozenset({"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"})
+COMPLETION_BODY_FIELDS = frozenset({"prompt", "max_tokens", "logprobs", "echo", "suffix", "best_of"})
+IGNORED_MESSAGE_FIELDS = frozenset({"name"})
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class LineError(Exception):
+    """A line that cannot become a job; ``code`` and ``message`` go to the errors file."""
+
+    def __init__(self, message: str, code: str = "invalid_request", custom_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.custom_id = custom_id
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """A valid input line: where it was, what it asked for, and the job that answers it."""
+
+    line_no: int
+    custom_id: str
+    kind: str  # "chat" | "completion"
+    model: str | None
+    job: JobRequest
+
+
+def _text_content(content: Any, where: str) -> str:
+    """A message's content: a string, or OpenAI content parts of type ``text`` (joined by newlines)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise LineError(f"{where}.content: only text parts are supported, got {kind!r}")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise LineError(f"{where}.content must be a string or a list of text parts")
+
+
+def _messages(raw: Any) -> list[dict[str, str]]:
+    if not isinstance(raw, list) or not raw:
+        raise LineError("body.messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"body.messages[{i}]"
+        if not isinstance(m, dict):
+            raise LineError(f"{where} must be an object")
+        extra = set(m) - {"role", "content"} - IGNORED_MESSAGE_FIELDS
+        if extra:
+            raise LineError(f"{where}: unsupported field(s) {', '.join(sorted(extra))}")
+        if not isinstance(m.get("role"), str):
+            raise LineError(f"{where}.role must be a string")
+        out.append({"role": m["role"], "content": _text_content(m.get("content"), where)})
+    return out
+
+
+def _prompt(raw: Any) -> dict[str, Any]:
+    """A completions prompt: a string or token ids, or a one-element list of either (one prompt per line)."""
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
+        raw = raw[0]
+    if isinstance(raw, str):
+        return {"prompt": raw}
+    if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        return {"prompt_token_ids": raw}
+    if isinstance(raw, list) and len(raw) > 1 and all(isinstance(p, (str, list)) for p in raw):
+        raise LineError("body.prompt: one prompt per line (split multi-prompt requests into several lines)")
+    raise LineError("body.prompt must be a string or a list of token ids")
+
+
+def body_to_fields(kind: str, body: dict[str, Any], default_max_tokens: int) -> dict[str, Any]:
+    """Job fields (protocol v1) for an OpenAI request body; raises :class:`LineError` on what cannot be
+    honoured. JSON ``null`` means "not given", as in OpenAI's API."""
+    body = {k: v for k, v in body.items() if v is not None}
+    allowed = CHAT_BODY_FIELDS if kind == "chat" else COMPLETION_BODY_FIELDS
+    unknown = set(body) - allowed - IGNORED_BODY_FIELDS - set(SAMPLING_BODY_FIELDS)
+    if unknown:
+        raise LineError(f"unsupported body field(s): {', '.join(sorted(unknown))}")
+    if body.get("stream") is not False and "stream" in body:
+        raise LineError("body.stream: streaming is not available in a batch")
+    fields: dict[str, Any] = {}
+    if kind == "chat":
+        fields["messages"] = _messages(body.get("messages"))
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        logprobs, top = body.get("logprobs", False), body.get("top_logprobs")
+        if not isinstance(logprobs, bool):
+            raise LineError("body.logprobs must be a boolean for chat completions")
+        if top is not None and not logprobs:
+            raise LineError("body.top_logprobs requires body.logprobs to be true")
+        if logprobs:
+            fields["logprobs"] = 0 if top is None else top
+    else:
+        if "prompt" not in body:
+            raise LineError("body.prompt is required for /v1/completions")
+        fields.update(_prompt(body["prompt"]))
+        max_tokens = body.get("max_tokens")
+        if body.get("echo"):
+            raise LineError("body.echo is not supported")
+        if "suffix" in body:
+            raise LineError("body.suffix is not supported")
+        if "best_of" in body and body["best_of"] != body.get("n", 1):
+            raise LineError("body.best_of is not supported (use n)")
+        if "logprobs" in body:
+            fields["logprobs"] = body["logprobs"]
+    fields["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    for name in SAMPLING_BODY_FIELDS:
+        if name in body:
+            fields[name] = body[name]
+    return fields
+
+
+def job_id_for(run_key: str, custom_id: str, fields: dict[str, Any]) -> str:
+    """A job id stable across reruns of the same batch: a run killed with jobs still in the queue leaves
+    their results (kept ``result_ttl_s`` by workers) for the rerun to pick up instead of generating them
+    again. ``run_key`` names the output file (plus a fresh nonce under ``--overwrite``)."""
+    blob = json.dumps([run_key, custom_id, fields], sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return "batch-" + hashlib.sha256(blob.encode()).hexdigest()[:40]
+
+
+def parse_line(raw: str, line_no: int, *, run_key: str, default_max_tokens: int) -> BatchLine:
+    """Validate one input line into a :class:`BatchLine`; every problem is a :class:`LineError`."""
+    try:
+        data = loads_strict(raw)
+    except (ValueError, RecursionError) as exc:
+        raise LineError(f"not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise LineError(f"a line must be a JSON object, got {type(data).__name__}", "invalid_json")
+    cid = data.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        raise LineError("custom_id must be a non-empty string")
+    try:
+        extra = set(data) - {"custom_id", "method", "url", "body"}
+        if extra:
+            raise LineError(f"unknown field(s) {', '.join(sorted(extra))}")
+        if data.get("method", "POST") != "POST":
+            raise LineError(f"method must be POST, got {data.get('method')!r}")
+        kind = URLS.get(data.get("url"))  # type: ignore[arg-type]
+        if kind is None:
+            raise LineError(f"url must be one of {', '.join(URLS)}, got {data.get('url')!r}")
+        body = data.get("body")
+        if not isinstance(body, dict):
+            raise LineError("body must be an object")
+        fields = body_to_fields(kind, body, default_max_tokens)
+        job_id = job_id_for(run_key, cid, fields)
+        try:
+            job = JobRequest.model_validate({**fields, "id": job_id, "stream": False})
+        except ValidationError as exc:
+            raise LineError(describe_validation_error(exc)) from None
+        model = body.get("model")
+        return BatchLine(line_no, cid, kind, model if isinstance(model, str) else None, job)
+    except LineError as exc:
+        exc.custom_id = cid
+        raise

@@ -328,11 +328,7 @@ def _check_config(config: Any) -> None:
     rope = actual.get("rope_parameters") or {}
     if actual.get("rope_theta") is None:  # transformers 5 keeps it in rope_parameters
         actual["rope_theta"] = rope.get("rope_theta")
-    wrong = {
-        key: (actual.get(key), want)
-        for key, want in EXPECTED_CONFIG.items()
-        if not _same(actual.get(key), want)
-    }
+    wrong = {key: (actual.get(key), want) for key, want in EXPECTED_CONFIG.items() if not _same(actual.get(key), want)}
     if rope.get("rope_type", "default") != "default" or actual.get("rope_scaling"):
         wrong["rope_type"] = (rope.get("rope_type"), "default")
     if wrong:
@@ -365,9 +361,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, log: Log | None) -> None:
     gguf_model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=str(gguf_path), dtype=torch.float32, local_files_only=True
     )
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=str(gguf_path), local_files_only=True
-    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=str(gguf_path), local_files_only=True)
     _emit(log, "loaded and dequantized GGUF", seconds=round(time.monotonic() - load_started, 1))
 
     config = gguf_model.config.__class__.from_dict(gguf_model.config.to_dict())

@@ -51,29 +51,21 @@ class Ops:
 def get_ops(name: str) -> Ops:
     """``"torch"``: the CPU ops (``kernels/cpu_*.py``, falling back to the torch references in
     ``kernels/*.py``); ``"triton"``: ``kernels/*_triton.py``."""
+    chosen: tuple[RMSNormFn, RotaryFn, SiluAndMulFn]
     if name == "torch":
         # The fused C versions of the references on float32 CPU tensors; each falls back to its
         # torch reference for anything else (other dtypes, CUDA, no C compiler).
         from kernels.cpu_ops import rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
 
-        return Ops(
-            name="torch",
-            rms_norm=rms_norm_cpu,
-            rotary_embedding=rotary_embedding_cpu,
-            silu_and_mul=silu_and_mul_cpu,
-            attention=get_attention_backend("torch"),
-        )
-    if name == "triton":
+        chosen = (rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu)
+    elif name == "triton":
         # Lazy: importing these pulls in triton, which CPU-only installs do not have.
         from kernels.activation_triton import silu_and_mul_triton
         from kernels.rms_norm_triton import rms_norm_triton
         from kernels.rotary_triton import rotary_embedding_triton
 
-        return Ops(
-            name="triton",
-            rms_norm=rms_norm_triton,
-            rotary_embedding=rotary_embedding_triton,
-            silu_and_mul=silu_and_mul_triton,
-            attention=get_attention_backend("triton"),
-        )
-    raise ValueError(f"unknown ops {name!r}; choose one of {', '.join(OPS_NAMES)}")
+        chosen = (rms_norm_triton, rotary_embedding_triton, silu_and_mul_triton)
+    else:
+        raise ValueError(f"unknown ops {name!r}; choose one of {', '.join(OPS_NAMES)}")
+    rms_norm, rotary_embedding, silu_and_mul = chosen
+    return Ops(name, rms_norm, rotary_embedding, silu_and_mul, attention=get_attention_backend(name))

@@ -48,8 +48,7 @@ class LLM:
             if len(param_list) != len(prompt_list):
                 raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts")
         prio = list(priorities) if priorities is not None else [0] * len(prompt_list)
-        return self._run([(p, sp, pr) for p, sp, pr in zip(prompt_list, param_list, prio, strict=True)],
-                         use_tqdm)
+        return self._run([(p, sp, pr) for p, sp, pr in zip(prompt_list, param_list, prio, strict=True)], use_tqdm)
 
     def chat(
         self,
@@ -76,10 +75,12 @@ class LLM:
                 order.append(rid)
                 req = engine.requests[rid]
                 results[rid] = RequestOutput(
-                    rid, req.prompt, req.prompt_token_ids,
-                    [CompletionOutput(i, "", [], None, [] if sp.logprobs is not None else None)
-                     for i in range(sp.n)],
-                    0, finished=False,
+                    rid,
+                    req.prompt,
+                    req.prompt_token_ids,
+                    [CompletionOutput(i, "", [], None, [] if sp.logprobs is not None else None) for i in range(sp.n)],
+                    0,
+                    finished=False,
                 )
             bar = tqdm(total=len(order), disable=not use_tqdm, desc="generate", unit="req")
             while engine.has_unfinished():

@@ -69,7 +69,7 @@ VISIBILITY_TIMEOUT_S = 3600
 def celery_url(url: str) -> str:
     """Celery's spelling of a pagedq Redis URL: kombu wants ``redis+socket://`` for unix sockets."""
     if url.startswith("unix://"):
-        return "redis+socket://" + url[len("unix://"):]
+        return "redis+socket://" + url[len("unix://") :]
     return url
 
 
@@ -137,8 +137,13 @@ def stop_engine_thread() -> None:
 
 
 def _error(job_id: str, message: str, metadata: Any = None) -> dict[str, Any]:
-    event = ErrorEvent(id=job_id, attempt=1, code="invalid_request", message=message,
-                       metadata=metadata if isinstance(metadata, dict) else None)
+    event = ErrorEvent(
+        id=job_id,
+        attempt=1,
+        code="invalid_request",
+        message=message,
+        metadata=metadata if isinstance(metadata, dict) else None,
+    )
     result: dict[str, Any] = json.loads(event.to_json())
     return result
 
@@ -166,8 +171,9 @@ def generate(task: Any, **fields: Any) -> dict[str, Any]:
     except ValidationError as exc:
         return _error(job_id, describe_validation_error(exc), fields.get("metadata"))
     if job.reply_to is not None:
-        return _error(job.id, "reply_to is not supported through Celery (the result goes to the result backend)",
-                      job.metadata)
+        return _error(
+            job.id, "reply_to is not supported through Celery (the result goes to the result backend)", job.metadata
+        )
     et = engine_thread()
     handle = et.submit(job)
     cancelled = False
@@ -203,8 +209,11 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     if "thread" in pool.lower() or "solo" in pool.lower():
         engine_thread(settings)
     else:
-        log.warning("celery.pool_not_threads", pool=pool,
-                    hint="use --pool threads: other pools give each child its own engine and no batching")
+        log.warning(
+            "celery.pool_not_threads",
+            pool=pool,
+            hint="use --pool threads: other pools give each child its own engine and no batching",
+        )
 
 
 @signals.worker_shutdown.connect

@@ -277,7 +277,7 @@ class Worker:
         parsed, unusable, gone = self.intake.take()
         self.outbox.acks.extend(d.entry_id for d in gone)
         for bad in unusable:
-            self.held_jobs.reject(bad.delivery, bad.raw, bad.error)
+            self.held_jobs.reject(bad.delivery.entry_id, bad.delivery.attempt, bad.raw, bad.error)
         if not parsed:
             return
         max_attempts = self.settings.max_attempts

@@ -34,7 +34,7 @@ from typing import Any
 import structlog
 
 from schemas.jobs import ErrorCode, ErrorEvent, FinalEvent, FinishReason, InvalidJob, JobRequest, TokenEvent
-from worker.job_run import EngineLike, JobRun
+from worker.job_run import EngineLike, JobRun, apply_deltas
 from worker.status import engine_load
 
 log = structlog.get_logger("pagedq.engine_thread")
@@ -236,12 +236,7 @@ class EngineThread:
             return
         self.counts["steps"] += 1
         finished_seqs = 0
-        now = time.time()
-        for delta in deltas:
-            run = self._by_request.get(delta.request_id)
-            if run is None:
-                continue
-            run.apply(delta, now)
+        for run, delta in apply_deltas(deltas, self._by_request, time.time()):
             finished_seqs += sum(out.finish_reason is not None for out in delta.outputs)
             stream = run.handle.events
             if stream is not None:
@@ -289,8 +284,9 @@ class EngineThread:
 
     def _error(self, job: JobRequest, code: ErrorCode, message: str) -> ErrorEvent:
         """An error for a job that never became a run (thread stopped before it was picked up)."""
-        return ErrorEvent(id=job.id, attempt=1, code=code, message=message, metadata=job.metadata,
-                          worker=self.worker_name)
+        return ErrorEvent(
+            id=job.id, attempt=1, code=code, message=message, metadata=job.metadata, worker=self.worker_name
+        )
 
     def _finish(self, run: _ThreadJob, event: TerminalEvent) -> None:
         self._active.pop(run.handle, None)

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.jobs import DeadLetter, ErrorCode, ErrorEvent, FinalEvent, FinishReason, InvalidJob, salvage_reply_target
 from schemas.keys import Keys
 from worker.job_ledger import JobLedger
-from worker.job_run import EngineLike, JobRun
+from worker.job_run import EngineLike, JobRun, apply_deltas
 from worker.publisher import Terminal
-from worker.reclaimer import Delivery
 from worker.redis_link import REDIS_DOWN
 from worker.sender import Sender
 from worker.settings import Settings
@@ -41,32 +40,25 @@ class Job(JobRun):
         self.log = self.log.bind(attempt=attempt)
 
 
+@dataclass(eq=False)
 class HeldJobs:
     """The held jobs of one worker over its engine (the loop thread's alone: no locks)."""
 
-    def __init__(
-        self,
-        engine: EngineLike,
-        settings: Settings,
-        keys: Keys,
-        client: Any,
-        sender: Sender,
-        ledger: JobLedger,
-        clock: Callable[[], float],
-        log: Any,
-    ) -> None:
-        self.engine = engine
-        self.settings = settings
-        self.keys = keys
-        self.redis = client
-        self.sender = sender
-        self.ledger = ledger
-        self.clock = clock  # the Redis server's time (entry ids, deadlines and timings use it)
-        self.log = log
-        self.name = settings.name
-        self.jobs: dict[str, Job] = {}  # by entry id: in the engine
-        self.by_request: dict[str, Job] = {}  # by engine request id
-        self.backlog: list[Job] = []  # held, not in the engine: suspects and jobs whose id is busy
+    engine: EngineLike
+    settings: Settings
+    keys: Keys
+    redis: Any
+    sender: Sender
+    ledger: JobLedger
+    clock: Callable[[], float]  # the Redis server's time (entry ids, deadlines and timings use it)
+    log: Any
+    jobs: dict[str, Job] = field(default_factory=dict)  # by entry id: in the engine
+    by_request: dict[str, Job] = field(default_factory=dict)  # by engine request id
+    backlog: list[Job] = field(default_factory=list)  # held, not in the engine: suspects and jobs whose id is busy
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
 
     def __len__(self) -> int:
         return len(self.jobs) + len(self.backlog)
@@ -83,31 +75,30 @@ class HeldJobs:
     def busy_id(self, job_id: str) -> bool:
         return any(j.id == job_id for j in self.jobs.values())
 
-    def reject(self, d: Delivery, raw: str, exc: InvalidJob, job: Job | None = None) -> None:
+    def reject(self, entry_id: str, attempt: int, raw: str, exc: InvalidJob, job: Job | None = None) -> None:
         """Answer an unusable job: error event (when a reply target is known), dead letter, ack."""
-        dead = DeadLetter(
-            job=raw,
-            reason=exc.message,
-            code=exc.code,
-            attempts=d.attempt,
-            worker=self.name,
-            job_id=job.id if job else "",
-            entry_id=d.entry_id,
-        )
         target = (job.id, job.reply_to) if job else salvage_reply_target(raw, self.settings.max_payload_bytes)
+        job_id = target[0] if target else ""
+        dead = self.dead_letter(raw, exc.code, exc.message, attempt, entry_id, job_id)
+        self.ledger.rejected()
         if target is None:
-            self.log.warning("job.rejected", entry_id=d.entry_id, reason=exc.message, reply=False)
-            self.sender.outbox.dead_only.append((d.entry_id, dead))
-            self.ledger.rejected()
+            self.log.warning("job.rejected", entry_id=entry_id, reason=exc.message, reply=False)
+            self.sender.outbox.dead_only.append((entry_id, dead))
             return
-        job_id, reply_to = target
+        reply_to = target[1]
         if reply_to is None or not self.keys.reply_allowed(reply_to):
             reply_to = self.keys.reply(job_id)
-        dead.job_id = job_id
-        event = ErrorEvent(id=job_id, attempt=d.attempt, code=exc.code, message=exc.message, worker=self.name)
-        self.log.warning("job.rejected", job_id=job_id, entry_id=d.entry_id, code=exc.code, reason=exc.message)
-        self.sender.outbox.terminals.append(Terminal(d.entry_id, job_id, reply_to, event, dead=dead))
-        self.ledger.rejected()
+        event = ErrorEvent(id=job_id, attempt=attempt, code=exc.code, message=exc.message, worker=self.name)
+        self.log.warning("job.rejected", job_id=job_id, entry_id=entry_id, code=exc.code, reason=exc.message)
+        self.sender.outbox.terminals.append(Terminal(entry_id, job_id, reply_to, event, dead=dead))
+
+    def dead_letter(
+        self, raw: str, code: ErrorCode, reason: str, attempts: int, entry_id: str, job_id: str
+    ) -> DeadLetter:
+        """The dead-letter entry of a payload (kept byte for byte) and why it could not be run."""
+        return DeadLetter(
+            job=raw, reason=reason, code=code, attempts=attempts, worker=self.name, job_id=job_id, entry_id=entry_id
+        )
 
     def start(self, job: Job) -> None:
         """Hand a job to the engine; bad input is answered, any other failure costs one attempt."""
@@ -120,7 +111,7 @@ class HeldJobs:
                 owner="worker",
             )
         except InvalidJob as exc:
-            self.reject(Delivery(job.entry_id, None, job.attempt), job.raw, exc, job)
+            self.reject(job.entry_id, job.attempt, job.raw, exc, job)
             return
         except Exception as exc:
             job.log.exception("job.start_failed")
@@ -167,12 +158,7 @@ class HeldJobs:
         except Exception as exc:
             self.step_failed(exc)
             return
-        now = self.clock()
-        for delta in deltas:
-            job = self.by_request.get(delta.request_id)
-            if job is None:
-                continue
-            job.apply(delta, now)
+        for job, delta in apply_deltas(deltas, self.by_request, self.clock()):
             if delta.finished:
                 self.end_final(job)
             elif job.request.stream and time.monotonic() - job.last_publish >= self.settings.stream_interval_s:
@@ -244,18 +230,9 @@ class HeldJobs:
         self.end(job, event)
 
     def end_error(self, job: Job, code: ErrorCode, message: str, *, dead: bool = False) -> None:
+        """End a job with an error event; ``dead`` also dead-letters it (in the same atomic write)."""
         self.forget(job)
-        letter = None
-        if dead:
-            letter = DeadLetter(
-                job=job.raw,
-                reason=message,
-                code=code,
-                attempts=job.attempt,
-                worker=self.name,
-                job_id=job.id,
-                entry_id=job.entry_id,
-            )
+        letter = self.dead_letter(job.raw, code, message, job.attempt, job.entry_id, job.id) if dead else None
         self.end(job, job.error_event(code, message, self.name), letter)
 
     def end(self, job: Job, event: FinalEvent | ErrorEvent, letter: DeadLetter | None = None) -> None:
@@ -290,4 +267,3 @@ class HeldJobs:
                 self.stop(job, "cancelled")
                 found = True
         return found
-

@@ -36,8 +36,9 @@ class JobLedger:
         """A job's terminal event was queued: count it, log it, measure it."""
         if isinstance(event, ErrorEvent):
             self.counts["error"] += 1
-            log.info("job.finished", outcome="error", code=event.code, message=event.message,
-                     dead_lettered=dead_lettered)
+            log.info(
+                "job.finished", outcome="error", code=event.code, message=event.message, dead_lettered=dead_lettered
+            )
             if self.metrics is not None:
                 self.metrics.job_finished(outcome="error", reason=event.code, dead_lettered=dead_lettered)
             return

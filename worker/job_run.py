@@ -10,8 +10,9 @@ protocol v1, so a job ends with the same JSON whichever door it came through.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from engine.errors import PromptTooLongError
 from engine.outputs import EngineStats, RequestDelta
@@ -95,9 +96,7 @@ class JobRun:
         """Whether this attempt has produced a token (it then ends ``final``, whatever stops it)."""
         return self.first_token_at is not None
 
-    def start(
-        self, engine: EngineLike, request_id: str, *, max_num_seqs: int | None, now: float, owner: str
-    ) -> None:
+    def start(self, engine: EngineLike, request_id: str, *, max_num_seqs: int | None, now: float, owner: str) -> None:
         """Add the job to ``engine`` as ``request_id``.
 
         Bad input raises :class:`InvalidJob` with its wire code (``prompt_too_long`` for a prompt the
@@ -138,8 +137,9 @@ class JobRun:
             if not choice.pending_text and not choice.pending_ids:
                 continue
             text = "".join(choice.pending_text)
-            events.append(TokenEvent(id=self.id, attempt=self.attempt, index=index, text=text,
-                                     token_ids=choice.pending_ids))
+            events.append(
+                TokenEvent(id=self.id, attempt=self.attempt, index=index, text=text, token_ids=choice.pending_ids)
+            )
             choice.pending_text = []
             choice.pending_ids = []
         return events
@@ -165,16 +165,18 @@ class JobRun:
             id=self.id,
             attempt=self.attempt,
             choices=choices,
-            usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                        cached_tokens=self.cached_tokens),
+            usage=Usage(
+                prompt_tokens=self.prompt_tokens, completion_tokens=completion, cached_tokens=self.cached_tokens
+            ),
             timings=self.timings(now),
             metadata=self.request.metadata,
             worker=worker,
         )
 
     def error_event(self, code: ErrorCode, message: str, worker: str) -> ErrorEvent:
-        return ErrorEvent(id=self.id, attempt=self.attempt, code=code, message=message,
-                          metadata=self.request.metadata, worker=worker)
+        return ErrorEvent(
+            id=self.id, attempt=self.attempt, code=code, message=message, metadata=self.request.metadata, worker=worker
+        )
 
     def stopped_event(self, reason: FinishReason, now: float, worker: str) -> FinalEvent | ErrorEvent:
         """The terminal event of a job stopped from outside (cancelled, deadline): ``final`` with its
@@ -192,3 +194,17 @@ class JobRun:
         self.request_id = ""
         self.started_at = self.first_token_at = None
         self.choices.clear()
+
+
+Run = TypeVar("Run", bound=JobRun)
+
+
+def apply_deltas(deltas: list[RequestDelta], runs: Mapping[str, Run], now: float) -> Iterator[tuple[Run, RequestDelta]]:
+    """Fold a step's deltas into the runs they belong to (by engine request id), yielding each run with its
+    delta for the front door's own follow-up (stream, end). Deltas of runs no longer held are dropped."""
+    for delta in deltas:
+        run = runs.get(delta.request_id)
+        if run is None:
+            continue
+        run.apply(delta, now)
+        yield run, delta

@@ -92,8 +92,9 @@ class Keeper(threading.Thread):
                 if now >= next_beat:
                     self.lost_entries.extend(self.reclaimer.keep_fresh(self.owned.snapshot()))
                     heartbeat = json.dumps(self.status())
-                    self.client.set(self.keys.heartbeat(self.worker_name), heartbeat,
-                                    px=int(self.heartbeat_ttl_s * 1000))
+                    self.client.set(
+                        self.keys.heartbeat(self.worker_name), heartbeat, px=int(self.heartbeat_ttl_s * 1000)
+                    )
                     next_beat = now + self.period_s
                 msg = pubsub.get_message(timeout=max(0.0, min(0.2, next_beat - time.monotonic())))
                 while msg is not None:

@@ -45,6 +45,7 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+
         def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
             return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
 

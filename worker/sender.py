@@ -8,6 +8,7 @@ stops keeping them fresh).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.keys import GROUP, Keys
@@ -16,23 +17,20 @@ from worker.publisher import Outbox, Publisher
 from worker.reclaimer import Reclaimer
 
 
+@dataclass(eq=False)
 class Sender:
     """The outbox (events, terminals, acks), retried deliveries to count, and entries to hand back."""
 
-    def __init__(
-        self, client: Any, keys: Keys, name: str, publisher: Publisher, reclaimer: Reclaimer, owned: OwnedEntries,
-        log: Any,
-    ) -> None:
-        self.client = client
-        self.keys = keys
-        self.name = name
-        self.publisher = publisher
-        self.reclaimer = reclaimer
-        self.owned = owned
-        self.log = log
-        self.outbox = Outbox()
-        self.claims: list[str] = []  # entries whose job runs again: count a new delivery in the PEL
-        self.releases: dict[str, int | None] = {}  # entries to hand back (delivery count to set, or keep)
+    redis: Any
+    keys: Keys
+    name: str  # this worker's consumer name
+    publisher: Publisher
+    reclaimer: Reclaimer
+    owned: OwnedEntries
+    log: Any
+    outbox: Outbox = field(default_factory=Outbox)
+    claims: list[str] = field(default_factory=list)  # entries whose job runs again: count a new delivery
+    releases: dict[str, int | None] = field(default_factory=dict)  # entries to hand back (delivery count to set)
 
     def __bool__(self) -> bool:
         return bool(self.outbox or self.claims or self.releases)
@@ -43,7 +41,7 @@ class Sender:
         if self.claims:
             claims, self.claims = self.claims, []
             try:
-                pipe = self.client.pipeline(transaction=False)
+                pipe = self.redis.pipeline(transaction=False)
                 for entry_id in claims:
                     pipe.xclaim(self.keys.jobs, GROUP, self.name, 0, [entry_id])
                 pipe.execute()

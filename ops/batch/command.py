@@ -98,6 +98,10 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+ENGINE_FLAGS = ("model", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "dtype", "device")
+"""The ``pagedq batch`` flags that become worker settings (the engine's, for ``--local``)."""
+
+
 def run(args: argparse.Namespace) -> int:
     """``pagedq batch`` (see :mod:`ops.batch`): check, resume, run the pending lines. Returns the exit code."""
     from ops.queue_commands import resolve_redis_url, settings_from_args
@@ -112,15 +116,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_in_flight is not None and args.max_in_flight < 1:
         return _fail("--max-in-flight must be at least 1", 2)
     try:
-        settings = settings_from_args(
-            args,
-            model=args.model,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_cache_bytes=args.kv_cache_bytes,
-            dtype=args.dtype,
-            device=args.device,
-        )
+        settings = settings_from_args(args, **{flag: getattr(args, flag) for flag in ENGINE_FLAGS})
         url = None if args.local else resolve_redis_url(settings)
     except SettingsError as exc:
         return _fail(str(exc), 2)

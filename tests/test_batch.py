@@ -340,7 +340,7 @@ def queue(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     tmp = tmp_path_factory.mktemp("queue")
     server: RedisServer = make_server("debian", tmp / "redis")
     ctx = Ctx(server)
-    procs = [WorkerProcess(ctx, model_dir, tmp, f"bw{i}", test_step_delay_s=0.01) for i in range(2)]
+    procs = [WorkerProcess(ctx, model_dir, tmp, f"bw{i}", step_delay_s=0.01) for i in range(2)]
     try:
         for p in procs:
             p.wait_ready()

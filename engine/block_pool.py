@@ -11,6 +11,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
+class NoFreeBlocks(RuntimeError):
+    """Fewer free KV blocks than an operation needs; raised before anything was changed."""
+
+
 @dataclass(eq=False)
 class KVBlock:
     block_id: int
@@ -39,7 +43,7 @@ class BlockPool:
     def allocate(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks from the head of the free list (caller checked there are enough)."""
         if n > len(self._free):
-            raise RuntimeError(f"asked for {n} KV blocks with only {len(self._free)} free")
+            raise NoFreeBlocks(f"asked for {n} KV blocks with only {len(self._free)} free")
         out = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
@@ -72,9 +76,7 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(
-        self, block: KVBlock, block_hash: int, parent_block_id: int, token_ids: tuple[int, ...]
-    ) -> None:
+    def cache_block(self, block: KVBlock, block_hash: int, parent_block_id: int, token_ids: tuple[int, ...]) -> None:
         """Register a full, computed block; an occupied hash (a twin or a collision) keeps its holder."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
             return

@@ -15,6 +15,7 @@ import structlog
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.block_pool import NoFreeBlocks
 from engine.checkpoint import checkpoint_folder
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -268,13 +269,14 @@ class Engine:
             )
             child.arrival = parent.arrival
             child.num_cached_tokens = parent.num_cached_tokens
-            shared = self.kv.fork(parent, child)
-            if shared is False:  # no block for the copy: recompute later (prefix cache helps)
+            try:
+                forked = self.kv.fork(parent, child)
+            except NoFreeBlocks:  # no block for the copy: recompute later (prefix cache helps)
                 self.scheduler.add(child)
             else:
                 child.num_computed_tokens = parent.num_computed_tokens
-                if shared is not None:
-                    copies.append(shared)  # type: ignore[arg-type]
+                if forked.copy is not None:
+                    copies.append(forked.copy)
                 self.scheduler.add_running(child)
             req.seqs.append(child)
             children.append(child)

@@ -9,16 +9,25 @@ dtype); lookups verify the parent block and the tokens, so a collision costs a m
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 
 import xxhash
 
-from engine.block_pool import BlockPool, KVBlock
+from engine.block_pool import BlockPool, KVBlock, NoFreeBlocks
 from engine.sequence import Sequence
 
 
 def hash_block(parent_hash: int, token_ids: list[int], salt: bytes) -> int:
     data = parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes()
     return xxhash.xxh3_64_intdigest(salt + data)
+
+
+@dataclass(frozen=True)
+class ForkResult:
+    """What a fork leaves the model runner to do: ``copy`` is the ``(src, dst)`` block copy (the parent's
+    partly filled last block into the child's own), None when the parent held full blocks only."""
+
+    copy: tuple[int, int] | None = None
 
 
 class KVCacheManager:
@@ -150,28 +159,28 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_committed_blocks = 0
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | bool | None:
+    def fork(self, parent: Sequence, child: Sequence) -> ForkResult:
         """Let ``child`` share ``parent``'s computed blocks.
 
         Full blocks are shared by reference; a partly filled last block is copied, since both will
-        write into it. Returns the ``(src, dst)`` block copy the runner must perform, None when no
-        copy is needed, or False when there is no free block for the copy.
+        write into it. Raises :class:`NoFreeBlocks`, with nothing changed, when there is no free block
+        for the copy.
         """
         bs = self.block_size
         num_full = parent.num_computed_tokens // bs
         partial = len(parent.block_table) > num_full
         if partial and self.pool.num_free_blocks < 1:
-            return False
+            raise NoFreeBlocks("no free KV block for the copy of a forked sample's last block")
         shared = [self.pool.blocks[b] for b in parent.block_table[:num_full]]
         self.pool.touch(shared)
         child.block_table = [b.block_id for b in shared]
         child.num_committed_blocks = min(parent.num_committed_blocks, num_full)
         child.block_hashes = list(parent.block_hashes[:num_full])
         if not partial:
-            return None
+            return ForkResult()
         (copy,) = self.pool.allocate(1)
         child.block_table.append(copy.block_id)
-        return (parent.block_table[num_full], copy.block_id)
+        return ForkResult((parent.block_table[num_full], copy.block_id))
 
     def reset_counters(self) -> None:
         self.num_queried_tokens = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import kv_cache_manager as kvm
+from engine.block_pool import NoFreeBlocks
 from engine.kv_cache_manager import KVCacheManager
 from engine.sequence import Sequence
 from schemas.sampling import SamplingParams
@@ -91,11 +92,30 @@ def test_fork_shares_full_blocks_and_copies_partial() -> None:
     parent = make_seq(list(range(6)))
     run_prefill(kv, parent)
     child = make_seq(list(range(6)))
-    copy = kv.fork(parent, child)
-    assert isinstance(copy, tuple) and copy[0] == parent.block_table[1]
+    forked = kv.fork(parent, child)
+    assert forked.copy is not None and forked.copy == (parent.block_table[1], child.block_table[1])
     assert child.block_table[0] == parent.block_table[0]
     assert child.block_table[1] != parent.block_table[1]
     assert kv.pool.blocks[parent.block_table[0]].ref_count == 2
     kv.free(parent)
     kv.free(child)
     assert kv.num_free_blocks == 8
+
+
+def test_fork_of_full_blocks_needs_no_copy() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=True)
+    parent = make_seq(list(range(8)))
+    run_prefill(kv, parent)
+    child = make_seq(list(range(8)))
+    assert kv.fork(parent, child) == kvm.ForkResult(copy=None)
+    assert child.block_table == parent.block_table
+
+
+def test_fork_without_a_block_for_the_copy_raises_and_changes_nothing() -> None:
+    kv = KVCacheManager(num_blocks=2, block_size=4, enable_caching=True)
+    parent = make_seq(list(range(6)))  # one full block + one partial: every block in use
+    run_prefill(kv, parent)
+    child = make_seq(list(range(6)))
+    with pytest.raises(NoFreeBlocks):
+        kv.fork(parent, child)
+    assert child.block_table == [] and kv.pool.blocks[parent.block_table[0]].ref_count == 1

@@ -5,6 +5,7 @@ from engine.engine import Engine
 from engine.errors import PromptTooLongError
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, EngineStats, RequestDelta, RequestOutput
+from engine.step_stats import StepStats
 from schemas.sampling import SamplingParams
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
     "RequestDelta",
     "RequestOutput",
     "SamplingParams",
+    "StepStats",
 ]

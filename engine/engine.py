@@ -3,11 +3,15 @@
 This is the API the worker drives: ``add_request``, ``step``, ``abort``, ``has_unfinished``.
 Everything runs on the caller's thread; the engine is not thread-safe by design (one engine
 thread, like vLLM's engine core), which keeps the hot loop free of locks.
+
+``step_stats`` (:class:`~engine.step_stats.StepStats`) is the engine's own account of its steps:
+batch sizes and the time of each phase, kept by every step at the cost of a few clock reads.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +31,7 @@ from engine.outputs import CompletionDelta, EngineStats, RequestDelta, TokenLogp
 from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.step_stats import BLOCK_FILL_EVERY_STEPS, StepStats
 from schemas.sampling import SamplingParams
 
 log = structlog.get_logger("pagedq.engine")
@@ -52,7 +57,8 @@ class Engine:
         self.config = config
         self.model_path = checkpoint_folder(config.model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.model_path))
-        self.runner = ModelRunner(config, str(self.model_path))
+        self.step_stats = StepStats()  # every step's phases and batch sizes; reset() between measurements
+        self.runner = ModelRunner(config, str(self.model_path), self.step_stats)
         mc = self.model_config = self.runner.model_config
         capacity = self.runner.num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len, capacity)
@@ -120,9 +126,7 @@ class Engine:
             raise PromptTooLongError(len(ids), self.max_model_len)
         seq = self._new_sequence(request_id, 0, ids, len(ids), params, priority)
         seq.pending_fork = params.n > 1
-        self.requests[request_id] = Request(
-            request_id, prompt if isinstance(prompt, str) else None, ids, params, [seq]
-        )
+        self.requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, [seq])
         self.scheduler.add(seq)
 
     def _new_sequence(
@@ -171,9 +175,24 @@ class Engine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestDelta]:
+        """Schedule, run one forward, sample, append; the requests that changed, as deltas.
+
+        The time of the step and of each phase goes to ``step_stats``, then the KV usage after it."""
+        started = time.perf_counter()
+        deltas = self._run_step()
+        self.step_stats.step_s += time.perf_counter() - started
+        self._record_kv_usage()
+        return deltas
+
+    def _run_step(self) -> list[RequestDelta]:
+        stats = self.step_stats
+        clock = time.perf_counter
+        started = clock()
         batch = self.scheduler.schedule()
+        stats.schedule_s += clock() - started
         if not batch:
             return []
+        stats.record_batch(batch.total_tokens, len(batch.seqs))
         sample_rows: list[int] = []
         num_logits: list[int] = []  # per sampled sequence: 1 + its draft tokens
         for i, seq in enumerate(batch.seqs):
@@ -213,14 +232,18 @@ class Engine:
             for s, count in samplers
             for j in range(count)
         ]
+        started = clock()
         out = self.sampler.sample(logits, rows)
+        stats.sample_s += clock() - started
 
+        started = clock()
         touched: dict[str, Request] = {}
         at = 0
         for seq, count in samplers:
             self._accept(seq, out.token_ids[at : at + count], out.logprobs[at : at + count])
             at += count
             touched[seq.request_id] = self.requests[seq.request_id]
+        stats.append_tokens_s += clock() - started
         self._propose_drafts()
         return [self._delta(req) for req in touched.values()]
 
@@ -264,8 +287,12 @@ class Engine:
         children = []
         for index in range(1, parent.params.n):
             child = self._new_sequence(
-                parent.request_id, index, parent.token_ids, parent.num_prompt_tokens,
-                parent.params, parent.priority,
+                parent.request_id,
+                index,
+                parent.token_ids,
+                parent.num_prompt_tokens,
+                parent.params,
+                parent.priority,
             )
             child.arrival = parent.arrival
             child.num_cached_tokens = parent.num_cached_tokens
@@ -287,20 +314,25 @@ class Engine:
         seq.new_token_ids.append(token)
         if seq.logprobs is not None and lp is not None:
             seq.logprobs.append(lp)
+        started = time.perf_counter()
         seq.new_text += seq.detokenizer.add_tokens([token])
+        self.step_stats.detokenize_s += time.perf_counter() - started
         params = seq.params
         n_out = seq.num_output_tokens
         reason = None
-        if seq.detokenizer.stopped or (n_out >= params.min_tokens and (
-            (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
-        )):
+        if seq.detokenizer.stopped or (
+            n_out >= params.min_tokens
+            and ((not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids)
+        ):
             reason = "stop"
         elif n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is None:
             return
         if not seq.detokenizer.stopped:
+            started = time.perf_counter()
             seq.new_text += seq.detokenizer.flush()
+            self.step_stats.detokenize_s += time.perf_counter() - started
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self.requests[seq.request_id].num_finished += 1
@@ -314,19 +346,29 @@ class Engine:
             if seq.logprobs is not None:
                 logprobs = seq.logprobs[seq.new_logprobs_from :]
                 seq.new_logprobs_from = len(seq.logprobs)
-            outputs.append(
-                CompletionDelta(seq.index, seq.new_text, seq.new_token_ids, seq.finish_reason, logprobs)
-            )
+            outputs.append(CompletionDelta(seq.index, seq.new_text, seq.new_token_ids, seq.finish_reason, logprobs))
             seq.new_text = ""
             seq.new_token_ids = []
         finished = req.finished
         if finished:
             del self.requests[req.request_id]
-        return RequestDelta(
-            req.request_id, outputs, finished, req.prompt_token_ids, req.seqs[0].num_cached_tokens
-        )
+        return RequestDelta(req.request_id, outputs, finished, req.prompt_token_ids, req.seqs[0].num_cached_tokens)
 
     # ------------------------------------------------------------------ introspection
+
+    def _record_kv_usage(self) -> None:
+        """Keep the peak KV usage; while block fill is tracked, measure it at each new peak and every
+        few steps (it walks the block tables, so its time is kept apart from the step's)."""
+        stats = self.step_stats
+        usage = self.kv.usage()
+        new_peak = usage > stats.peak_kv_usage
+        if new_peak:
+            stats.peak_kv_usage = usage
+        if stats.track_block_fill and (new_peak or stats.steps % BLOCK_FILL_EVERY_STEPS == 0):
+            started = time.perf_counter()
+            filled, allocated = self.kv.filled_slots(self.scheduler.running)
+            stats.record_block_fill(filled, allocated, at_peak=new_peak)
+            stats.block_fill_s += time.perf_counter() - started
 
     def stats(self) -> EngineStats:
         kv = self.kv

@@ -182,6 +182,19 @@ class KVCacheManager:
         child.block_table.append(copy.block_id)
         return ForkResult((parent.block_table[num_full], copy.block_id))
 
+    def filled_slots(self, seqs: list[Sequence]) -> tuple[int, int]:
+        """(slots holding computed KV, slots allocated) over the distinct blocks of ``seqs``: how much of
+        the memory the blocks hold is used (a block shared by forks or a prefix counts once)."""
+        bs = self.block_size
+        filled: dict[int, int] = {}
+        for seq in seqs:
+            num_computed = seq.num_computed_tokens
+            for i, block_id in enumerate(seq.block_table):
+                fill = min(bs, max(0, num_computed - i * bs))
+                if fill > filled.get(block_id, -1):
+                    filled[block_id] = fill
+        return sum(filled.values()), len(filled) * bs
+
     def reset_counters(self) -> None:
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -19,21 +18,15 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.scheduler import ScheduledBatch
+from engine.step_stats import StepStats
 from kernels import host_memory
 
 
-@dataclass
-class StepTimings:
-    """Where the time of the steps went, in seconds, accumulated since the last reset."""
-
-    prepare_s: float = 0.0
-    forward_s: float = 0.0
-    steps: int = 0
-
-
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str) -> None:
+    def __init__(self, config: EngineConfig, model_path: str, stats: StepStats | None = None) -> None:
+        """``stats``: where :meth:`execute` adds its input-preparation and forward times (the engine's own)."""
         self.config = config
+        self.stats = stats if stats is not None else StepStats()
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.backend)
@@ -48,7 +41,6 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
-        self.timings = StepTimings()
         self.graphs: DecodeGraphs | None = None
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -80,9 +72,7 @@ class ModelRunner:
             budget = self.config.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = budget // per_block
         if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_bytes={budget} is smaller than one KV block ({per_block} bytes for this model)"
-            )
+            raise ValueError(f"kv_cache_bytes={budget} is smaller than one KV block ({per_block} bytes for this model)")
         return int(num_blocks)
 
     @torch.inference_mode()
@@ -113,14 +103,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        self.timings.prepare_s += t1 - t0
-        self.timings.forward_s += t2 - t1
-        self.timings.steps += 1
+        self.stats.prepare_inputs_s += t1 - t0
+        self.stats.forward_s += t2 - t1
         return logits
 
-    def prepare_inputs(
-        self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         seqs, q_lens = batch.seqs, batch.num_new_tokens
         token_ids: list[int] = []
         computed: list[int] = []
@@ -144,9 +131,7 @@ class ModelRunner:
         positions = torch.arange(num_tokens, dtype=torch.long) + torch.repeat_interleave(
             offsets, q_lens_t.long(), output_size=num_tokens
         )
-        seq_index = torch.repeat_interleave(
-            torch.arange(len(seqs)), q_lens_t.long(), output_size=num_tokens
-        )
+        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), q_lens_t.long(), output_size=num_tokens)
         block_tables = torch.tensor(tables, dtype=torch.int32)
         bs = self.block_size
         slots = block_tables[seq_index, positions // bs].long() * bs + positions % bs

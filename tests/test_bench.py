@@ -20,7 +20,8 @@ import pytest
 
 from ops.bench import report as rep
 from ops.bench import workloads as wl
-from ops.bench.systems import SYSTEM_NAMES, SystemResult
+from ops.bench.registry import SYSTEM_NAMES
+from ops.bench.system import SystemResult
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -138,9 +139,22 @@ def test_ratios_and_targets() -> None:
     (row,) = [t for t in rep.targets(report) if t["target"].startswith("prefix caching")]
     assert row["value"] == 3.0 and row["met"] is True and row["ceiling"] == 2.9
     assert "matmul work ratio 2.900" in rep.format_table(
-        {"meta": {"date": "d", "host": "h", "cpu": "c", "threads": 2, "model": "m", "device": "cpu",
-                  "dtype": "float32", "loadavg_start": 0, "loadavg_end": 0},
-         "matmul_peak": {"gflop_s": 1.0}, "workloads": {}, "targets": rep.targets(report)}
+        {
+            "meta": {
+                "date": "d",
+                "host": "h",
+                "cpu": "c",
+                "threads": 2,
+                "model": "m",
+                "device": "cpu",
+                "dtype": "float32",
+                "loadavg_start": 0,
+                "loadavg_end": 0,
+            },
+            "matmul_peak": {"gflop_s": 1.0},
+            "workloads": {},
+            "targets": rep.targets(report),
+        }
     )
 
 

@@ -5,7 +5,7 @@ Runs after the timed runs (so they are unaffected) and makes three extra passes 
 1. **op timers**: wall time per op family (matmuls in the decoder, lm_head, attention incl. the KV write,
    attention planning, RMSNorm, rotary, SiLU-and-mul, embedding, the rest of the forward), taken by
    wrapping the model's modules and the shared ``Ops`` bundle of this one engine instance, plus the
-   engine-phase split of :class:`~ops.bench.systems.EngineProbe` (schedule, prepare, sample, detokenize).
+   engine's own phase split (:class:`~engine.step_stats.StepStats`: schedule, prepare, sample, detokenize).
    CPU ops are synchronous, so these are exact; each wrapper costs ~1 us per call.
 2. **torch.profiler**: the aten-level table (self CPU time) in ``torch_ops.txt``.
 3. **cProfile**: Python functions by cumulative and internal time in ``cprofile.txt``.
@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ops.bench.systems import BenchContext, EngineProbe, PagedqSystem
+from ops.bench.pagedq_system import PagedqSystem, step_breakdown
+from ops.bench.system import BenchContext
 from ops.bench.workloads import Workload
 
 
@@ -69,29 +70,20 @@ def _instrument_model(engine: Any, bucket: dict[str, float]) -> None:
 
 def profile_pagedq(workload: Workload, ctx: BenchContext, out_dir: Path) -> dict[str, Any]:
     """Run the three passes; write the detailed tables to ``out_dir`` and return the op-family summary."""
-    from engine import SamplingParams
-
     out_dir.mkdir(parents=True, exist_ok=True)
     system = PagedqSystem()
     prompts = [r.prompt_ids for r in workload.requests]
     params = system.params(workload)
-    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
     # Pass 1: op-family timers + engine phases.
-    llm = system.make_llm(ctx)
-    llm.generate([list(range(3, 27))] * 2, warm)
+    llm = system.load(ctx)
     bucket: dict[str, float] = defaultdict(float)
     _instrument_model(llm.engine, bucket)
-    probe = EngineProbe(llm.engine)
-    probe.install()
-    from engine.model_runner import StepTimings
-
-    llm.engine.runner.timings = StepTimings()
     t0 = time.perf_counter()
     llm.generate(prompts, params)
-    wall = time.perf_counter() - t0 - probe.overhead_s
-    phases = probe.breakdown(wall)
-    forward = llm.engine.runner.timings.forward_s
+    wall = time.perf_counter() - t0
+    phases = step_breakdown(llm.engine.step_stats, wall)
+    forward = llm.engine.step_stats.forward_s
     families = dict(bucket)
     inside = sum(v for k, v in families.items() if k != "attention planning (per step)")
     families["rest of forward (reshapes, splits, glue)"] = max(
@@ -111,8 +103,7 @@ def profile_pagedq(workload: Workload, ctx: BenchContext, out_dir: Path) -> dict
     del llm
 
     # Pass 2: torch.profiler (aten ops by self CPU time).
-    llm = system.make_llm(ctx)
-    llm.generate([list(range(3, 27))] * 2, warm)
+    llm = system.load(ctx)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if ctx.device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -123,8 +114,7 @@ def profile_pagedq(workload: Workload, ctx: BenchContext, out_dir: Path) -> dict
     del llm, prof
 
     # Pass 3: cProfile (Python-level view: scheduler, sampler, detokenizer, glue).
-    llm = system.make_llm(ctx)
-    llm.generate([list(range(3, 27))] * 2, warm)
+    llm = system.load(ctx)
     profiler = cProfile.Profile()
     profiler.enable()
     llm.generate(prompts, params)

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from ops.bench.workloads import Workload
 
-if TYPE_CHECKING:  # systems imports torch; the report itself does not need it
-    from ops.bench.systems import SystemResult
+if TYPE_CHECKING:  # system imports torch; the report itself does not need it
+    from ops.bench.system import SystemResult
 
 PAGEDQ = "pagedq"
 HF_PEERS = ("hf-static", "hf-cb", "vllm")

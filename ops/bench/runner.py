@@ -28,9 +28,9 @@ from ops.bench import workloads as wl
 if TYPE_CHECKING:
     import torch
 
-    from ops.bench.systems import BenchContext, System, SystemResult
+    from ops.bench.system import BenchContext, System, SystemResult
 
-# Kept in sync with systems.SYSTEM_NAMES (checked by the tests); listed here so that parsing arguments does
+# Kept in sync with registry.SYSTEM_NAMES (checked by the tests); listed here so that parsing arguments does
 # not import torch, which must not happen before the OpenMP wait policy is chosen (see ``run``).
 SYSTEM_NAMES: tuple[str, ...] = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm")
 WORKLOAD_NAMES = ("mixed", "prefix", "online")
@@ -237,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     omp_policy = apply_omp_wait_policy(args.omp_wait_policy)
     import torch
 
-    from ops.bench.systems import BenchContext, make_system
+    from ops.bench.registry import make_system
+    from ops.bench.system import BenchContext
 
     _quiet_libraries()
     system_names = _parse_list(args.systems, SYSTEM_NAMES, "system")
@@ -397,7 +398,9 @@ def _run_workload(
     workload: wl.Workload, systems: list[System], unavailable: dict[str, str | None], ctx: BenchContext
 ) -> dict[str, SystemResult]:
     """Every selected system on one workload (plus pagedq without prefix caching on ``prefix``)."""
-    from ops.bench.systems import PagedqRedisSystem, PagedqSystem, SystemResult
+    from ops.bench.pagedq_redis_system import PagedqRedisSystem
+    from ops.bench.pagedq_system import PagedqSystem
+    from ops.bench.system import SystemResult
 
     results: dict[str, SystemResult] = {}
     plan: list[tuple[str, System]] = []

@@ -1,0 +1,33 @@
+"""The systems under test, by name: what ``--systems`` chooses from.
+
+* ``pagedq``: the engine's offline API (:mod:`ops.bench.pagedq_system`).
+* ``pagedq-redis``: the same engine behind a real worker process and Redis (:mod:`ops.bench.pagedq_redis_system`).
+* ``hf-static``, ``hf-cb``: transformers' static and continuous batching (:mod:`ops.bench.hf_systems`).
+* ``vllm``: when importable, CUDA machines only (:mod:`ops.bench.vllm_system`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ops.bench.hf_systems import HFContinuousSystem, HFStaticSystem
+from ops.bench.pagedq_redis_system import PagedqRedisSystem
+from ops.bench.pagedq_system import PagedqSystem
+from ops.bench.system import System
+from ops.bench.vllm_system import VLLMSystem
+
+SYSTEM_NAMES: tuple[str, ...] = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm")
+
+
+def make_system(name: str) -> System:
+    """A fresh system by its ``--systems`` name; a name not listed fails here, before any model loads."""
+    factories: dict[str, Callable[[], System]] = {
+        "pagedq": PagedqSystem,
+        "pagedq-redis": PagedqRedisSystem,
+        "hf-static": HFStaticSystem,
+        "hf-cb": HFContinuousSystem,
+        "vllm": VLLMSystem,
+    }
+    if name not in factories:
+        raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEM_NAMES)}")
+    return factories[name]()

@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := .setup.stamp
 
-.PHONY: setup demo test test-all lint typecheck
+.PHONY: setup demo test test-slow test-all lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q torch==2.13.0   # the CPU build; an unpinned torch pulls CUDA (GBs)
@@ -18,9 +18,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PYTHON) -m pytest -q
 
+test-slow: $(STAMP)
+	$(PYTHON) -m pytest -q -m slow
+
 test-all: $(STAMP)
 	$(PYTHON) -m pytest -q -m "slow or not slow"
 
 lint: $(STAMP)
 	ruff check .
-	mypy engine kernels schemas worker ops
+	ruff format --check .
+	mypy engine kernels schemas worker ops tests

@@ -189,7 +189,7 @@ class Engine:
         clock = time.perf_counter
         started = clock()
         batch = self.scheduler.schedule()
-        stats.schedule_s += clock() - started
+        stats.phase_s["schedule"] += clock() - started
         if not batch:
             return []
         stats.record_batch(batch.total_tokens, len(batch.seqs))
@@ -234,7 +234,7 @@ class Engine:
         ]
         started = clock()
         out = self.sampler.sample(logits, rows)
-        stats.sample_s += clock() - started
+        stats.phase_s["sample"] += clock() - started
 
         started = clock()
         touched: dict[str, Request] = {}
@@ -243,7 +243,7 @@ class Engine:
             self._accept(seq, out.token_ids[at : at + count], out.logprobs[at : at + count])
             at += count
             touched[seq.request_id] = self.requests[seq.request_id]
-        stats.append_tokens_s += clock() - started
+        stats.phase_s["append_tokens"] += clock() - started
         self._propose_drafts()
         return [self._delta(req) for req in touched.values()]
 
@@ -316,7 +316,7 @@ class Engine:
             seq.logprobs.append(lp)
         started = time.perf_counter()
         seq.new_text += seq.detokenizer.add_tokens([token])
-        self.step_stats.detokenize_s += time.perf_counter() - started
+        self.step_stats.phase_s["detokenize"] += time.perf_counter() - started
         params = seq.params
         n_out = seq.num_output_tokens
         reason = None
@@ -332,7 +332,7 @@ class Engine:
         if not seq.detokenizer.stopped:
             started = time.perf_counter()
             seq.new_text += seq.detokenizer.flush()
-            self.step_stats.detokenize_s += time.perf_counter() - started
+            self.step_stats.phase_s["detokenize"] += time.perf_counter() - started
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self.requests[seq.request_id].num_finished += 1

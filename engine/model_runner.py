@@ -103,8 +103,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        self.stats.prepare_inputs_s += t1 - t0
-        self.stats.forward_s += t2 - t1
+        self.stats.phase_s["prepare_inputs"] += t1 - t0
+        self.stats.phase_s["forward"] += t2 - t1
         return logits
 
     def prepare_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -13,7 +13,10 @@ table, so it is measured only while ``track_block_fill`` is set, and its own tim
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+
+PHASES = ("schedule", "prepare_inputs", "forward", "sample", "append_tokens", "detokenize")
+"""The timed phases of a step, in order; ``detokenize`` happens inside ``append_tokens``."""
 
 # Block fill is measured at every new peak of KV usage and, for its mean, every this many steps.
 BLOCK_FILL_EVERY_STEPS = 8
@@ -23,8 +26,8 @@ BLOCK_FILL_EVERY_STEPS = 8
 class StepStats:
     """Counters since the engine started or since the last :meth:`reset`; times in seconds.
 
-    The phases of ``step_s`` are ``schedule_s``, ``prepare_inputs_s``, ``forward_s`` (the model, logits
-    included), ``sample_s`` and ``append_tokens_s`` (appending the sampled tokens: detokenizing, stop
+    The phases of ``step_s`` (``phase_s``) are ``schedule``, ``prepare_inputs``, ``forward`` (the model,
+    logits included), ``sample`` and ``append_tokens`` (appending the sampled tokens: detokenizing, stop
     checks, accepting drafts); what is left is :attr:`other_s` (fork bookkeeping, drafting, deltas).
     """
 
@@ -33,12 +36,8 @@ class StepStats:
     scheduled_seqs: int = 0  # sequences summed over steps
     decode_only_steps: int = 0  # steps in which every sequence was decoding one token
     step_s: float = 0.0
-    schedule_s: float = 0.0
-    prepare_inputs_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    append_tokens_s: float = 0.0
-    detokenize_s: float = 0.0  # part of append_tokens_s
+    # Seconds per phase of step_s (PHASES); detokenize is part of append_tokens.
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     peak_kv_usage: float = 0.0  # highest fraction of KV blocks held by live sequences after a step
     # Block fill, only while tracked: filled / allocated slots at the usage peak, and summed over samples.
     track_block_fill: bool = False
@@ -50,8 +49,9 @@ class StepStats:
     def reset(self) -> None:
         """Zero every counter; ``track_block_fill`` stays as it was set."""
         track = self.track_block_fill
+        fresh = StepStats()
         for spec in fields(self):
-            setattr(self, spec.name, spec.default)
+            setattr(self, spec.name, getattr(fresh, spec.name))
         self.track_block_fill = track
 
     def record_batch(self, num_tokens: int, num_seqs: int) -> None:
@@ -70,12 +70,12 @@ class StepStats:
     @property
     def stop_checks_s(self) -> float:
         """Appending tokens other than detokenizing: stop and length checks, finishing, draft acceptance."""
-        return max(0.0, self.append_tokens_s - self.detokenize_s)
+        return max(0.0, self.phase_s["append_tokens"] - self.phase_s["detokenize"])
 
     @property
     def other_s(self) -> float:
         """Step time outside the named phases."""
-        named = self.schedule_s + self.prepare_inputs_s + self.forward_s + self.sample_s + self.append_tokens_s
+        named = sum(seconds for phase, seconds in self.phase_s.items() if phase != "detokenize")
         return max(0.0, self.step_s - named)
 
     @property

@@ -26,6 +26,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests of the real default model (``realmodel``: a 135M-parameter conversion and forward passes)
+    belong to the slow tier: ``make test`` stays under 5 minutes, ``make test-slow`` and CI run them."""
+    for item in items:
+        if item.get_closest_marker("realmodel") is not None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``tiny_model(arch)`` -> folder of a tiny checkpoint with tokenizer, built once per session."""

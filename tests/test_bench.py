@@ -182,6 +182,7 @@ def _run_quick_bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedPr
     return proc, json.loads(out.read_text())
 
 
+@pytest.mark.slow  # the whole harness in subprocesses: every system, the worker, the report (~30 s)
 def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
     """``--quick`` with every system and workload: structure, and every system made all its tokens."""
     proc, report = _run_quick_bench(tmp_path)
@@ -255,6 +256,7 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # two interleaved rounds of the quick harness (~45 s)
 def test_quick_benchmark_repeat_reports_the_fastest_run(tmp_path: Path) -> None:
     """``--repeat 2``: every system runs twice in interleaved rounds; the report keeps each one's fastest."""
     proc, report = _run_quick_bench(

@@ -32,6 +32,7 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
     s.stop()
 
 
+@pytest.mark.slow  # scaling: three worker processes and 300 jobs
 def test_three_workers_share_300_jobs(server: RedisServer, tiny_model: Any, tmp_path: Path) -> None:
     ctx = Ctx(server)
     model = Path(tiny_model("llama_gqa"))

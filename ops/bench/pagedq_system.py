@@ -114,11 +114,11 @@ def step_breakdown(step_stats: StepStats, wall_s: float) -> dict[str, Any]:
     """Seconds and shares of the wall time per phase of the engine's steps (see the module docs of
     ``report``), from the engine's own account; ``outside_step_s`` is the caller's loop around them."""
     parts = {
-        "forward_s": step_stats.forward_s,
-        "prepare_inputs_s": step_stats.prepare_inputs_s,
-        "schedule_s": step_stats.schedule_s,
-        "sample_s": step_stats.sample_s,
-        "detokenize_s": step_stats.detokenize_s,
+        "forward_s": step_stats.phase_s["forward"],
+        "prepare_inputs_s": step_stats.phase_s["prepare_inputs"],
+        "schedule_s": step_stats.phase_s["schedule"],
+        "sample_s": step_stats.phase_s["sample"],
+        "detokenize_s": step_stats.phase_s["detokenize"],
         "stop_checks_s": step_stats.stop_checks_s,
         "engine_other_s": step_stats.other_s,
         "outside_step_s": max(0.0, wall_s - step_stats.step_s),
@@ -129,7 +129,7 @@ def step_breakdown(step_stats: StepStats, wall_s: float) -> dict[str, Any]:
         "shares": {k.removesuffix("_s"): round(v / wall_s, 4) if wall_s else 0.0 for k, v in parts.items()},
         "steps": step_stats.steps,
         "mean_step_ms": round(1000 * step_stats.step_s / count, 3),
-        "mean_forward_ms": round(1000 * step_stats.forward_s / count, 3),
+        "mean_forward_ms": round(1000 * step_stats.phase_s["forward"] / count, 3),
         "mean_batch_tokens": round(step_stats.scheduled_tokens / count, 1),
         "mean_batch_seqs": round(step_stats.scheduled_seqs / count, 1),
         "decode_only_steps": step_stats.decode_only_steps,

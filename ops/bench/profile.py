@@ -83,7 +83,7 @@ def profile_pagedq(workload: Workload, ctx: BenchContext, out_dir: Path) -> dict
     llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     phases = step_breakdown(llm.engine.step_stats, wall)
-    forward = llm.engine.step_stats.forward_s
+    forward = llm.engine.step_stats.phase_s["forward"]
     families = dict(bucket)
     inside = sum(v for k, v in families.items() if k != "attention planning (per step)")
     families["rest of forward (reshapes, splits, glue)"] = max(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from engine.default_model import (
     resolve_model_path,
 )
 from tests.conftest import Prepared
+from tests.worker_harness import wait_for
 
 pytestmark = pytest.mark.realmodel
 
@@ -93,25 +94,39 @@ def test_conversion_writes_complete_checkpoint(prepared: Prepared) -> None:
     assert "lm_head.weight" not in keys  # tied: stored once, re-tied on load
 
 
-def test_second_call_returns_immediately_without_converting(
+def test_second_call_takes_the_prepared_fast_path(
     prepared: Prepared, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    def must_not_convert(*_: object) -> None:
-        raise AssertionError("reconverted an already prepared model")
+    """A prepared folder is returned by the fast path: no conversion, and not even the GGUF lookup, the
+    conversion-dependency check or the file lock (so a read-only cache works); nothing is written or logged."""
 
-    monkeypatch.setattr(dm, "_convert_gguf", must_not_convert)
+    def must_not_run(what: str) -> Any:
+        def fail(*_: object, **__: object) -> None:
+            raise AssertionError(f"{what} on an already prepared model")
+
+        return fail
+
+    monkeypatch.setattr(dm, "_convert_gguf", must_not_run("reconverted"))
+    monkeypatch.setattr(dm, "find_default_gguf", must_not_run("looked for the GGUF"))
+    monkeypatch.setattr(dm, "_require_conversion_deps", must_not_run("checked the conversion dependencies"))
+    monkeypatch.setattr(dm, "_exclusive_lock", must_not_run("took the preparation lock"))
     monkeypatch.setenv("PAGEDQ_MODEL_DIR", str(prepared.models_dir))
-    marker_mtime = (prepared.path / MARKER_FILENAME).stat().st_mtime_ns
+
+    def snapshot() -> dict[str, tuple[int, int]]:
+        """Every file and folder under the models folder, with its size and modification time."""
+        paths = [prepared.models_dir, *prepared.models_dir.rglob("*")]
+        return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in paths}
+
+    before = snapshot()
     lines: list[str] = []
-    started = time.monotonic()
     assert prepare_default_model(log=lines.append) == prepared.path
-    assert time.monotonic() - started < 1.0
     assert lines == []
-    assert (prepared.path / MARKER_FILENAME).stat().st_mtime_ns == marker_mtime
+    assert snapshot() == before  # the marker and weights untouched, no temp folder, no lock file created
     assert resolve_model_path(None) == prepared.path
     monkeypatch.chdir(tmp_path)  # no local folder called like the default model
     assert resolve_model_path(DEFAULT_MODEL_NAME) == prepared.path
     assert resolve_model_path(prepared.path) == prepared.path
+    assert snapshot() == before
 
 
 def test_greedy_continuation_matches_gguf_model(prepared: Prepared, converted: tuple[Any, Any]) -> None:
@@ -163,10 +178,10 @@ def test_chat_answer_is_sensible(converted: tuple[Any, Any]) -> None:
 
 
 class FakeConverter:
-    """Writes a tiny 'checkpoint'; can be slowed down or made to crash half-way."""
+    """Writes a tiny 'checkpoint'; can be held half-way (``hold`` returns when it may go on) or made to crash."""
 
-    def __init__(self, delay: float = 0.0, crash: bool = False) -> None:
-        self.delay = delay
+    def __init__(self, hold: Callable[[], object] | None = None, crash: bool = False) -> None:
+        self.hold = hold
         self.crash = crash
         self.calls = 0
         self._lock = threading.Lock()
@@ -175,7 +190,8 @@ class FakeConverter:
         with self._lock:
             self.calls += 1
         (out_dir / "config.json").write_text("{}")
-        time.sleep(self.delay)
+        if self.hold is not None:
+            self.hold()
         if self.crash:
             raise RuntimeError("simulated crash during conversion")
         for name in REQUIRED_FILES:
@@ -190,14 +206,17 @@ def fake_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 def test_concurrent_prepares_convert_once(fake_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeConverter(delay=0.5)
+    lines: list[str] = []  # the log of all three threads
+    waiting = "waiting for another process preparing the default model"
+    # The conversion goes on only once both other threads are blocked on the lock: they really overlap it.
+    fake = FakeConverter(hold=lambda: wait_for(lambda: sum(w.startswith(waiting) for w in lines) == 2, 30))
     monkeypatch.setattr(dm, "_convert_gguf", fake)
     results: list[Path] = []
     errors: list[BaseException] = []
 
     def worker() -> None:
         try:
-            results.append(prepare_default_model(log=lambda _line: None))
+            results.append(prepare_default_model(log=lines.append))
         except BaseException as error:
             errors.append(error)
 
@@ -209,6 +228,7 @@ def test_concurrent_prepares_convert_once(fake_dir: Path, monkeypatch: pytest.Mo
     assert errors == []
     assert results == [fake_dir / DEFAULT_MODEL_NAME] * 3
     assert fake.calls == 1
+    assert sum(w.startswith("default model prepared by another process") for w in lines) == 2
     assert is_prepared(fake_dir / DEFAULT_MODEL_NAME)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -226,8 +225,16 @@ def test_property_random_payloads_never_crash_the_worker(ctx: Ctx, engine: Engin
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-def test_cancel_running_and_waiting_jobs_within_a_second(ctx: Ctx, engine: EngineLike) -> None:
-    with inprocess_worker(ctx, engine, max_num_seqs=4, prefetch=2, step_delay_s=0.02) as worker:
+# Engine steps a cancelled running job may still take once the notice is published: the step under way, the
+# one whose tokens were not yet flushed when the cancel was sent, and slack for the keeper thread's wake-up on
+# a loaded machine. At the test's 0.02 s per step that is well inside the README's "within a second", and far
+# below the steps of a job left running: the key poll is pushed out of reach, so the notice alone can stop it.
+MAX_STEPS_AFTER_CANCEL = 8
+
+
+def test_cancel_notice_stops_running_and_waiting_jobs_within_a_few_steps(ctx: Ctx, engine: EngineLike) -> None:
+    # cancel_poll_s far beyond the test: only the pub/sub notice (worker/keeper.py) can cancel a held job here.
+    with inprocess_worker(ctx, engine, max_num_seqs=4, prefetch=2, step_delay_s=0.02, cancel_poll_s=600) as worker:
         long = dict(max_tokens=900, ignore_eos=True, temperature=0)
         running = [ctx.client.submit(f"long {i}", **long) for i in range(4)]
         waiting = ctx.client.submit("never started", **long)
@@ -237,11 +244,17 @@ def test_cancel_running_and_waiting_jobs_within_a_second(ctx: Ctx, engine: Engin
         with pytest.raises(JobFailed) as err:
             ctx.client.result(waiting, timeout=5)
         assert err.value.code == "cancelled"
-        t0 = time.monotonic()
+        assert [e.type for e in ctx.events(waiting)] == ["error"]
+
+        streamed_before = sum(len(e.token_ids) for e in ctx.events(running[0]) if isinstance(e, TokenEvent))
         ctx.client.cancel(running[0])
         final = ctx.client.result(running[0], timeout=5)
-        assert time.monotonic() - t0 < 1.0, f"cancel took {time.monotonic() - t0:.3f}s"
+        # Its final lands while the jobs beside it are still generating: nothing else had to end first.
+        assert all(ctx.result(j) is None for j in running[1:])
         assert final.choices[0].finish_reason == "cancelled" and final.text
+        steps_after_cancel = len(final.choices[0].token_ids) - streamed_before
+        print(f"running job cancelled {steps_after_cancel} engine steps after the notice")
+        assert 0 <= steps_after_cancel <= MAX_STEPS_AFTER_CANCEL, (streamed_before, len(final.choices[0].token_ids))
         assert final.text == "".join(e.text for e in ctx.events(running[0]) if isinstance(e, TokenEvent))
         # Cancel a job before any worker sees it: it ends with error "cancelled" when read.
         ctx.client.cancel("pre-cancelled")  # cancelled first, so no worker can start it in between
@@ -250,6 +263,12 @@ def test_cancel_running_and_waiting_jobs_within_a_second(ctx: Ctx, engine: Engin
             ctx.client.cancel(job_id)
         with pytest.raises(JobFailed, match="cancelled"):
             ctx.client.result(queued, timeout=10)
+        for job_id in running[1:]:
+            assert ctx.client.result(job_id, timeout=10).choices[0].finish_reason == "cancelled"
+    # With the worker stopped: the terminal is the last event of each cancelled job, no token came after it.
+    for job_id in running:
+        assert [e.type for e in ctx.events(job_id)][-1:] == ["final"]
+        assert len(ctx.terminal_events(job_id)) == 1
 
 
 def test_deadlines_before_and_during_generation(ctx: Ctx, engine: EngineLike) -> None:

@@ -10,12 +10,13 @@ variants of the drain and backpressure tests are marked slow (``pytest -m slow``
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ import pytest
 import redis
 
 from schemas.jobs import FinalEvent
-from schemas.keys import GROUP
+from schemas.keys import GROUP, JOB_FIELD
 from tests.redis_servers import RedisServer, fresh_redis_server, redis_server  # noqa: F401
 from tests.worker_harness import REPO, Ctx, WorkerProcess, job_counts, wait_for
 from worker.client import PagedqClient, Restart
@@ -89,6 +90,35 @@ def stream_text_matches(ctx: Ctx, job_id: str, final: FinalEvent) -> None:
     assert "".join(x for x in tail if isinstance(x, str)) == final.text
 
 
+def freeze(proc: WorkerProcess) -> None:
+    """SIGSTOP the worker process and wait until the kernel reports every one of its threads stopped."""
+    proc.proc.send_signal(signal.SIGSTOP)
+    tasks = Path(f"/proc/{proc.proc.pid}/task")
+
+    def stopped() -> bool:
+        states = []
+        for stat in tasks.glob("*/stat"):
+            with contextlib.suppress(OSError):  # a thread that just ended
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        return bool(states) and all(s in ("T", "t") for s in states)
+
+    wait_for(stopped, 10, 0.001, f"{proc.name} stopped")
+
+
+def mid_generation(ctx: Ctx, consumer: str) -> list[str]:
+    """Jobs whose stream entries ``consumer`` holds that streamed tokens and have no terminal event yet."""
+    out = []
+    for row in ctx.r.xpending_range(ctx.keys.jobs, GROUP, "-", "+", 100, consumername=consumer):
+        entry = ctx.r.xrange(ctx.keys.jobs, row["message_id"], row["message_id"])
+        if not entry:
+            continue
+        job_id = json.loads(entry[0][1][JOB_FIELD])["id"]
+        events = ctx.events(job_id)
+        if events and all(e.type == "token" for e in events):
+            out.append(job_id)
+    return out
+
+
 def test_sigkill_one_of_two_workers_loses_and_duplicates_nothing(ctx: Ctx, workers: Workers) -> None:
     slow = {"step_delay_s": 0.01, "reclaim_idle_s": 1.5}
     a = workers.start("victim", **slow)
@@ -99,8 +129,21 @@ def test_sigkill_one_of_two_workers_loses_and_duplicates_nothing(ctx: Ctx, worke
         [f"job {i}: tell me a story" for i in range(40)], max_tokens=24, ignore_eos=True, temperature=0
     )
     wait_for(lambda: ctx.heartbeats().get("victim", {}).get("running", 0) >= 2, what="victim running jobs")
-    time.sleep(0.3)  # mid-generation
+
+    def frozen_mid_generation() -> list[str] | None:
+        """Stop the victim (SIGSTOP) and keep it stopped if it holds 2+ jobs that streamed tokens but did not
+        end: the moment of the SIGKILL is then pinned mid-generation instead of guessed by a sleep."""
+        freeze(a)
+        if len(mid := mid_generation(ctx, "victim")) >= 2:
+            return mid
+        a.proc.send_signal(signal.SIGCONT)
+        return None
+
+    wait_for(frozen_mid_generation, 60, 0.02, "the victim mid-generation on 2+ jobs")
     a.kill()
+    cut_off = mid_generation(ctx, "victim")  # as the victim left them: partial token streams, no terminal
+    assert len(cut_off) >= 2, cut_off
+    print(f"killed mid-generation of {cut_off}")
     held = {c["name"]: c["pending"] for c in ctx.r.xinfo_consumers(ctx.keys.jobs, GROUP)}
     assert held.get("victim", 0) > 0, held
     for job_id in ids:
@@ -108,6 +151,8 @@ def test_sigkill_one_of_two_workers_loses_and_duplicates_nothing(ctx: Ctx, worke
     finals = assert_exactly_once(ctx, ids)
     taken_over = [f for f in finals.values() if f.attempt > 1]
     assert taken_over and all(f.worker == "survivor" for f in taken_over)
+    # Every job cut off mid-generation was taken over and finished by the survivor (its stream restarts).
+    assert all(finals[j].attempt == 2 and finals[j].worker == "survivor" for j in cut_off), cut_off
     for job_id in ids:
         stream_text_matches(ctx, job_id, finals[job_id])
     assert b.terminate() == 0
@@ -119,21 +164,30 @@ def test_sigterm_drains_running_jobs_and_hands_back_the_rest(ctx: Ctx, workers: 
     a.wait_ready()
     ids = ctx.client.submit_many([f"drain {i}" for i in range(10)], max_tokens=30, ignore_eos=True)
     wait_for(lambda: ctx.heartbeats().get("draining", {}).get("running", 0) == 4, what="4 running")
-    time.sleep(0.2)
-    t0 = time.monotonic()
+    # The running jobs have streamed tokens: the drain must let them finish, not hand them back.
+    streaming = wait_for(lambda: len(s := [j for j in ids if ctx.events(j)]) >= 4 and s, what="4 jobs streaming tokens")
     a.proc.send_signal(signal.SIGTERM)
     b = workers.start("successor")  # starts while the first one drains, and takes the handed-back jobs
     assert a.proc.wait(60) == 0
-    assert time.monotonic() - t0 < 30
     by_a = [j for j in ids if (r := ctx.result(j)) is not None and r.worker == "draining"]
     assert 4 <= len(by_a) < 10, "the running jobs finish, the others are left for other workers"
+    assert set(streaming) <= set(by_a), "a job that had streamed tokens was not finished by the draining worker"
     for job_id in ids:
         ctx.client.result(job_id, timeout=60)
     finals = assert_exactly_once(ctx, ids)
     # Jobs handed back before they produced anything did not use up an attempt.
     assert all(f.attempt == 1 for f in finals.values())
-    lines = [x for x in a.log_lines() if x.get("event") in ("worker.draining", "worker.drained")]
-    assert [x["event"] for x in lines] == ["worker.draining", "worker.drained"]
+    # The drain ended because the jobs it kept were done (all to full length), not because the 60 s grace
+    # period ran out: nothing was abandoned, every job it kept finished between "draining" and "drained".
+    assert all(finals[j].usage.completion_tokens == 30 for j in by_a)
+    lines = a.log_lines()
+    names = [x.get("event") for x in lines]
+    assert "job.abandoned" not in names
+    assert [e for e in names if e in ("worker.draining", "worker.drained")] == ["worker.draining", "worker.drained"]
+    begin, end = names.index("worker.draining"), names.index("worker.drained")
+    finished_in_drain = {x["job_id"] for x in lines[begin:end] if x.get("event") == "job.finished"}
+    assert lines[begin]["running"] == len(finished_in_drain) > 0, lines[begin]
+    assert finished_in_drain <= set(by_a) and "job.finished" not in names[end:]
     assert b.terminate() == 0
 
 
@@ -174,8 +228,10 @@ def test_backpressure_two_workers_share_a_backlog(ctx: Ctx, workers: Workers) ->
     stop = threading.Event()
 
     def watch() -> None:
+        """Samples every worker's pending and unstarted counts (the peaks checked below) until stopped;
+        the interval is the sampling rate, not a wait for anything."""
         r = ctx.server.client()
-        while not stop.is_set():
+        while True:
             try:
                 for c in r.xinfo_consumers(ctx.keys.jobs, GROUP):
                     peak[c["name"]] = max(peak[c["name"]], int(c["pending"]))
@@ -183,7 +239,8 @@ def test_backpressure_two_workers_share_a_backlog(ctx: Ctx, workers: Workers) ->
                     peak[f"{name}.unstarted"] = max(peak[f"{name}.unstarted"], beat["unstarted"])
             except redis.RedisError:
                 pass
-            time.sleep(0.02)
+            if stop.wait(0.02):
+                break
         r.close()
 
     watcher = threading.Thread(target=watch, daemon=True)

@@ -23,6 +23,7 @@ from tests.redis_servers import (  # noqa: F401
     redis_server,
     unique_namespace,
 )
+from tests.worker_harness import wait_for
 from worker.client import AsyncPagedqClient, JobFailed, PagedqClient, Restart
 from worker.embedded_redis import EmbeddedRedis
 from worker.publisher import Outbox, Publisher, Terminal
@@ -128,14 +129,21 @@ def test_dead_only_and_script_reload_after_flush(fx: Fixture) -> None:
 
 def test_reclaim_dead_consumer_but_never_a_live_one(fx: Fixture) -> None:
     ids = [fx.add({"id": f"r{i}", "prompt": "x"}) for i in range(4)]
-    live = Reclaimer(fx.r, fx.keys, "live", reclaim_idle_s=0.3)
-    dead = Reclaimer(fx.r, fx.keys, "dead", reclaim_idle_s=0.3)
-    thief = Reclaimer(fx.r, fx.keys, "thief", reclaim_idle_s=0.3)
+    live = Reclaimer(fx.r, fx.keys, "live", reclaim_idle_s=1.0)
+    dead = Reclaimer(fx.r, fx.keys, "dead", reclaim_idle_s=1.0)
+    thief = Reclaimer(fx.r, fx.keys, "thief", reclaim_idle_s=1.0)
     assert len(live.read_new(2, None)) == 2
     assert len(dead.read_new(2, None)) == 2
-    for _ in range(5):  # the live worker keeps its entries fresh, the dead one does not
-        time.sleep(0.1)
+
+    def live_kept_fresh_dead_gone_idle() -> bool:
+        """The live worker keeps its entries fresh (as its keeper does) until the dead one's entries have
+        been idle past reclaim_idle_s (Redis's own idle clock, XPENDING)."""
         assert live.keep_fresh(ids[:2]) == []
+        rows = fx.r.xpending_range(fx.keys.jobs, GROUP, "-", "+", 10, consumername="dead")
+        return len(rows) == 2 and all(r["time_since_delivered"] > thief.min_idle_ms for r in rows)
+
+    wait_for(live_kept_fresh_dead_gone_idle, 30, 0.05, "the dead consumer's entries to go idle")
+    assert live.keep_fresh(ids[:2]) == []
     claimed = thief.autoclaim(10)
     assert sorted(d.entry_id for d in claimed) == sorted(ids[2:])
     assert all(d.attempt == 2 for d in claimed)
@@ -169,7 +177,10 @@ def test_autoclaim_acks_deleted_entries(fx: Fixture) -> None:
     entry = fx.add({"id": "gone", "prompt": "x"})
     Reclaimer(fx.r, fx.keys, "a", reclaim_idle_s=0.05).read_new(1, None)
     fx.r.xdel(fx.keys.jobs, entry)
-    time.sleep(0.1)
+    wait_for(
+        lambda: fx.r.xpending_range(fx.keys.jobs, GROUP, "-", "+", 1)[0]["time_since_delivered"] > 50,
+        what="the deleted entry to be idle past reclaim_idle_s",
+    )
     assert Reclaimer(fx.r, fx.keys, "b", reclaim_idle_s=0.05).autoclaim(10) == []
     assert fx.r.xpending(fx.keys.jobs, GROUP)["pending"] == 0
 
@@ -184,6 +195,9 @@ def _fake_worker(
 
     def run() -> None:
         for batch in events:
+            # Part of the scenario, not synchronisation: batches arrive spread out over time, as from a
+            # worker, so the client reads them across several blocking reads. What it must yield does not
+            # depend on the timing (the reply stream keeps the order).
             time.sleep(delay)
             outbox = Outbox()
             for e in batch:

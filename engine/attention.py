@@ -81,9 +81,14 @@ class TorchAttention:
         dec = [i for i, n in enumerate(q_lens) if n == 1]
         idx = torch.tensor(dec, dtype=torch.long)
         prefills = [
-            _Prefill(slice(starts[i], starts[i] + q_lens[i]), meta.block_tables[i], seq_lens[i],
-                     _chunk_mask(q_lens[i], seq_lens[i], meta.block_tables.device))
-            for i, n in enumerate(q_lens) if n > 1
+            _Prefill(
+                slice(starts[i], starts[i] + q_lens[i]),
+                meta.block_tables[i],
+                seq_lens[i],
+                _chunk_mask(q_lens[i], seq_lens[i], meta.block_tables.device),
+            )
+            for i, n in enumerate(q_lens)
+            if n > 1
         ]
         pre = torch.tensor([i for i, n in enumerate(q_lens) if n > 1], dtype=torch.long)
         batch = None
@@ -185,7 +190,12 @@ def _prefill_torch(
     v = _context(v_cache, blocks)[:, : p.seq_len]
     # 4-D inputs: with 3-D ones torch's CPU SDPA takes the slow "math" path instead of flash (3-4x).
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k[None], v[None], attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
+        q.transpose(0, 1)[None],
+        k[None],
+        v[None],
+        attn_mask=p.mask,
+        is_causal=p.mask is None,
+        scale=scale,
         enable_gqa=q.shape[1] != k.shape[0],
     )
     return out[0].transpose(0, 1)

@@ -26,8 +26,9 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model_fn: ModelFn, device: torch.device, max_num_seqs: int, max_model_len: int,
-                 block_size: int) -> None:
+    def __init__(
+        self, model_fn: ModelFn, device: torch.device, max_num_seqs: int, max_model_len: int, block_size: int
+    ) -> None:
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         n = self.sizes[-1]

@@ -80,9 +80,7 @@ class IncrementalDetokenizer:
         return self._release(self._decode_new(final=True), final=True)
 
     def _decode(self, ids: list[int]) -> str:
-        text = self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
-        )
+        text = self._tokenizer.decode(ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False)
         assert isinstance(text, str)  # a flat id list decodes to one string
         return text
 

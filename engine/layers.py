@@ -45,9 +45,7 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
-        self.bias: nn.Parameter | None = (
-            _empty_param(out_features, dtype=dtype, device=device) if bias else None
-        )
+        self.bias: nn.Parameter | None = _empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.packed: cpu_linear.PackedWeight | None = None
 
     def prepack(self) -> bool:
@@ -72,9 +70,7 @@ class Linear(nn.Module):
 class VocabEmbedding(nn.Module):
     """Token embedding table; also serves as the lm_head weight when embeddings are tied."""
 
-    def __init__(
-        self, num_embeddings: int, dim: int, dtype: torch.dtype, device: torch.device | None = None
-    ) -> None:
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
         super().__init__()
         self.weight = _empty_param(num_embeddings, dim, dtype=dtype, device=device)
 
@@ -89,9 +85,7 @@ class RMSNorm(nn.Module):
     norm, which is why decoder layers carry the residual separately instead of adding it eagerly.
     """
 
-    def __init__(
-        self, size: int, eps: float, ops: Ops, dtype: torch.dtype, device: torch.device | None = None
-    ) -> None:
+    def __init__(self, size: int, eps: float, ops: Ops, dtype: torch.dtype, device: torch.device | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.ops = ops
@@ -177,7 +171,5 @@ class RotaryEmbedding(nn.Module):
         # transformers does, so bf16 models see the same rounded values.
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache)

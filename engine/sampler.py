@@ -51,9 +51,7 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def make_generator(
-    seed: int | None, index: int = 0, device: torch.device | str = "cpu"
-) -> torch.Generator | None:
+def make_generator(seed: int | None, index: int = 0, device: torch.device | str = "cpu") -> torch.Generator | None:
     """The generator for sample ``index`` of a request with ``seed``; None for unseeded requests.
 
     Sample 0 uses ``seed`` itself, so an ``n=1`` request matches plain ``torch.manual_seed(seed)``
@@ -252,9 +250,7 @@ class Sampler:
         return out
 
     @staticmethod
-    def _logprobs(
-        raw: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]
-    ) -> list[TokenLogprobs | None]:
+    def _logprobs(raw: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]) -> list[TokenLogprobs | None]:
         """Sampled-token logprob and top-N alternatives from ``log_softmax`` of the raw logits."""
         result: list[TokenLogprobs | None] = [None] * len(rows)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]

@@ -38,6 +38,13 @@ class TritonAttention:
         """``q [N, H, D]``, ``k, v [N, KVH, D]`` -> ``[N, H, D]``; caches are updated in place."""
         write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_triton(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale, meta.max_query_len, meta.max_seq_len,
+            q,
+            k_cache,
+            v_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            meta.max_query_len,
+            meta.max_seq_len,
         )

@@ -46,7 +46,13 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out2 = out.view(-1, inter)
     block = min(BLOCK, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-        out2, x2, x2.stride(0), out2.stride(0), inter, BLOCK=block, num_warps=4,
+        out2,
+        x2,
+        x2.stride(0),
+        out2.stride(0),
+        inter,
+        BLOCK=block,
+        num_warps=4,
     )
     return out
 

@@ -18,12 +18,48 @@ _NAME = "cpu_attention"
 def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
-                   i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [
+        ptr,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     fn.restype = None
     fn = lib.paged_prefill_attention_f32
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
-                   i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [
+        ptr,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
     fn.restype = None
     lib.paged_prefill_attention_supported.argtypes = [i64]
     lib.paged_prefill_attention_supported.restype = ctypes.c_int
@@ -60,11 +96,24 @@ def paged_decode_attention(
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     del num_blocks
     lib.paged_decode_attention_f32(
-        q.data_ptr(), q.stride(0), q.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        rows.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
-        rows.shape[0], block_tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size,
-        scale, int(cascade), torch.get_num_threads(),
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        rows.data_ptr(),
+        seq_lens.data_ptr(),
+        block_tables.data_ptr(),
+        rows.shape[0],
+        block_tables.shape[1],
+        q.shape[1],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        int(cascade),
+        torch.get_num_threads(),
     )
 
 
@@ -78,10 +127,18 @@ def cascade_blocks(seq_lens: torch.Tensor, block_tables: torch.Tensor, k_cache: 
     if lib is None:
         return 0
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    return int(lib.decode_cascade_blocks(
-        seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0], block_tables.shape[1], block_size,
-        num_heads, num_kv_heads, head_dim,
-    ))
+    return int(
+        lib.decode_cascade_blocks(
+            seq_lens.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.shape[0],
+            block_tables.shape[1],
+            block_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+    )
 
 
 def prefill_supported(head_dim: int) -> bool:
@@ -111,9 +168,22 @@ def paged_prefill_attention(
     assert lib is not None and prefill_supported(q.shape[-1]), "call prefill_supported() first"
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     lib.paged_prefill_attention_f32(
-        q.data_ptr(), q.stride(0), q.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        q_starts.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
-        q_starts.shape[0], block_tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size,
-        scale, torch.get_num_threads(),
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        q_starts.data_ptr(),
+        q_lens.data_ptr(),
+        seq_lens.data_ptr(),
+        block_tables.data_ptr(),
+        q_starts.shape[0],
+        block_tables.shape[1],
+        q.shape[1],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
     )

@@ -148,7 +148,16 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
         lib = c_build.load("cpu_gemm", _bind)  # loaded when the weight was packed: a dict lookup here
         assert lib is not None, "panel-packed weight without its kernel"
         lib.gemm_panels_f32(
-            x2.data_ptr(), x2.stride(0), packed.data.data_ptr(), bias.data_ptr() if bias is not None else None,
-            out.data_ptr(), n, m, n, k, int(packed.glu), torch.get_num_threads(),
+            x2.data_ptr(),
+            x2.stride(0),
+            packed.data.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            out.data_ptr(),
+            n,
+            m,
+            n,
+            k,
+            int(packed.glu),
+            torch.get_num_threads(),
         )
     return out.view(*x.shape[:-1], n)

@@ -60,8 +60,16 @@ def rms_norm_cpu(
     out = torch.empty((n, h), dtype=x.dtype)
     res_out = torch.empty((n, h), dtype=x.dtype) if residual is not None else None
     lib.rms_norm_f32(
-        x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
-        out.data_ptr(), res_out.data_ptr() if res_out is not None else None, n, h, eps, torch.get_num_threads(),
+        x.data_ptr(),
+        x.stride(0),
+        residual.data_ptr() if residual is not None else None,
+        weight.data_ptr(),
+        out.data_ptr(),
+        res_out.data_ptr() if res_out is not None else None,
+        n,
+        h,
+        eps,
+        torch.get_num_threads(),
     )
     return out, res_out
 
@@ -90,8 +98,19 @@ def rotary_embedding_cpu(
     assert lib is not None
     n, nh, d = q.shape
     lib.rotary_neox_f32(
-        q.data_ptr(), q.stride(0), q.stride(1), nh, k.data_ptr(), k.stride(0), k.stride(1), k.shape[1],
-        positions.data_ptr(), cos_sin_cache.data_ptr(), n, d, torch.get_num_threads(),
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        nh,
+        k.data_ptr(),
+        k.stride(0),
+        k.stride(1),
+        k.shape[1],
+        positions.data_ptr(),
+        cos_sin_cache.data_ptr(),
+        n,
+        d,
+        torch.get_num_threads(),
     )
     return q, k
 

@@ -71,8 +71,7 @@ def write_kv_cache_triton(
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(
-            f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match {num_tokens} slots and cache "
-            f"{tuple(k_cache.shape)}"
+            f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match {num_tokens} slots and cache {tuple(k_cache.shape)}"
         )
     if v_cache.shape != k_cache.shape or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must have one shape and a contiguous head_dim")
@@ -81,12 +80,26 @@ def write_kv_cache_triton(
     if v.stride(-1) != 1:
         v = v.contiguous()
     _write_kv_cache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping.contiguous(),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        KV_HEADS_P2=triton.next_power_of_2(num_kv_heads), HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping.contiguous(),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        BLOCK_SIZE=block_size,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        KV_HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_P2=triton.next_power_of_2(head_dim),
         num_warps=4,
     )
 

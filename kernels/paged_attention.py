@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 
 
-def gather_context(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> torch.Tensor:
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first ``seq_len`` cached tokens of one sequence as ``[seq_len, KVH, D]`` (a copy)."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size

@@ -257,9 +257,7 @@ def _dot_in_fp32(kernel: object, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and type(kernel).__name__ == "InterpretedFunction"
 
 
-def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int
-) -> int:
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int) -> int:
     """How many chunks to split each context into (1 = the plain single-pass kernel).
 
     Split only decode-only steps (every sequence has one query row): prefill already has many
@@ -307,9 +305,7 @@ def paged_attention_triton(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit q {tuple(q.shape)}"
-        )
+        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -339,9 +335,7 @@ def paged_attention_triton(
     split_kv = num_splits > 1
 
     if split_kv:
-        part_acc = torch.empty(
-            (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
-        )
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
     else:  # never touched; any tensor keeps the signature uniform
@@ -349,27 +343,63 @@ def paged_attention_triton(
 
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        out, part_acc, part_max, part_sum,
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        float(scale) * LOG2_E, num_seqs, split_size,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        float(scale) * LOG2_E,
+        num_seqs,
+        split_size,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-        part_max.stride(0), part_max.stride(1),
-        BLOCK_SIZE=block_size, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=TILE_N,
-        HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, SPLIT_KV=split_kv, DOT_PRECISION=dot_precision,
+        part_acc.stride(0),
+        part_acc.stride(1),
+        part_acc.stride(2),
+        part_max.stride(0),
+        part_max.stride(1),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=TILE_N,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=head_dim_p2,
+        SPLIT_KV=split_kv,
+        DOT_PRECISION=dot_precision,
         DOT_FP32=dot_fp32,
         num_warps=4,
     )
     if split_kv:
         _split_kv_reduce_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_max, part_sum, num_splits,
-            out.stride(0), out.stride(1),
-            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-            part_max.stride(0), part_max.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            part_acc.stride(0),
+            part_acc.stride(1),
+            part_acc.stride(2),
+            part_max.stride(0),
+            part_max.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P2=head_dim_p2,
             SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
             num_warps=4,
         )

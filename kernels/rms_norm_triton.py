@@ -81,10 +81,20 @@ def rms_norm_triton(
     block = triton.next_power_of_2(hidden)
     num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     _rms_norm_kernel[(x2.shape[0],)](
-        out2, ro2, x2, r2, weight.contiguous(),
-        x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
-        hidden, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+        out2,
+        ro2,
+        x2,
+        r2,
+        weight.contiguous(),
+        x2.stride(0),
+        r2.stride(0),
+        out2.stride(0),
+        ro2.stride(0),
+        hidden,
+        float(eps),
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=num_warps,
     )
     return out, new_residual
 

@@ -71,12 +71,28 @@ def _rotary_kernel(
     cos = tl.load(row + d, mask=d_mask, other=0.0).to(act_ty).to(tl.float32)
     sin = tl.load(row + HALF + d, mask=d_mask, other=0.0).to(act_ty).to(tl.float32)
     _rotate_heads(
-        q_ptr + token * stride_qt, q_out_ptr + token * stride_qot, stride_qh, stride_qoh,
-        cos, sin, NUM_HEADS, HEADS_P2, HALF, HALF_P2,
+        q_ptr + token * stride_qt,
+        q_out_ptr + token * stride_qot,
+        stride_qh,
+        stride_qoh,
+        cos,
+        sin,
+        NUM_HEADS,
+        HEADS_P2,
+        HALF,
+        HALF_P2,
     )
     _rotate_heads(
-        k_ptr + token * stride_kt, k_out_ptr + token * stride_kot, stride_kh, stride_koh,
-        cos, sin, NUM_KV_HEADS, KV_HEADS_P2, HALF, HALF_P2,
+        k_ptr + token * stride_kt,
+        k_out_ptr + token * stride_kot,
+        stride_kh,
+        stride_koh,
+        cos,
+        sin,
+        NUM_KV_HEADS,
+        KV_HEADS_P2,
+        HALF,
+        HALF_P2,
     )
 
 
@@ -87,13 +103,9 @@ def rotary_embedding_triton(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if k.shape != (num_tokens, num_kv_heads, head_dim) or positions.shape != (num_tokens,):
-        raise ValueError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)} disagree"
-        )
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)} disagree")
     if cos_sin_cache.shape[-1] != head_dim or head_dim % 2:
-        raise ValueError(
-            f"cos_sin_cache rot_dim {cos_sin_cache.shape[-1]} must equal the (even) head_dim {head_dim}"
-        )
+        raise ValueError(f"cos_sin_cache rot_dim {cos_sin_cache.shape[-1]} must equal the (even) head_dim {head_dim}")
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=k.dtype, device=k.device)
     if num_tokens == 0:
@@ -103,13 +115,27 @@ def rotary_embedding_triton(
     cos_sin_cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
-        q_out, k_out, q, k, positions.contiguous(), cos_sin_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        q_out,
+        k_out,
+        q,
+        k,
+        positions.contiguous(),
+        cos_sin_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
         cos_sin_cache.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        HEADS_P2=triton.next_power_of_2(num_heads), KV_HEADS_P2=triton.next_power_of_2(num_kv_heads),
-        HALF=half, HALF_P2=triton.next_power_of_2(half),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_P2=triton.next_power_of_2(num_heads),
+        KV_HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        HALF=half,
+        HALF_P2=triton.next_power_of_2(half),
         num_warps=4,
     )
     return q_out, k_out

@@ -18,12 +18,19 @@ from pathlib import Path
 
 # name -> (help, module, add-arguments function, run function)
 _COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "submit": ("submit one prompt or chat message and stream its tokens", "ops.queue_commands",
-               "add_submit_arguments", "run_submit"),
-    "batch": ("process an OpenAI Batch JSONL file (through the queue or --local)", "ops.batch",
-              "add_arguments", "run"),
-    "status": ("queues: backlog, pending, consumers, dead letters, live workers", "ops.queue_commands",
-               "add_status_arguments", "run_status"),
+    "submit": (
+        "submit one prompt or chat message and stream its tokens",
+        "ops.queue_commands",
+        "add_submit_arguments",
+        "run_submit",
+    ),
+    "batch": ("process an OpenAI Batch JSONL file (through the queue or --local)", "ops.batch", "add_arguments", "run"),
+    "status": (
+        "queues: backlog, pending, consumers, dead letters, live workers",
+        "ops.queue_commands",
+        "add_status_arguments",
+        "run_status",
+    ),
     "dead": ("list or replay dead letters", "ops.queue_commands", "add_dead_arguments", "run_dead"),
     "bench": ("benchmark pagedq against its peers, side by side", "ops.bench", "add_arguments", "run"),
 }

@@ -19,8 +19,17 @@ from typing import Any
 
 
 def _kernel_tests(out: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
-           "tests/test_triton_engine.py", f"--junitxml={out / 'kernels.xml'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_kernels.py",
+        "tests/test_triton_engine.py",
+        f"--junitxml={out / 'kernels.xml'}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
     return {"ok": proc.returncode == 0, "returncode": proc.returncode, "tail": tail}
@@ -37,12 +46,22 @@ def _parity(out: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
-        make_tiny_checkpoint(path, "llama_gqa", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                             num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+        make_tiny_checkpoint(
+            path,
+            "llama_gqa",
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+        )
         make_tokenizer(path)
         gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(1, 500, (int(n),), generator=gen).tolist()
-                   for n in torch.randint(5, 300, (24,), generator=gen)]
+        prompts = [
+            torch.randint(1, 500, (int(n),), generator=gen).tolist()
+            for n in torch.randint(5, 300, (24,), generator=gen)
+        ]
         new_tokens = 32
         hf: Any = make_hf_model(path)
         hf = hf.to(device="cuda", dtype=torch.bfloat16)
@@ -50,9 +69,15 @@ def _parity(out: Path) -> dict[str, Any]:
         with torch.inference_mode():
             for p in prompts:
                 x = torch.tensor([p], device="cuda")
-                y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-                refs.append(y[0, len(p):].tolist())
+                y = hf.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+                refs.append(y[0, len(p) :].tolist())
         outputs = {}
         for graphs in (True, False):
             t0 = time.perf_counter()
@@ -64,8 +89,11 @@ def _parity(out: Path) -> dict[str, Any]:
             first8 = sum(a[:8] == b[:8] for a, b in zip(toks, refs, strict=True))
             stats = llm.stats()
             results[f"cuda_graphs_{'on' if graphs else 'off'}"] = {
-                "prompts": len(prompts), "identical_to_transformers": exact, "first_8_identical": first8,
-                "seconds": round(time.perf_counter() - t0, 2), "graphs_captured": llm.engine.runner.graphs is not None,
+                "prompts": len(prompts),
+                "identical_to_transformers": exact,
+                "first_8_identical": first8,
+                "seconds": round(time.perf_counter() - t0, 2),
+                "graphs_captured": llm.engine.runner.graphs is not None,
                 "no_leak": stats.num_free_blocks == stats.num_total_blocks,
             }
             del llm
@@ -75,9 +103,14 @@ def _parity(out: Path) -> dict[str, Any]:
     # bf16 rounding differs between kernels, so a near-tie may flip late in a sequence; the first
     # tokens and most whole sequences must agree, and graphs must not change anything.
     results["ok"] = bool(
-        results["graphs_on_equals_off"] and on["graphs_captured"]
-        and all(r["first_8_identical"] == r["prompts"] and r["identical_to_transformers"] >= 0.75 * r["prompts"]
-                and r["no_leak"] for r in (on, off))
+        results["graphs_on_equals_off"]
+        and on["graphs_captured"]
+        and all(
+            r["first_8_identical"] == r["prompts"]
+            and r["identical_to_transformers"] >= 0.75 * r["prompts"]
+            and r["no_leak"]
+            for r in (on, off)
+        )
     )
     return results
 

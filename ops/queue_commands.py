@@ -37,8 +37,12 @@ from worker.settings import Settings, SettingsError, load_settings
 
 def add_connection_arguments(parser: argparse.ArgumentParser, *, queue_help: str | None = None) -> None:
     """``--redis-url``, ``--namespace`` and ``--queue``; unset ones come from ``PAGEDQ_*`` then defaults."""
-    parser.add_argument("--redis-url", default=None, help="redis://, rediss:// or unix:// URL "
-                        "(default: $PAGEDQ_REDIS_URL, else the embedded Redis of the default data folder)")
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="redis://, rediss:// or unix:// URL "
+        "(default: $PAGEDQ_REDIS_URL, else the embedded Redis of the default data folder)",
+    )
     parser.add_argument("--namespace", default=None, help="key prefix (default: $PAGEDQ_NAMESPACE or pagedq)")
     parser.add_argument("--queue", default=None, help=queue_help or "queue name (default: $PAGEDQ_QUEUE or default)")
 
@@ -135,8 +139,19 @@ def _submit_fields(args: argparse.Namespace) -> dict[str, Any]:
         fields["messages"] = [*messages, {"role": "user", "content": args.prompt}]
     else:
         fields["prompt"] = args.prompt
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "priority",
-                 "timeout_s", "id"):
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "n",
+        "priority",
+        "timeout_s",
+        "id",
+    ):
         value = getattr(args, name)
         if value is not None:
             fields[name] = value
@@ -249,20 +264,28 @@ def _queues(r: redis.Redis, namespace: str) -> list[str]:
     for kind in ("jobs", "dead"):
         prefix = f"{namespace}:{kind}:"
         for key in r.scan_iter(match=prefix + "*", count=1000):
-            name = key[len(prefix):]
+            name = key[len(prefix) :]
             if ":" not in name:
                 found.add(name)
     prefix = f"{namespace}:worker:"
     for key in r.scan_iter(match=prefix + "*", count=1000):
-        found.add(key[len(prefix):].split(":", 1)[0])
+        found.add(key[len(prefix) :].split(":", 1)[0])
     return sorted(found)
 
 
 def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     """One queue's numbers, straight from Redis (works whether or not any worker is alive)."""
     now_ms = time.time() * 1000
-    status: dict[str, Any] = {"queue": keys.queue, "stream": keys.jobs, "backlog": 0, "pending": 0, "lag": None,
-                              "consumers": [], "dead_letters": 0, "workers": []}
+    status: dict[str, Any] = {
+        "queue": keys.queue,
+        "stream": keys.jobs,
+        "backlog": 0,
+        "pending": 0,
+        "lag": None,
+        "consumers": [],
+        "dead_letters": 0,
+        "workers": [],
+    }
     if r.exists(keys.jobs):
         status["backlog"] = int(r.xlen(keys.jobs))
         try:
@@ -271,8 +294,12 @@ def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             lag = groups.get(GROUP, {}).get("lag")  # Redis >= 7: entries never delivered to the group
             status["lag"] = None if lag is None else int(lag)
             status["consumers"] = [
-                {"name": c["name"], "pending": int(c["pending"]), "idle_ms": int(c["idle"]),
-                 "inactive_ms": None if c.get("inactive") in (None, -1) else int(c["inactive"])}
+                {
+                    "name": c["name"],
+                    "pending": int(c["pending"]),
+                    "idle_ms": int(c["idle"]),
+                    "inactive_ms": None if c.get("inactive") in (None, -1) else int(c["inactive"]),
+                }
                 for c in r.xinfo_consumers(keys.jobs, GROUP)
             ]
         except redis.ResponseError as exc:
@@ -290,12 +317,26 @@ def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             beat = {}
         name = key.rsplit(":", 1)[-1]
         ts = beat.get("ts")
-        workers.append({
-            "name": name,
-            **{k: beat.get(k) for k in ("state", "model", "running", "waiting", "unstarted", "in_flight",
-                                        "kv_cache_usage", "jobs_final", "jobs_error")},
-            "last_seen_ms": None if not isinstance(ts, (int, float)) else max(0.0, now_ms - ts * 1000),
-        })
+        workers.append(
+            {
+                "name": name,
+                **{
+                    k: beat.get(k)
+                    for k in (
+                        "state",
+                        "model",
+                        "running",
+                        "waiting",
+                        "unstarted",
+                        "in_flight",
+                        "kv_cache_usage",
+                        "jobs_final",
+                        "jobs_error",
+                    )
+                },
+                "last_seen_ms": None if not isinstance(ts, (int, float)) else max(0.0, now_ms - ts * 1000),
+            }
+        )
     status["workers"] = workers
     return status
 
@@ -344,11 +385,19 @@ def _format_status(namespace: str, st: dict[str, Any]) -> list[str]:
         rows = [["NAME", "STATE", "RUNNING", "WAITING", "IN FLIGHT", "KV USED", "DONE", "FAILED", "LAST SEEN"]]
         for w in st["workers"]:
             kv = w.get("kv_cache_usage")
-            rows.append([
-                w["name"], str(w.get("state") or "?"), str(w.get("running", "?")), str(w.get("waiting", "?")),
-                str(w.get("in_flight", "?")), f"{kv:.0%}" if isinstance(kv, (int, float)) else "?",
-                str(w.get("jobs_final", "?")), str(w.get("jobs_error", "?")), _ago(w["last_seen_ms"]) + " ago",
-            ])
+            rows.append(
+                [
+                    w["name"],
+                    str(w.get("state") or "?"),
+                    str(w.get("running", "?")),
+                    str(w.get("waiting", "?")),
+                    str(w.get("in_flight", "?")),
+                    f"{kv:.0%}" if isinstance(kv, (int, float)) else "?",
+                    str(w.get("jobs_final", "?")),
+                    str(w.get("jobs_error", "?")),
+                    _ago(w["last_seen_ms"]) + " ago",
+                ]
+            )
         lines += _table(rows)
     else:
         lines.append("  live workers  none")
@@ -361,16 +410,18 @@ def _format_status(namespace: str, st: dict[str, Any]) -> list[str]:
 def add_dead_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Dead letters of a queue: invalid jobs and jobs out of attempts."
     sub = parser.add_subparsers(dest="dead_command", required=True, metavar="{list,replay}")
-    p = sub.add_parser("list", help="show dead letters, oldest first",
-                       description="Show the dead letters of a queue, oldest first.")
+    p = sub.add_parser(
+        "list", help="show dead letters, oldest first", description="Show the dead letters of a queue, oldest first."
+    )
     add_connection_arguments(p)
     p.add_argument("--count", type=int, default=20, help="show at most this many (default 20; 0: all)")
     p.add_argument("--json", action="store_true", help="one JSON object per dead letter, with the raw job")
     p = sub.add_parser(
-        "replay", help="re-queue dead letters",
+        "replay",
+        help="re-queue dead letters",
         description="Re-queue dead letters as new jobs: their stored error result and reply stream are "
-                    "deleted first (otherwise the job id's result would make workers skip them), then "
-                    "the raw job is added to the jobs stream and the dead letter removed (--keep keeps it).",
+        "deleted first (otherwise the job id's result would make workers skip them), then "
+        "the raw job is added to the jobs stream and the dead letter removed (--keep keeps it).",
     )
     add_connection_arguments(p)
     p.add_argument("entries", nargs="*", help="dead-letter entry ids (as `dead list` shows them)")
@@ -438,8 +489,9 @@ def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
         pipe = r.pipeline(transaction=True)
         target = salvage_reply_target(d.job, 1 << 30)
         if target is None:
-            print(f"warning: {entry_id} has no valid job id; it will be dead-lettered again unless fixed",
-                  file=sys.stderr)
+            print(
+                f"warning: {entry_id} has no valid job id; it will be dead-lettered again unless fixed", file=sys.stderr
+            )
         else:
             job_id, reply_to = target
             # The dead-lettered error is stored as the job's result: left there, workers would treat the

@@ -34,13 +34,25 @@ ENGINE_FLAGS = [
 
 
 def chat(cid: str, content: Any, **body: Any) -> str:
-    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-                       "body": {"model": "tiny", "messages": [{"role": "user", "content": content}], **body}})
+    return json.dumps(
+        {
+            "custom_id": cid,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": content}], **body},
+        }
+    )
 
 
 def completion(cid: str, prompt: Any, **body: Any) -> str:
-    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",
-                       "body": {"model": "tiny", "prompt": prompt, **body}})
+    return json.dumps(
+        {
+            "custom_id": cid,
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": prompt, **body},
+        }
+    )
 
 
 @dataclass
@@ -73,7 +85,7 @@ def make_batch_file(path: Path, n: int = 200) -> BatchFile:
         max_tokens = rng.randint(3, 10)
         if i % 17 == 5:
             lines.append(bad[(i // 17) % len(bad)](cid))
-            raw = json.loads(lines[-1]) if lines[-1].startswith("{\"") else {}
+            raw = json.loads(lines[-1]) if lines[-1].startswith('{"') else {}
             malformed[i + 1] = raw.get("custom_id") if isinstance(raw, dict) else None
             continue
         sampled = i % 23 == 3
@@ -134,9 +146,24 @@ def _parse(raw: str) -> BatchLine:
 
 
 def test_chat_and_completion_lines_map_to_jobs() -> None:
-    line = _parse(chat("a", [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
-                       max_tokens=5, max_completion_tokens=7, temperature=0, logprobs=True, top_logprobs=3,
-                       stop="END", seed=1, top_k=5, min_p=0.1, repetition_penalty=1.1, user="u", n=2))
+    line = _parse(
+        chat(
+            "a",
+            [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
+            max_tokens=5,
+            max_completion_tokens=7,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+            stop="END",
+            seed=1,
+            top_k=5,
+            min_p=0.1,
+            repetition_penalty=1.1,
+            user="u",
+            n=2,
+        )
+    )
     job = line.job
     assert line.kind == "chat" and line.model == "tiny" and line.custom_id == "a"
     assert job.messages is not None and job.messages[0].content == "Hi\nthere"
@@ -184,13 +211,19 @@ def test_bad_lines_are_rejected_with_a_reason(raw: str, needle: str, custom_id: 
 
 
 def _final(logprobs: bool) -> FinalEvent:
-    lps = [Logprob(token_id=5, logprob=-0.5, top=[TopLogprob(token_id=5, logprob=-0.5),
-                                                   TopLogprob(token_id=6, logprob=-1.5)]),
-           Logprob(token_id=7, logprob=-0.1, top=[])]
+    lps = [
+        Logprob(
+            token_id=5, logprob=-0.5, top=[TopLogprob(token_id=5, logprob=-0.5), TopLogprob(token_id=6, logprob=-1.5)]
+        ),
+        Logprob(token_id=7, logprob=-0.1, top=[]),
+    ]
     return FinalEvent(
-        id="j1", attempt=1, worker="w",
-        choices=[Choice(index=0, text="ab", token_ids=[5, 7], finish_reason="stop",
-                        logprobs=lps if logprobs else None)],
+        id="j1",
+        attempt=1,
+        worker="w",
+        choices=[
+            Choice(index=0, text="ab", token_ids=[5, 7], finish_reason="stop", logprobs=lps if logprobs else None)
+        ],
         usage=Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1),
         timings=Timings(queued_s=0, total_s=0.1),
     )
@@ -205,11 +238,19 @@ def test_response_bodies_are_openai_shaped() -> None:
     first = choice["logprobs"]["content"][0]
     assert first["token"] == "a" and first["logprob"] == -0.5 and first["bytes"] == [97]
     assert [t["token"] for t in first["top_logprobs"]] == ["a", "c"]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
-                             "prompt_tokens_details": {"cached_tokens": 1}}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
 
-    line = parse_line(json.dumps({"custom_id": "y", "url": "/v1/completions", "body": {"prompt": "p"}}), 1,
-                      run_key="k", default_max_tokens=4)
+    line = parse_line(
+        json.dumps({"custom_id": "y", "url": "/v1/completions", "body": {"prompt": "p"}}),
+        1,
+        run_key="k",
+        default_max_tokens=4,
+    )
     body = response_body(line, _final(True), "served", batch.token_id_text)
     assert body["object"] == "text_completion" and body["model"] == "served"
     lp = body["choices"][0]["logprobs"]
@@ -280,8 +321,9 @@ def local_output(batch_file: BatchFile, model_dir: Path, tmp_path_factory: pytes
     """The whole file through ``--local`` (in this process), once for the module."""
     out = tmp_path_factory.mktemp("local") / "local.jsonl"
     started = time.monotonic()
-    code = batch.main([str(batch_file.path), str(out), "--local", "--model", str(model_dir), *ENGINE_FLAGS,
-                       "--progress", "none"])
+    code = batch.main(
+        [str(batch_file.path), str(out), "--local", "--model", str(model_dir), *ENGINE_FLAGS, "--progress", "none"]
+    )
     print(f"--local batch of 200 lines: {time.monotonic() - started:.1f}s")
     assert code == 0
     return out
@@ -320,8 +362,9 @@ def test_local_batch_resumes_from_a_partial_output(
     out = tmp_path / "partial.jsonl"
     kept = local_output.read_text().splitlines()[:50]
     out.write_text("\n".join(kept) + "\n")
-    code = batch.main([str(batch_file.path), str(out), "--local", "--model", str(model_dir), *ENGINE_FLAGS,
-                       "--progress", "none"])
+    code = batch.main(
+        [str(batch_file.path), str(out), "--local", "--model", str(model_dir), *ENGINE_FLAGS, "--progress", "none"]
+    )
     assert code == 0
     check_complete(batch_file, out)
     assert out.read_text().splitlines()[:50] == kept  # what was there is kept as is
@@ -353,10 +396,23 @@ def queue(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def run_batch(ctx: Ctx, batch_file: BatchFile, out: Path, model_dir: Path, *extra: str) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "ops.batch", str(batch_file.path), str(out), "--redis-url", ctx.server.url,
-            "--namespace", ctx.ns, "--tokenizer", str(model_dir), *extra]
-    return subprocess.Popen(argv, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "ops.batch",
+        str(batch_file.path),
+        str(out),
+        "--redis-url",
+        ctx.server.url,
+        "--namespace",
+        ctx.ns,
+        "--tokenizer",
+        str(model_dir),
+        *extra,
+    ]
+    return subprocess.Popen(
+        argv, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def test_two_workers_give_the_same_output_as_local(

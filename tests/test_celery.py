@@ -61,13 +61,28 @@ def celery_worker(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "PAGEDQ_KV_CACHE_BYTES": str(ENGINE_KW["kv_cache_bytes"]),
     })  # fmt: skip
     log_path = tmp / "celery.log"
-    cmd = [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool", "threads",
-           "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
-           "--hostname", "pagedq-test@%h"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "worker.celery_app",
+        "worker",
+        "--pool",
+        "threads",
+        "--loglevel",
+        "INFO",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+        "--hostname",
+        "pagedq-test@%h",
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     worker = CeleryWorker(proc, log_path, client_app(server.url))
     try:
+
         def ready() -> bool:
             assert proc.poll() is None, f"celery worker exited early:\n{worker.log()[-5000:]}"
             return " ready." in worker.log()
@@ -101,12 +116,12 @@ def expected_finals(model_dir: Path) -> list[dict[str, Any]]:
         return [h.result(120).model_dump() for h in handles]
 
 
-def test_twenty_concurrent_tasks_run_batched_with_correct_results(
-    celery_worker: CeleryWorker, model_dir: Path
-) -> None:
+def test_twenty_concurrent_tasks_run_batched_with_correct_results(celery_worker: CeleryWorker, model_dir: Path) -> None:
     app = celery_worker.client
-    results = [app.send_task("pagedq.generate", kwargs={**p, "temperature": 0, "metadata": {"i": i}})
-               for i, p in enumerate(PROMPTS)]
+    results = [
+        app.send_task("pagedq.generate", kwargs={**p, "temperature": 0, "metadata": {"i": i}})
+        for i, p in enumerate(PROMPTS)
+    ]
     events = [r.get(timeout=240) for r in results]
     for i, (event, want, sent) in enumerate(zip(events, expected_finals(model_dir), results, strict=True)):
         assert event["type"] == "final", event
@@ -149,12 +164,14 @@ def test_pickled_messages_are_refused(celery_worker: CeleryWorker) -> None:
     assert worker_app.conf.accept_content == ["json"] and worker_app.conf.result_accept_content == ["json"]
     producer = client_app(celery_worker.client.conf.broker_url, "pickle")
     try:
-        pickled = producer.send_task("pagedq.generate", kwargs={"prompt": "p", "max_tokens": 2},
-                                     serializer="pickle")
+        pickled = producer.send_task("pagedq.generate", kwargs={"prompt": "p", "max_tokens": 2}, serializer="pickle")
         plain = producer.send_task("pagedq.generate", kwargs={"prompt": "j", "max_tokens": 2})
         assert plain.get(timeout=120)["type"] == "final"
-        wait_for(lambda: "Refusing to deserialize untrusted content of type pickle" in celery_worker.log(),
-                 timeout=60, what="the worker to refuse the pickled message")
+        wait_for(
+            lambda: "Refusing to deserialize untrusted content of type pickle" in celery_worker.log(),
+            timeout=60,
+            what="the worker to refuse the pickled message",
+        )
         assert pickled.state == "PENDING"  # never ran
     finally:
         producer.close()
@@ -162,8 +179,9 @@ def test_pickled_messages_are_refused(celery_worker: CeleryWorker) -> None:
 
 def test_revoke_cancels_a_running_generation(celery_worker: CeleryWorker) -> None:
     app = celery_worker.client
-    result = app.send_task("pagedq.generate",
-                           kwargs={"prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "temperature": 0})
+    result = app.send_task(
+        "pagedq.generate", kwargs={"prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+    )
     wait_for(lambda: result.state == "STARTED", timeout=120, what="the task to start")
     app.control.revoke(result.id)
     event = result.get(timeout=120)

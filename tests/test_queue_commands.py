@@ -120,14 +120,25 @@ def test_status_of_an_empty_namespace(ctx: Ctx, capsys: pytest.CaptureFixture[st
 def test_dead_list_and_replay(ctx: Ctx, engine: Any, capsys: pytest.CaptureFixture[str]) -> None:
     # A valid job that ran out of attempts, exactly as a worker leaves it: dead letter + error result.
     raw = json.dumps({"id": "tired-1", "prompt": "Hello there", "max_tokens": 4, "temperature": 0})
-    letter = DeadLetter(job=raw, reason="delivered 4 times, more than max_attempts=3", code="dead_lettered",
-                        attempts=4, worker="w-old", job_id="tired-1", entry_id="1-0")
+    letter = DeadLetter(
+        job=raw,
+        reason="delivered 4 times, more than max_attempts=3",
+        code="dead_lettered",
+        attempts=4,
+        worker="w-old",
+        job_id="tired-1",
+        entry_id="1-0",
+    )
     entry = ctx.r.xadd(ctx.keys.dead, letter.to_fields())
     error = ErrorEvent(id="tired-1", attempt=4, code="dead_lettered", message=letter.reason, worker="w-old")
     ctx.r.set(ctx.keys.result("tired-1"), error.to_json())
     ctx.r.xadd(ctx.keys.reply("tired-1"), {EVENT_FIELD: error.to_json()})
-    ctx.r.xadd(ctx.keys.dead, DeadLetter(job="{oops", reason="job is not valid JSON", code="invalid_request",
-                                         attempts=1, worker="w-old").to_fields())
+    ctx.r.xadd(
+        ctx.keys.dead,
+        DeadLetter(
+            job="{oops", reason="job is not valid JSON", code="invalid_request", attempts=1, worker="w-old"
+        ).to_fields(),
+    )
 
     assert queue_commands.main(cli(ctx, "dead", "list")) == 0
     text = capsys.readouterr().out
@@ -155,8 +166,9 @@ class PtyProcess:
 
     def __init__(self, argv: list[str]) -> None:
         master, slave = pty.openpty()
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=subprocess_env(), stdin=subprocess.DEVNULL,
-                                     stdout=slave, stderr=slave, close_fds=True)
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, env=subprocess_env(), stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, close_fds=True
+        )
         os.close(slave)
         self.master = master
         self.chunks: list[bytes] = []
@@ -195,9 +207,25 @@ def _clean(text: str) -> str:
 def test_submit_streams_tokens_to_a_terminal_as_they_arrive(ctx: Ctx, engine: Any) -> None:
     worker = Worker(ctx.settings(name="w-pty"), engine)
     worker.startup()
-    p = PtyProcess([sys.executable, "-m", "ops.queue_commands", "submit", "Once upon a time",
-                    "--max-tokens", "40", "--temperature", "0", "--id", "pty-1",
-                    "--redis-url", ctx.server.url, "--namespace", ctx.ns])
+    p = PtyProcess(
+        [
+            sys.executable,
+            "-m",
+            "ops.queue_commands",
+            "submit",
+            "Once upon a time",
+            "--max-tokens",
+            "40",
+            "--temperature",
+            "0",
+            "--id",
+            "pty-1",
+            "--redis-url",
+            ctx.server.url,
+            "--namespace",
+            ctx.ns,
+        ]
+    )
     try:
         # Step the worker until some tokens were published, then pause it mid-generation.
         def some_tokens() -> list[Any]:
@@ -237,8 +265,25 @@ def test_submit_streams_tokens_to_a_terminal_as_they_arrive(ctx: Ctx, engine: An
 @DEBIAN
 def test_submit_json_prints_the_final_event(ctx: Ctx, engine: Any, capsys: pytest.CaptureFixture[str]) -> None:
     with inprocess_worker(ctx, engine, name="w-json"):
-        code = queue_commands.main(cli(ctx, "submit", "Hi", "--chat", "--system", "Be brief", "--max-tokens", "5",
-                                       "--temperature", "0", "--json", "--wait-s", "60", "--id", "json-1"))
+        code = queue_commands.main(
+            cli(
+                ctx,
+                "submit",
+                "Hi",
+                "--chat",
+                "--system",
+                "Be brief",
+                "--max-tokens",
+                "5",
+                "--temperature",
+                "0",
+                "--json",
+                "--wait-s",
+                "60",
+                "--id",
+                "json-1",
+            )
+        )
         assert code == 0
         (raw,) = json_lines(capsys.readouterr().out)
         final = parse_event(json.dumps(raw))
@@ -254,8 +299,9 @@ def test_submit_json_prints_the_final_event(ctx: Ctx, engine: Any, capsys: pytes
         assert [e["type"] for e in json_lines(captured.out)] == ["error"]
 
 
-def test_submit_without_redis_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_submit_without_redis_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("PAGEDQ_REDIS_URL", raising=False)
     monkeypatch.setenv("PAGEDQ_DATA_DIR", str(tmp_path))
     assert queue_commands.main(["submit", "hi"]) == 2
@@ -266,7 +312,11 @@ def test_submit_without_redis_says_so(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_ctrl_c_in_submit_cancels_the_job(ctx: Ctx) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "ops.queue_commands", *cli(ctx, "submit", "nobody serves this", "--id", "ctrl-c")],
-        cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         wait_for(lambda: ctx.r.xlen(ctx.keys.jobs) == 1, timeout=60, what="the job in the stream")

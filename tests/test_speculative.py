@@ -117,8 +117,14 @@ def test_greedy_output_is_unchanged_by_speculation(tiny_model: Callable[[str], P
         SamplingParams(top_k=1, max_tokens=33),
     ]
     params = [variants[i % len(variants)] for i in range(len(prompts))]
-    spec = LLM(str(model), max_num_seqs=64, max_num_batched_tokens=512, num_speculative_tokens=5,
-               prompt_lookup_min=1, enable_prefix_caching=False)
+    spec = LLM(
+        str(model),
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        num_speculative_tokens=5,
+        prompt_lookup_min=1,
+        enable_prefix_caching=False,
+    )
     scheduled = count_scheduled_tokens(spec)
     with_drafts = spec.generate(prompts, params)
     _, plain = generate(model, prompts, params, num_speculative_tokens=0)
@@ -146,8 +152,9 @@ def test_stop_token_inside_accepted_drafts(tiny_model: Callable[[str], Path]) ->
     one step at a time."""
     model = tiny_model("llama_gqa")
     prompts = repetitive_prompts(6, seed=5)
-    _, plain = generate(model, prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                        num_speculative_tokens=0)
+    _, plain = generate(
+        model, prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), num_speculative_tokens=0
+    )
     # Stop on each output's 10th token: wherever it falls in a verified run, the output must end there.
     params = [
         SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[o.outputs[0].token_ids[9]], ignore_eos=True)
@@ -204,8 +211,7 @@ def test_drafts_trimmed_to_the_token_budget_and_dropped_before_preempting(tiny_m
     # Blocks for exactly the three sequences' contexts, none to spare for drafts.
     block_size = 16
     need = sum(-(-(len(p) + 24) // block_size) for p in prompts)
-    small = LLM(str(model), num_kv_blocks=need, block_size=block_size, prompt_lookup_min=1,
-                enable_prefix_caching=False)
+    small = LLM(str(model), num_kv_blocks=need, block_size=block_size, prompt_lookup_min=1, enable_prefix_caching=False)
     outs = small.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
     assert small.stats().num_preemptions == 0

@@ -45,9 +45,7 @@ class LlamaAttention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device
-        )
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device)
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -84,9 +82,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """Gated SiLU MLP with gate and up projections merged into one matmul."""
 
-    def __init__(
-        self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device | None
-    ) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device | None) -> None:
         super().__init__()
         self.ops = ops
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device)

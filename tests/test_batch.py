@@ -460,4 +460,4 @@ def test_killed_run_resumes_with_each_custom_id_exactly_once(
     check_complete(batch_file, out)
     local, resumed = answers(local_output), answers(out)
     assert {c: resumed[c] for c in batch_file.greedy} == {c: local[c] for c in batch_file.greedy}
-    assert queue.r.xlen(queue.keys.jobs) == 0  # nothing left behind in the queue
+    assert queue.redis.xlen(queue.keys.jobs) == 0  # nothing left behind in the queue

@@ -107,7 +107,7 @@ def test_metrics_and_canonical_log_lines(ctx: Ctx, model_dir: Path, tmp_path: Pa
         proc.wait_ready()
         prompts = [f"{SECRET} question number {i}" for i in range(12)]
         ids = ctx.client.submit_many(prompts, max_tokens=4, temperature=0.0)
-        wait_for(lambda: all(c == (1, True) for c in job_counts(ctx.r, ctx.keys, ids).values()), 90, 0.1, "jobs")
+        wait_for(lambda: all(c == (1, True) for c in job_counts(ctx.redis, ctx.keys, ids).values()), 90, 0.1, "jobs")
         text = wait_for(
             lambda: (t := http_get(port, "/metrics")[1]) and metric_sum(t, "pagedq_jobs_total") == len(ids) and t,
             10, 0.1, "metrics to count the jobs",

@@ -52,10 +52,10 @@ def test_three_workers_share_300_jobs(server: RedisServer, tiny_model: Any, tmp_
         ids = ctx.client.submit_many([f"scaling job {i}" for i in range(N_JOBS)], max_tokens=4, temperature=0.0)
 
         def all_done() -> bool:
-            return all(c != (0, False) for c in job_counts(ctx.r, ctx.keys, ids).values())
+            return all(c != (0, False) for c in job_counts(ctx.redis, ctx.keys, ids).values())
 
         wait_for(all_done, 240, 0.25, "all 300 jobs")
-        counts = job_counts(ctx.r, ctx.keys, ids)
+        counts = job_counts(ctx.redis, ctx.keys, ids)
         assert set(counts.values()) == {(1, True)}, Counter(counts.values())
 
         by_worker: Counter[str] = Counter()

@@ -65,7 +65,7 @@ def json_lines(out: str) -> list[Any]:
 
 
 def reply_events(ctx: Ctx, job_id: str) -> list[Any]:
-    return [parse_event(f[EVENT_FIELD]) for _, f in ctx.r.xrange(ctx.keys.reply(job_id))]
+    return [parse_event(f[EVENT_FIELD]) for _, f in ctx.redis.xrange(ctx.keys.reply(job_id))]
 
 
 # ------------------------------------------------------------------------------------------ status
@@ -76,11 +76,11 @@ def test_status_shows_backlog_dead_letter_consumers_and_workers(
     ctx: Ctx, engine: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with inprocess_worker(ctx, engine, name="w-status") as worker:
-        ctx.r.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": "bad-1", "prompt": 5})})
-        wait_for(lambda: ctx.r.xlen(ctx.keys.dead) == 1, what="the invalid job's dead letter")
+        ctx.redis.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": "bad-1", "prompt": 5})})
+        wait_for(lambda: ctx.redis.xlen(ctx.keys.dead) == 1, what="the invalid job's dead letter")
         bulk = Keys(ctx.ns, "bulk")  # a queue nobody serves: its jobs stay in the backlog
         for i in range(3):
-            ctx.r.xadd(bulk.jobs, {JOB_FIELD: json.dumps({"id": f"b{i}", "prompt": "hi"})})
+            ctx.redis.xadd(bulk.jobs, {JOB_FIELD: json.dumps({"id": f"b{i}", "prompt": "hi"})})
         wait_for(lambda: "w-status" in ctx.heartbeats(), what="heartbeat")
 
         assert queue_commands.main(cli(ctx, "status", "--json")) == 0
@@ -129,11 +129,11 @@ def test_dead_list_and_replay(ctx: Ctx, engine: Any, capsys: pytest.CaptureFixtu
         job_id="tired-1",
         entry_id="1-0",
     )
-    entry = ctx.r.xadd(ctx.keys.dead, letter.to_fields())
+    entry = ctx.redis.xadd(ctx.keys.dead, letter.to_fields())
     error = ErrorEvent(id="tired-1", attempt=4, code="dead_lettered", message=letter.reason, worker="w-old")
-    ctx.r.set(ctx.keys.result("tired-1"), error.to_json())
-    ctx.r.xadd(ctx.keys.reply("tired-1"), {EVENT_FIELD: error.to_json()})
-    ctx.r.xadd(
+    ctx.redis.set(ctx.keys.result("tired-1"), error.to_json())
+    ctx.redis.xadd(ctx.keys.reply("tired-1"), {EVENT_FIELD: error.to_json()})
+    ctx.redis.xadd(
         ctx.keys.dead,
         DeadLetter(
             job="{oops", reason="job is not valid JSON", code="invalid_request", attempts=1, worker="w-old"
@@ -154,7 +154,7 @@ def test_dead_list_and_replay(ctx: Ctx, engine: Any, capsys: pytest.CaptureFixtu
         assert queue_commands.main(cli(ctx, "dead", "replay", entry)) == 0
         final = ctx.client.result("tired-1", timeout=60)
     assert isinstance(final, FinalEvent) and final.usage.completion_tokens == 4
-    assert ctx.r.xlen(ctx.keys.dead) == 1  # the invalid one is still there
+    assert ctx.redis.xlen(ctx.keys.dead) == 1  # the invalid one is still there
     assert [e.type for e in reply_events(ctx, "tired-1") if e.type != "token"] == ["final"]  # old error gone
 
 
@@ -319,11 +319,11 @@ def test_ctrl_c_in_submit_cancels_the_job(ctx: Ctx) -> None:
         text=True,
     )
     try:
-        wait_for(lambda: ctx.r.xlen(ctx.keys.jobs) == 1, timeout=60, what="the job in the stream")
+        wait_for(lambda: ctx.redis.xlen(ctx.keys.jobs) == 1, timeout=60, what="the job in the stream")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130 and "cancelled job ctrl-c" in err
-    assert ctx.r.exists(ctx.keys.cancel("ctrl-c"))
+    assert ctx.redis.exists(ctx.keys.cancel("ctrl-c"))

@@ -62,7 +62,7 @@ def test_end_to_end_client_and_raw_xadd_match_offline_engine(ctx: Ctx, engine: E
             "temperature": 0,
             "metadata": {"k": [1]},
         }
-        ctx.r.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps(raw)})
+        ctx.redis.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps(raw)})
         ids.append("raw-1")
         streamed = {job_id: list(ctx.client.stream(job_id, timeout=60)) for job_id in ids}
         chat_id = ctx.client.submit([{"role": "user", "content": "hi"}], max_tokens=6, temperature=0)
@@ -84,7 +84,7 @@ def test_end_to_end_client_and_raw_xadd_match_offline_engine(ctx: Ctx, engine: E
     assert isinstance(raw_final, FinalEvent) and raw_final.metadata == {"k": [1]}
     chat_ref = offline.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=6, temperature=0))
     assert chat.text == chat_ref[0].outputs[0].text
-    assert ctx.pending() == 0 and ctx.r.xlen(ctx.keys.jobs) == 0
+    assert ctx.pending() == 0 and ctx.redis.xlen(ctx.keys.jobs) == 0
 
 
 def test_bad_inputs_each_get_an_error_and_a_dead_letter(ctx: Ctx, engine: EngineLike) -> None:
@@ -108,13 +108,13 @@ def test_bad_inputs_each_get_an_error_and_a_dead_letter(ctx: Ctx, engine: Engine
     }
     with inprocess_worker(ctx, engine, max_payload_bytes=4096) as worker:
         for payload, _ in cases.values():
-            ctx.r.xadd(ctx.keys.jobs, {JOB_FIELD: payload})
-        ctx.r.xadd(ctx.keys.jobs, {"other": "field"})
+            ctx.redis.xadd(ctx.keys.jobs, {JOB_FIELD: payload})
+        ctx.redis.xadd(ctx.keys.jobs, {"other": "field"})
         good = ctx.client.submit("still alive?", max_tokens=3)
         assert ctx.client.result(good, timeout=60).choices[0].token_ids
         wait_for(lambda: ctx.pending() == 0, what="everything acked")
         assert worker.errors == 0
-    dead = {d.job: d for d in (DeadLetter.from_fields(f) for _, f in ctx.r.xrange(ctx.keys.dead))}
+    dead = {d.job: d for d in (DeadLetter.from_fields(f) for _, f in ctx.redis.xrange(ctx.keys.dead))}
     assert len(dead) == len(cases) + 1 and json.dumps({"other": "field"}) in dead
     for payload, code in cases.values():
         assert dead[payload].worker == worker.name and dead[payload].attempts == 1
@@ -124,7 +124,7 @@ def test_bad_inputs_each_get_an_error_and_a_dead_letter(ctx: Ctx, engine: Engine
         (event,) = ctx.terminal_events(job_id)
         assert isinstance(event, ErrorEvent) and event.code == code, (job_id, event)
         assert ctx.result(job_id) == event
-    assert ctx.r.xlen(ctx.keys.jobs) == 0
+    assert ctx.redis.xlen(ctx.keys.jobs) == 0
 
 
 _json_scalars = (
@@ -194,7 +194,7 @@ def test_property_random_payloads_never_crash_the_worker(ctx: Ctx, engine: Engin
     def check(payload: str) -> None:
         nonlocal seen
         seen += 1
-        entry = ctx.r.xadd(ctx.keys.jobs, {JOB_FIELD: payload.encode("utf-8", "surrogateescape")})
+        entry = ctx.redis.xadd(ctx.keys.jobs, {JOB_FIELD: payload.encode("utf-8", "surrogateescape")})
         deliveries = worker.reclaimer.read_new(10, None)
         assert [d.entry_id for d in deliveries] == [entry]
         worker.accept(deliveries)
@@ -274,7 +274,7 @@ def test_cancel_notice_stops_running_and_waiting_jobs_within_a_few_steps(ctx: Ct
 def test_deadlines_before_and_during_generation(ctx: Ctx, engine: EngineLike) -> None:
     with inprocess_worker(ctx, engine, step_delay_s=0.01):
         # Already expired when read: the entry is older than its timeout.
-        ctx.r.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": "late", "prompt": "x", "timeout_s": 0.001})})
+        ctx.redis.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": "late", "prompt": "x", "timeout_s": 0.001})})
         with pytest.raises(JobFailed) as err:
             ctx.client.result("late", timeout=10)
         assert err.value.code == "deadline_exceeded"
@@ -282,12 +282,14 @@ def test_deadlines_before_and_during_generation(ctx: Ctx, engine: EngineLike) ->
         final = ctx.client.result(during, timeout=10)
         assert final.choices[0].finish_reason == "deadline"
         assert 0 < len(final.choices[0].token_ids) < 900
-        assert 0.9 <= final.timings.total_s < 3.0
+        # The deadline is checked every loop tick: it ended at 1 s plus at most a tick (a step of a few
+        # ms here; the upper bound leaves room for a loaded machine, the token count above shows it stopped).
+        assert 0.9 <= final.timings.total_s < 6.0
 
 
 def _first_token_at(ctx: Ctx, job_id: str) -> tuple[int, int]:
     """When the job's first event reached its reply stream (Redis clock), as a comparable entry id."""
-    ((entry_id, _),) = ctx.r.xrange(ctx.keys.reply(job_id), count=1)
+    ((entry_id, _),) = ctx.redis.xrange(ctx.keys.reply(job_id), count=1)
     ms, seq = entry_id.split("-")
     return int(ms), int(seq)
 
@@ -314,7 +316,7 @@ def test_step_failure_is_isolated_retried_then_dead_lettered(ctx: Ctx, engine: E
         finals = [ctx.client.result(j, timeout=60) for j in ok]
     assert err.value.code == "dead_lettered" and err.value.event.attempt == 3
     assert all(f.choices[0].token_ids for f in finals)
-    ((_, fields),) = ctx.r.xrange(ctx.keys.dead)
+    ((_, fields),) = ctx.redis.xrange(ctx.keys.dead)
     dead = DeadLetter.from_fields(fields)
     assert dead.job_id == bad and dead.attempts == 3 and "injected fault" in dead.reason
     assert ctx.pending() == 0
@@ -326,13 +328,13 @@ def test_redelivered_job_with_a_result_is_acked_without_rerun_and_attempts_are_c
     with inprocess_worker(ctx, engine, max_attempts=2) as worker:
         job_id = ctx.client.submit("once", max_tokens=3)
         first = ctx.client.result(job_id, timeout=60)
-        ctx.r.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": job_id, "prompt": "once", "max_tokens": 3})})
+        ctx.redis.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": job_id, "prompt": "once", "max_tokens": 3})})
         wait_for(lambda: worker.counts["duplicate"] == 1, what="duplicate acked")
         assert ctx.terminal_events(job_id) == [first]
     # An entry already delivered more than max_attempts times (its workers kept dying) is dead-lettered.
     fields = {JOB_FIELD: json.dumps({"id": "cursed", "prompt": "x"})}
-    entry = ctx.r.xadd(ctx.keys.jobs, fields)
-    ctx.r.xreadgroup(GROUP, "a-dead-worker", {ctx.keys.jobs: ">"})
+    entry = ctx.redis.xadd(ctx.keys.jobs, fields)
+    ctx.redis.xreadgroup(GROUP, "a-dead-worker", {ctx.keys.jobs: ">"})
     w = Worker(ctx.settings(max_attempts=2), engine)
     w.startup()
     try:
@@ -358,7 +360,7 @@ def test_heartbeat_reports_idle_without_leaked_blocks(ctx: Ctx, engine: EngineLi
         loop = beat["loop"]  # cumulative: the steps of 6 jobs of 5 tokens, Redis round trips, idle reads, the rest
         assert loop["ticks"] >= 5 and loop["engine_step_s"] > 0 and loop["redis_s"] > 0
         assert loop["idle_s"] > 0 and loop["other_s"] >= 0
-        ttl = ctx.r.pttl(ctx.keys.heartbeat(worker.name))
+        ttl = ctx.redis.pttl(ctx.keys.heartbeat(worker.name))
         assert 0 < ttl <= 3 * 300
     assert worker.name not in ctx.heartbeats()  # removed on shutdown
 
@@ -369,7 +371,7 @@ def test_shutdown_hands_back_unstarted_at_once_and_abandons_after_grace(ctx: Ctx
         wait_for(lambda: len(worker.jobs) == 6 and all(ctx.events(j) for j in ids[:4]), what="4 running")
     # 4 running jobs were abandoned after the grace period, 2 unstarted ones handed back at once; all
     # are pending again and claimable right away (idle time set far in the past).
-    rows = ctx.r.xpending_range(ctx.keys.jobs, GROUP, "-", "+", 10)
+    rows = ctx.redis.xpending_range(ctx.keys.jobs, GROUP, "-", "+", 10)
     assert len(rows) == 6 and all(r["time_since_delivered"] > 3_600_000 for r in rows)
     assert sorted(r["times_delivered"] for r in rows) == [0, 0, 1, 1, 1, 1]
     assert all(ctx.result(j) is None for j in ids)
@@ -397,4 +399,4 @@ def test_n_logprobs_no_stream_and_custom_reply_to(ctx: Ctx, engine: EngineLike) 
         assert [e.type for e in ctx.events(quiet)] == ["final"]
         assert ctx.client.result(routed, timeout=60).worker
         assert [e.type for e in ctx.events(routed)] == []  # not in the default reply stream
-        assert ctx.r.xlen(custom) >= 2 and 0 < ctx.r.ttl(custom) <= 3600
+        assert ctx.redis.xlen(custom) >= 2 and 0 < ctx.redis.ttl(custom) <= 3600

@@ -73,12 +73,12 @@ def workers(ctx: Ctx, model_dir: Path, tmp_path: Path) -> Iterator[Workers]:
 
 
 def assert_exactly_once(ctx: Ctx, job_ids: list[str]) -> dict[str, FinalEvent]:
-    counts = job_counts(ctx.r, ctx.keys, job_ids)
+    counts = job_counts(ctx.redis, ctx.keys, job_ids)
     bad = {j: c for j, c in counts.items() if c != (1, True)}
     assert not bad, f"jobs without exactly one terminal event and result: {bad}"
     finals: dict[str, FinalEvent] = {j: ctx.result(j) for j in job_ids}
     assert all(isinstance(f, FinalEvent) for f in finals.values())
-    assert ctx.pending() == 0 and ctx.r.xlen(ctx.keys.jobs) == 0
+    assert ctx.pending() == 0 and ctx.redis.xlen(ctx.keys.jobs) == 0
     return finals
 
 
@@ -108,8 +108,8 @@ def freeze(proc: WorkerProcess) -> None:
 def mid_generation(ctx: Ctx, consumer: str) -> list[str]:
     """Jobs whose stream entries ``consumer`` holds that streamed tokens and have no terminal event yet."""
     out = []
-    for row in ctx.r.xpending_range(ctx.keys.jobs, GROUP, "-", "+", 100, consumername=consumer):
-        entry = ctx.r.xrange(ctx.keys.jobs, row["message_id"], row["message_id"])
+    for row in ctx.redis.xpending_range(ctx.keys.jobs, GROUP, "-", "+", 100, consumername=consumer):
+        entry = ctx.redis.xrange(ctx.keys.jobs, row["message_id"], row["message_id"])
         if not entry:
             continue
         job_id = json.loads(entry[0][1][JOB_FIELD])["id"]
@@ -144,7 +144,7 @@ def test_sigkill_one_of_two_workers_loses_and_duplicates_nothing(ctx: Ctx, worke
     cut_off = mid_generation(ctx, "victim")  # as the victim left them: partial token streams, no terminal
     assert len(cut_off) >= 2, cut_off
     print(f"killed mid-generation of {cut_off}")
-    held = {c["name"]: c["pending"] for c in ctx.r.xinfo_consumers(ctx.keys.jobs, GROUP)}
+    held = {c["name"]: c["pending"] for c in ctx.redis.xinfo_consumers(ctx.keys.jobs, GROUP)}
     assert held.get("victim", 0) > 0, held
     for job_id in ids:
         ctx.client.result(job_id, timeout=120)

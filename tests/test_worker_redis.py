@@ -46,15 +46,15 @@ class Fixture:
         self.server = server
         self.ns = unique_namespace()
         self.keys = Keys(self.ns, "default")
-        self.r: Any = server.client()
-        ensure_group(self.r, self.keys)
-        self.pub = Publisher(self.r, self.keys, result_ttl_s=60, reply_ttl_s=30, reply_maxlen=1000)
+        self.redis: Any = server.client()
+        ensure_group(self.redis, self.keys)
+        self.pub = Publisher(self.redis, self.keys, result_ttl_s=60, reply_ttl_s=30, reply_maxlen=1000)
 
     def add(self, job: dict[str, object]) -> str:
-        return str(self.r.xadd(self.keys.jobs, {JOB_FIELD: json.dumps(job)}))
+        return str(self.redis.xadd(self.keys.jobs, {JOB_FIELD: json.dumps(job)}))
 
     def reply_events(self, job_id: str) -> list[object]:
-        return [parse_event(f[EVENT_FIELD]) for _, f in self.r.xrange(self.keys.reply(job_id))]
+        return [parse_event(f[EVENT_FIELD]) for _, f in self.redis.xrange(self.keys.reply(job_id))]
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def fx(redis_server: RedisServer) -> Fixture:  # noqa: F811
 
 def test_terminal_is_atomic_and_written_once(fx: Fixture) -> None:
     entry = fx.add({"id": "j1", "prompt": "x"})
-    rec = Reclaimer(fx.r, fx.keys, "w1", reclaim_idle_s=30)
+    rec = Reclaimer(fx.redis, fx.keys, "w1", reclaim_idle_s=30)
     assert [d.entry_id for d in rec.read_new(10, None)] == [entry]
 
     outbox = Outbox(
@@ -82,46 +82,46 @@ def test_terminal_is_atomic_and_written_once(fx: Fixture) -> None:
     assert fx.pub.flush(outbox) == []
     assert not outbox
     # Result key, reply stream (token then final), TTLs, ack and deletion all happened together.
-    assert parse_event(fx.r.get(fx.keys.result("j1"))) == _final("j1", "ab")
-    assert 0 < fx.r.ttl(fx.keys.result("j1")) <= 60
-    assert 0 < fx.r.ttl(fx.keys.reply("j1")) <= 30
+    assert parse_event(fx.redis.get(fx.keys.result("j1"))) == _final("j1", "ab")
+    assert 0 < fx.redis.ttl(fx.keys.result("j1")) <= 60
+    assert 0 < fx.redis.ttl(fx.keys.reply("j1")) <= 30
     assert [e.type for e in fx.reply_events("j1")] == ["token", "final"]  # type: ignore[attr-defined]
-    assert fx.r.xpending(fx.keys.jobs, GROUP)["pending"] == 0
-    assert fx.r.xlen(fx.keys.jobs) == 0
+    assert fx.redis.xpending(fx.keys.jobs, GROUP)["pending"] == 0
+    assert fx.redis.xlen(fx.keys.jobs) == 0
 
     # A second delivery of the same job (another worker, a retry after a lost reply) writes nothing.
     entry2 = fx.add({"id": "j1", "prompt": "x"})
     rec.read_new(10, None)
     assert fx.pub.terminal(Terminal(entry2, "j1", fx.keys.reply("j1"), _final("j1", "other", attempt=2))) is False
-    assert parse_event(fx.r.get(fx.keys.result("j1"))).attempt == 1
+    assert parse_event(fx.redis.get(fx.keys.result("j1"))).attempt == 1
     assert len(fx.reply_events("j1")) == 2
-    assert fx.r.xpending(fx.keys.jobs, GROUP)["pending"] == 0
+    assert fx.redis.xpending(fx.keys.jobs, GROUP)["pending"] == 0
 
 
 def test_terminal_with_dead_letter_and_foreign_reply_key(fx: Fixture) -> None:
     entry = fx.add({"id": "j2", "prompt": "x"})
-    Reclaimer(fx.r, fx.keys, "w1", reclaim_idle_s=30).read_new(10, None)
+    Reclaimer(fx.redis, fx.keys, "w1", reclaim_idle_s=30).read_new(10, None)
     foreign = f"{fx.ns}-foreign-string"
-    fx.r.set(foreign, "not a stream")
+    fx.redis.set(foreign, "not a stream")
     err = ErrorEvent(id="j2", attempt=3, code="dead_lettered", message="gave up", worker="w1")
     dead = DeadLetter(job='{"id":"j2"}', reason="gave up", code="dead_lettered", attempts=3, worker="w1", job_id="j2")
     assert fx.pub.terminal(Terminal(entry, "j2", foreign, err, dead=dead)) is True
-    assert fx.r.get(foreign) == "not a stream"  # a non-stream reply_to is left alone
-    assert parse_event(fx.r.get(fx.keys.result("j2"))) == err
-    ((_, fields),) = fx.r.xrange(fx.keys.dead)
+    assert fx.redis.get(foreign) == "not a stream"  # a non-stream reply_to is left alone
+    assert parse_event(fx.redis.get(fx.keys.result("j2"))) == err
+    ((_, fields),) = fx.redis.xrange(fx.keys.dead)
     assert DeadLetter.from_fields(fields).attempts == 3 and fields["job_id"] == "j2"
 
 
 def test_dead_only_and_script_reload_after_flush(fx: Fixture) -> None:
     entry = fx.add({"no": "id"})
-    Reclaimer(fx.r, fx.keys, "w1", reclaim_idle_s=30).read_new(10, None)
-    fx.r.script_flush()  # as after a Redis restart: scripts are reloaded transparently
+    Reclaimer(fx.redis, fx.keys, "w1", reclaim_idle_s=30).read_new(10, None)
+    fx.redis.script_flush()  # as after a Redis restart: scripts are reloaded transparently
     dead = DeadLetter(job='{"no":"id"}', reason="job has no id", code="invalid_request", attempts=1, worker="w1")
     outbox = Outbox(dead_only=[(entry, dead)])
     assert fx.pub.flush(outbox) == []
     assert fx.pub.flush(Outbox(dead_only=[(entry, dead)])) == []  # idempotent: acked already
-    assert fx.r.xlen(fx.keys.dead) == 1
-    assert fx.r.xpending(fx.keys.jobs, GROUP)["pending"] == 0
+    assert fx.redis.xlen(fx.keys.dead) == 1
+    assert fx.redis.xpending(fx.keys.jobs, GROUP)["pending"] == 0
 
 
 # ------------------------------------------------------------------------------------------- reclaimer
@@ -129,9 +129,9 @@ def test_dead_only_and_script_reload_after_flush(fx: Fixture) -> None:
 
 def test_reclaim_dead_consumer_but_never_a_live_one(fx: Fixture) -> None:
     ids = [fx.add({"id": f"r{i}", "prompt": "x"}) for i in range(4)]
-    live = Reclaimer(fx.r, fx.keys, "live", reclaim_idle_s=1.0)
-    dead = Reclaimer(fx.r, fx.keys, "dead", reclaim_idle_s=1.0)
-    thief = Reclaimer(fx.r, fx.keys, "thief", reclaim_idle_s=1.0)
+    live = Reclaimer(fx.redis, fx.keys, "live", reclaim_idle_s=1.0)
+    dead = Reclaimer(fx.redis, fx.keys, "dead", reclaim_idle_s=1.0)
+    thief = Reclaimer(fx.redis, fx.keys, "thief", reclaim_idle_s=1.0)
     assert len(live.read_new(2, None)) == 2
     assert len(dead.read_new(2, None)) == 2
 
@@ -139,7 +139,7 @@ def test_reclaim_dead_consumer_but_never_a_live_one(fx: Fixture) -> None:
         """The live worker keeps its entries fresh (as its keeper does) until the dead one's entries have
         been idle past reclaim_idle_s (Redis's own idle clock, XPENDING)."""
         assert live.keep_fresh(ids[:2]) == []
-        rows = fx.r.xpending_range(fx.keys.jobs, GROUP, "-", "+", 10, consumername="dead")
+        rows = fx.redis.xpending_range(fx.keys.jobs, GROUP, "-", "+", 10, consumername="dead")
         return len(rows) == 2 and all(r["time_since_delivered"] > thief.min_idle_ms for r in rows)
 
     wait_for(live_kept_fresh_dead_gone_idle, 30, 0.05, "the dead consumer's entries to go idle")
@@ -154,9 +154,9 @@ def test_reclaim_dead_consumer_but_never_a_live_one(fx: Fixture) -> None:
 
 def test_own_pending_first_retry_and_release(fx: Fixture) -> None:
     ids = [fx.add({"id": f"p{i}", "prompt": "x"}) for i in range(3)]
-    first = Reclaimer(fx.r, fx.keys, "same-name", reclaim_idle_s=30)
+    first = Reclaimer(fx.redis, fx.keys, "same-name", reclaim_idle_s=30)
     first.read_new(3, None)
-    again = Reclaimer(fx.r, fx.keys, "same-name", reclaim_idle_s=30)  # the restarted process
+    again = Reclaimer(fx.redis, fx.keys, "same-name", reclaim_idle_s=30)  # the restarted process
     got, cursor = again.read_own_pending("0", 2)
     assert [d.entry_id for d in got] == ids[:2] and all(d.attempt == 2 for d in got)
     got2, cursor = again.read_own_pending(str(cursor), 2)
@@ -168,21 +168,21 @@ def test_own_pending_first_retry_and_release(fx: Fixture) -> None:
 
     # Released entries are immediately claimable, with the delivery count chosen by the releaser.
     assert again.release({ids[0]: 2, ids[1]: None}) == 2
-    other = Reclaimer(fx.r, fx.keys, "other", reclaim_idle_s=30)
+    other = Reclaimer(fx.redis, fx.keys, "other", reclaim_idle_s=30)
     claimed = {d.entry_id: d.attempt for d in other.autoclaim(10)}
     assert claimed == {ids[0]: 3, ids[1]: 3}
 
 
 def test_autoclaim_acks_deleted_entries(fx: Fixture) -> None:
     entry = fx.add({"id": "gone", "prompt": "x"})
-    Reclaimer(fx.r, fx.keys, "a", reclaim_idle_s=0.05).read_new(1, None)
-    fx.r.xdel(fx.keys.jobs, entry)
+    Reclaimer(fx.redis, fx.keys, "a", reclaim_idle_s=0.05).read_new(1, None)
+    fx.redis.xdel(fx.keys.jobs, entry)
     wait_for(
-        lambda: fx.r.xpending_range(fx.keys.jobs, GROUP, "-", "+", 1)[0]["time_since_delivered"] > 50,
+        lambda: fx.redis.xpending_range(fx.keys.jobs, GROUP, "-", "+", 1)[0]["time_since_delivered"] > 50,
         what="the deleted entry to be idle past reclaim_idle_s",
     )
-    assert Reclaimer(fx.r, fx.keys, "b", reclaim_idle_s=0.05).autoclaim(10) == []
-    assert fx.r.xpending(fx.keys.jobs, GROUP)["pending"] == 0
+    assert Reclaimer(fx.redis, fx.keys, "b", reclaim_idle_s=0.05).autoclaim(10) == []
+    assert fx.redis.xpending(fx.keys.jobs, GROUP)["pending"] == 0
 
 
 # ---------------------------------------------------------------------------------------------- client
@@ -215,14 +215,14 @@ def _fake_worker(
 def test_client_submit_stream_result_cancel(fx: Fixture) -> None:
     client = PagedqClient(fx.server.client(), namespace=fx.ns)
     job_id = client.submit("Hello", max_tokens=4, temperature=0, metadata={"k": 1})
-    ((_, fields),) = fx.r.xrange(fx.keys.jobs)
+    ((_, fields),) = fx.redis.xrange(fx.keys.jobs)
     assert json.loads(fields[JOB_FIELD]) == {
         "id": job_id, "prompt": "Hello", "max_tokens": 4, "temperature": 0.0, "metadata": {"k": 1}
     }  # fmt: skip
     ids = client.submit_many(
         ["a", [1, 2], {"messages": [{"role": "user", "content": "hi"}], "priority": 2}], max_tokens=2
     )
-    assert len(ids) == 3 and fx.r.xlen(fx.keys.jobs) == 4
+    assert len(ids) == 3 and fx.redis.xlen(fx.keys.jobs) == 4
 
     tok = lambda text, attempt=1: TokenEvent(id=job_id, attempt=attempt, index=0, text=text, token_ids=[1])
     final = _final(job_id, "Hello there", attempt=2)
@@ -235,7 +235,7 @@ def test_client_submit_stream_result_cancel(fx: Fixture) -> None:
         client.result("never-submitted", timeout=0.3)
 
     client.cancel(ids[0])
-    assert fx.r.get(fx.keys.cancel(ids[0])) == "1" and 0 < fx.r.ttl(fx.keys.cancel(ids[0])) <= 86_400
+    assert fx.redis.get(fx.keys.cancel(ids[0])) == "1" and 0 < fx.redis.ttl(fx.keys.cancel(ids[0])) <= 86_400
 
     err = ErrorEvent(id=ids[1], attempt=1, code="invalid_request", message="bad")
     _fake_worker(fx, [[err]])
@@ -285,7 +285,7 @@ def test_client_reads_tokens_published_with_the_terminal_after_an_empty_read(fx:
     publish_after_first_read(client.redis, is_async=False)
     assert list(client.events(job_id, timeout=5)) == [tok, final]
 
-    fx.r.delete(fx.keys.reply(job_id), fx.keys.result(job_id))
+    fx.redis.delete(fx.keys.reply(job_id), fx.keys.result(job_id))
 
     async def main() -> list[object]:
         aclient = AsyncPagedqClient(fx.server.url, namespace=fx.ns, block_ms=50)

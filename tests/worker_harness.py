@@ -67,7 +67,7 @@ class Ctx:
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.ns, "default")
-        self.r: Any = self.server.client()
+        self.redis: Any = self.server.client()
         self.client = PagedqClient(self.server.client(), namespace=self.ns)
 
     def settings(self, **overrides: Any) -> Settings:
@@ -86,29 +86,29 @@ class Ctx:
         return Settings(**{**base, **overrides})
 
     def events(self, job_id: str) -> list[Any]:
-        return [parse_event(f[EVENT_FIELD]) for _, f in self.r.xrange(self.keys.reply(job_id))]
+        return [parse_event(f[EVENT_FIELD]) for _, f in self.redis.xrange(self.keys.reply(job_id))]
 
     def terminal_events(self, job_id: str) -> list[Any]:
         return [e for e in self.events(job_id) if e.type != "token"]
 
     def result(self, job_id: str) -> Any:
-        raw = self.r.get(self.keys.result(job_id))
+        raw = self.redis.get(self.keys.result(job_id))
         return None if raw is None else parse_event(raw)
 
     def pending(self) -> int:
-        return int(self.r.xpending(self.keys.jobs, GROUP)["pending"])
+        return int(self.redis.xpending(self.keys.jobs, GROUP)["pending"])
 
     def heartbeats(self) -> dict[str, dict[str, Any]]:
         out = {}
-        for key in self.r.scan_iter(self.keys.heartbeat_pattern):
-            raw = self.r.get(key)
+        for key in self.redis.scan_iter(self.keys.heartbeat_pattern):
+            raw = self.redis.get(key)
             if raw:
                 out[key.rsplit(":", 1)[-1]] = json.loads(raw)
         return out
 
     def close(self) -> None:
         self.client.close()
-        self.r.close()
+        self.redis.close()
 
 
 @contextlib.contextmanager

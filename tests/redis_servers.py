@@ -204,6 +204,12 @@ def make_server(kind: str, data_dir: Path) -> RedisServer:
     return server
 
 
+DEBIAN_VARIANT_SLOW = ["embedded", pytest.param("debian", marks=pytest.mark.slow)]
+"""Server kinds for tests that start worker processes: the Debian-server variant of each runs in the slow
+tier (the default tier keeps one variant of every scenario, the slow tier both). Use with
+``@pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)`` (or ``fresh_redis_server``)."""
+
+
 @pytest.fixture(scope="session", params=SERVER_KINDS)
 def redis_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A server shared by the whole session; isolate with :func:`unique_namespace`, never FLUSHALL."""

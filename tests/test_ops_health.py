@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.ops_helpers import http_get, metric_sum
-from tests.redis_servers import RedisServer, free_port, fresh_redis_server, redis_server  # noqa: F401
+from tests.redis_servers import DEBIAN_VARIANT_SLOW, RedisServer, free_port, fresh_redis_server, redis_server  # noqa: F401
 from tests.worker_harness import Ctx, WorkerProcess, job_counts, wait_for
 from worker.health import PROBE_CACHE_S
 
@@ -50,6 +50,7 @@ def ctx(redis_server: RedisServer) -> Iterator[Ctx]:  # noqa: F811
     c.close()
 
 
+@pytest.mark.parametrize("fresh_redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_ready_after_load_and_health_follows_redis(
     fresh_ctx: Ctx, model_dir: Path, tmp_path: Path, monkeypatch: Any
 ) -> None:
@@ -101,6 +102,7 @@ def test_ready_after_load_and_health_follows_redis(
         proc.close()
 
 
+@pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_metrics_and_canonical_log_lines(ctx: Ctx, model_dir: Path, tmp_path: Path) -> None:
     proc, port = _start(ctx, model_dir, tmp_path, "w-logs")
     try:

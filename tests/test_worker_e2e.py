@@ -27,7 +27,7 @@ import redis
 
 from schemas.jobs import FinalEvent
 from schemas.keys import GROUP, JOB_FIELD
-from tests.redis_servers import RedisServer, fresh_redis_server, redis_server  # noqa: F401
+from tests.redis_servers import DEBIAN_VARIANT_SLOW, RedisServer, fresh_redis_server, redis_server  # noqa: F401
 from tests.worker_harness import REPO, Ctx, WorkerProcess, job_counts, wait_for
 from worker.client import PagedqClient, Restart
 
@@ -119,6 +119,7 @@ def mid_generation(ctx: Ctx, consumer: str) -> list[str]:
     return out
 
 
+@pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_sigkill_one_of_two_workers_loses_and_duplicates_nothing(ctx: Ctx, workers: Workers) -> None:
     slow = {"step_delay_s": 0.01, "reclaim_idle_s": 1.5}
     a = workers.start("victim", **slow)
@@ -158,7 +159,7 @@ def test_sigkill_one_of_two_workers_loses_and_duplicates_nothing(ctx: Ctx, worke
     assert b.terminate() == 0
 
 
-@pytest.mark.parametrize("redis_server", ["embedded", pytest.param("debian", marks=pytest.mark.slow)], indirect=True)
+@pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_sigterm_drains_running_jobs_and_hands_back_the_rest(ctx: Ctx, workers: Workers) -> None:
     a = workers.start("draining", step_delay_s=0.02, shutdown_grace_s=60)
     a.wait_ready()
@@ -191,6 +192,7 @@ def test_sigterm_drains_running_jobs_and_hands_back_the_rest(ctx: Ctx, workers: 
     assert b.terminate() == 0
 
 
+@pytest.mark.parametrize("fresh_redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_redis_restart_mid_run(fresh_redis_server: RedisServer, model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     ctx = Ctx(fresh_redis_server)
     w = Workers(ctx, model_dir, tmp_path)
@@ -216,7 +218,7 @@ def test_redis_restart_mid_run(fresh_redis_server: RedisServer, model_dir: Path,
         ctx.close()
 
 
-@pytest.mark.parametrize("redis_server", ["embedded", pytest.param("debian", marks=pytest.mark.slow)], indirect=True)
+@pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_backpressure_two_workers_share_a_backlog(ctx: Ctx, workers: Workers) -> None:
     bound = 4 + 2  # max_num_seqs + prefetch
     a = workers.start("bp-a")

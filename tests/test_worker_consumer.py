@@ -170,6 +170,7 @@ _payloads = st.one_of(
 )
 
 
+@pytest.mark.slow  # a fuzz run: hundreds of payloads through a live worker (~15 s)
 @pytest.mark.parametrize("redis_server", ["embedded"], indirect=True)
 def test_property_random_payloads_never_crash_the_worker(ctx: Ctx, engine: EngineLike) -> None:
     """>= 500 random payloads through the worker's real validation and handling path (in-process).

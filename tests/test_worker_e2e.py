@@ -218,7 +218,7 @@ def test_redis_restart_mid_run(fresh_redis_server: RedisServer, model_dir: Path,
         ctx.close()
 
 
-@pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
+@pytest.mark.slow  # scaling: two worker processes sharing a backlog
 def test_backpressure_two_workers_share_a_backlog(ctx: Ctx, workers: Workers) -> None:
     bound = 4 + 2  # max_num_seqs + prefetch
     a = workers.start("bp-a")

@@ -242,9 +242,7 @@ class HeldJobs:
 
     def stop(self, job: Job, reason: FinishReason) -> None:
         """Cancel or time out a job: a final with its partial text if it produced any, else an error."""
-        if job in self.backlog:
-            self.backlog.remove(job)
-        self.abort(job)
+        self.take_out(job)
         self.end_final(job, stopped=reason)
 
     def all(self) -> list[Job]:

@@ -7,6 +7,7 @@ to the torch path (``available()`` says which), so nothing breaks, it is only sl
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -16,55 +17,37 @@ _NAME = "cpu_attention"
 
 
 def _bind(lib: ctypes.CDLL) -> None:
-    fn = lib.paged_decode_attention_f32
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [
-        ptr,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ctypes.c_float,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    fn.restype = None
-    fn = lib.paged_prefill_attention_f32
-    fn.argtypes = [
-        ptr,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ctypes.c_float,
-        ctypes.c_int,
-    ]
-    fn.restype = None
+    i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    # Both kernels start with (q, q_tok, q_head, k_cache, v_cache, out) and take the same shapes and scale
+    # (num_seqs, max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale) after their own arguments.
+    query_and_cache: list[Any] = [ptr, i64, i64, ptr, ptr, ptr]  # what _query_and_cache passes
+    shapes_and_scale: list[Any] = [i64, i64, i64, i64, i64, i64, f32]
+    decode = lib.paged_decode_attention_f32  # + rows, seq_lens, block_tables; cascade, num_threads
+    decode.argtypes = [*query_and_cache, ptr, ptr, ptr, *shapes_and_scale, c_int, c_int]
+    decode.restype = None
+    prefill = lib.paged_prefill_attention_f32  # + q_starts, q_lens, seq_lens, block_tables; num_threads
+    prefill.argtypes = [*query_and_cache, ptr, ptr, ptr, ptr, *shapes_and_scale, c_int]
+    prefill.restype = None
     lib.paged_prefill_attention_supported.argtypes = [i64]
     lib.paged_prefill_attention_supported.restype = ctypes.c_int
     lib.decode_cascade_blocks.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64]
     lib.decode_cascade_blocks.restype = i64
+
+
+def _query_and_cache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+) -> tuple[int, int, int, int, int, int]:
+    """The arguments both kernels start with: q (pointer, token and head strides), the caches, out."""
+    return q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+
+
+def _shapes_and_scale(
+    num_seqs: int, block_tables: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, scale: float
+) -> tuple[int, int, int, int, int, int, float]:
+    """The arguments both kernels take after their own: num_seqs, max_blocks, num_heads, num_kv_heads,
+    head_dim, block_size (caches ``[num_blocks, block_size, KVH, D]``), scale."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    return num_seqs, block_tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size, scale
 
 
 def available() -> bool:
@@ -93,25 +76,12 @@ def paged_decode_attention(
     """
     lib = c_build.load(_NAME, _bind)
     assert lib is not None, "call available() first"
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    del num_blocks
     lib.paged_decode_attention_f32(
-        q.data_ptr(),
-        q.stride(0),
-        q.stride(1),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        out.data_ptr(),
+        *_query_and_cache(q, k_cache, v_cache, out),
         rows.data_ptr(),
         seq_lens.data_ptr(),
         block_tables.data_ptr(),
-        rows.shape[0],
-        block_tables.shape[1],
-        q.shape[1],
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
+        *_shapes_and_scale(rows.shape[0], block_tables, q, k_cache, scale),
         int(cascade),
         torch.get_num_threads(),
     )
@@ -166,24 +136,12 @@ def paged_prefill_attention(
     """
     lib = c_build.load(_NAME, _bind)
     assert lib is not None and prefill_supported(q.shape[-1]), "call prefill_supported() first"
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
     lib.paged_prefill_attention_f32(
-        q.data_ptr(),
-        q.stride(0),
-        q.stride(1),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        out.data_ptr(),
+        *_query_and_cache(q, k_cache, v_cache, out),
         q_starts.data_ptr(),
         q_lens.data_ptr(),
         seq_lens.data_ptr(),
         block_tables.data_ptr(),
-        q_starts.shape[0],
-        block_tables.shape[1],
-        q.shape[1],
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
+        *_shapes_and_scale(q_starts.shape[0], block_tables, q, k_cache, scale),
         torch.get_num_threads(),
     )

@@ -28,7 +28,7 @@ import redis
 from schemas.jobs import FinalEvent
 from schemas.keys import GROUP, JOB_FIELD
 from tests.redis_servers import DEBIAN_VARIANT_SLOW, RedisServer, fresh_redis_server, redis_server  # noqa: F401
-from tests.worker_harness import REPO, Ctx, WorkerProcess, job_counts, wait_for
+from tests.worker_harness import REPO, Ctx, WorkerProcess, job_counts, logs_shown_on_failure, wait_for
 from worker.client import PagedqClient, Restart
 
 
@@ -196,7 +196,7 @@ def test_sigterm_drains_running_jobs_and_hands_back_the_rest(ctx: Ctx, workers: 
 def test_redis_restart_mid_run(fresh_redis_server: RedisServer, model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     ctx = Ctx(fresh_redis_server)
     w = Workers(ctx, model_dir, tmp_path)
-    try:
+    with logs_shown_on_failure(w.logs, w.close, ctx.close):
         a = w.start("steadfast", step_delay_s=0.01)
         a.wait_ready()
         ids = ctx.client.submit_many([f"restart {i}" for i in range(12)], max_tokens=32, ignore_eos=True)
@@ -210,12 +210,6 @@ def test_redis_restart_mid_run(fresh_redis_server: RedisServer, model_dir: Path,
         events = [x.get("event") for x in a.log_lines()]
         assert "redis.connection_lost" in events and "redis.reconnected" in events
         assert a.terminate() == 0
-    except BaseException:
-        print(w.logs())
-        raise
-    finally:
-        w.close()
-        ctx.close()
 
 
 @pytest.mark.slow  # scaling: two worker processes sharing a backlog

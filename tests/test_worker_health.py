@@ -19,7 +19,7 @@ import pytest
 
 from tests.ops_helpers import http_get, metric_sum
 from tests.redis_servers import DEBIAN_VARIANT_SLOW, RedisServer, free_port, fresh_redis_server, redis_server  # noqa: F401
-from tests.worker_harness import Ctx, WorkerProcess, job_counts, wait_for
+from tests.worker_harness import Ctx, WorkerProcess, job_counts, logs_shown_on_failure, wait_for
 from worker.health import PROBE_CACHE_S
 
 SECRET = "zebra-quasar-7731"  # in every prompt; must never reach the log
@@ -56,7 +56,7 @@ def test_ready_after_load_and_health_follows_redis(
 ) -> None:
     monkeypatch.setenv("PAGEDQ_TEST_LOAD_DELAY_S", "4")
     proc, port = _start(fresh_ctx, model_dir, tmp_path, "w-health", engine_factory="tests.ops_helpers:slow_engine")
-    try:
+    with logs_shown_on_failure(proc.log, proc.close):
         # the port opens before the model loads: alive and healthy, not ready
         status, _ = wait_for(lambda: (s := http_get(port, "/healthz"))[0] and s, 60, 0.05, "the metrics port")
         assert status == 200
@@ -95,11 +95,6 @@ def test_ready_after_load_and_health_follows_redis(
         print(f"healthz unhealthy {went_unhealthy_s:.2f}s after Redis went away")
         assert proc.proc.poll() is None
         assert proc.terminate() == 0
-    except BaseException:
-        print(proc.log())
-        raise
-    finally:
-        proc.close()
 
 
 @pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)

@@ -227,6 +227,19 @@ class WorkerProcess:
         self._log.close()
 
 
+@contextlib.contextmanager
+def logs_shown_on_failure(logs: Callable[[], str], *closers: Callable[[], object]) -> Iterator[None]:
+    """Run a block against worker processes: print their logs if it fails, close them whatever happens."""
+    try:
+        yield
+    except BaseException:
+        print(logs())
+        raise
+    finally:
+        for close in closers:
+            close()
+
+
 def job_counts(r: redis.Redis, keys: Keys, job_ids: list[str]) -> dict[str, tuple[int, bool]]:
     """Per job: number of terminal events in its reply stream, and whether its result key exists."""
     pipe = r.pipeline(transaction=False)

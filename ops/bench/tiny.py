@@ -39,14 +39,9 @@ def train_byte_level_bpe(texts: list[str], vocab_size: int, special_tokens: list
 
 def _train_tokenizer(corpus: Path) -> PreTrainedTokenizerFast:
     tok = train_byte_level_bpe(corpus.read_text(encoding="utf-8").split("\n\n"), VOCAB_SIZE, [EOS])
+    special_tokens = dict.fromkeys(("bos_token", "eos_token", "pad_token", "unk_token"), EOS)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=EOS,
-        eos_token=EOS,
-        pad_token=EOS,
-        unk_token=EOS,
-        clean_up_tokenization_spaces=False,
-        model_max_length=4096,
+        tokenizer_object=tok, clean_up_tokenization_spaces=False, model_max_length=4096, **special_tokens
     )
 
 

@@ -125,6 +125,10 @@ class Worker:
     def counts(self) -> dict[str, int]:
         return self.ledger.counts
 
+    def _counters(self) -> dict[str, int]:
+        """The heartbeat's ``jobs_*`` counters: the ledger's, and the link's reconnects."""
+        return {**self.counts, "reconnects": self.link.reconnects}
+
     @property
     def errors(self) -> int:
         """Unexpected exceptions the loop swallowed plus commands Redis refused (tests assert 0)."""
@@ -174,7 +178,7 @@ class Worker:
         with contextlib.suppress(*REDIS_DOWN, redis.RedisError):
             self.redis.delete(self.keys.heartbeat(self.name))
         self.redis.close()
-        self.log.info("worker.stopped", **{k: v for k, v in self.counts.items() if v})
+        self.log.info("worker.stopped", **{k: v for k, v in self._counters().items() if v})
 
     def tick(self) -> bool:
         """One iteration of the loop; True once stopped and drained. Never raises: a bug in one iteration
@@ -404,7 +408,6 @@ class Worker:
             load = engine_load(self.engine.stats())
         except Exception:
             load = {}
-        self.counts["reconnects"] = self.link.reconnects
         self.status = heartbeat_snapshot(
             self.identity,
             draining=self._draining,
@@ -414,6 +417,6 @@ class Worker:
             in_flight=len(self.held_jobs),
             idle=not self.jobs and not self.backlog and not self.outbox and not self.engine.has_unfinished(),
             load=load,
-            counts=self.counts,
+            counts=self._counters(),
             loop=self.loop_times,
         )

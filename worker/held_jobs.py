@@ -202,8 +202,7 @@ class HeldJobs:
                 self.engine.abort(job.request_id)
             except Exception:
                 self.log.exception("engine.abort_failed", request_id=job.request_id)
-            self.by_request.pop(job.request_id, None)
-        self.jobs.pop(job.entry_id, None)
+        self.forget(job)
         if job.has_pending_tokens() and job.request.stream and job.produced:
             self.emit_tokens(job)
 

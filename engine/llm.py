@@ -39,7 +39,13 @@ class LLM:
         priorities: Seq[int] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (all submitted at once, batched continuously); results in input order."""
+        """Generate for every prompt (all submitted at once, batched continuously); results in input order.
+
+        A request that fails on its own (its sampling went non-finite, say) does not raise: that would
+        throw away every other prompt's result. Its ``RequestOutput.error`` says why and its
+        samples' ``finish_reason`` is "error" (vLLM's finish reason for a request that failed inside
+        the engine); the other results are exactly what they would have been without it.
+        """
         prompt_list = _as_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
@@ -87,6 +93,8 @@ class LLM:
                 for delta in engine.step():
                     out = results[delta.request_id]
                     out.num_cached_tokens = delta.num_cached_tokens
+                    if delta.error is not None:
+                        out.error = delta.error
                     for d in delta.outputs:
                         c = out.outputs[d.index]
                         c.text += d.text

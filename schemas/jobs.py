@@ -19,7 +19,17 @@ if TYPE_CHECKING:
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 MAX_METADATA_BYTES = 4096
+MAX_METADATA_DEPTH = 16
+"""Deepest nesting of ``metadata`` (objects and lists): deeper JSON is tiny on the wire but too deep to
+serialise safely with the event it is echoed in."""
 INT32_MAX = 2**31 - 1
+SALVAGE_MAX_BYTES = 64 << 20
+"""Largest payload whose id a worker still reads to answer it (an error event), however far over the job size
+limit: parsing costs about as much memory again as the entry a worker already read. Beyond, dead letter only."""
+
+DEFAULT_MAX_TOKENS = 16  # SamplingParams' default
+TOKEN_JSON_BYTES = 24  # a token's text (a few characters, escaped) and id, in the final and its token event
+LOGPROB_JSON_BYTES = 40  # {"token_id":12345,"logprob":-1.2345678}, for the sampled token and each alternative
 
 JobId = Annotated[str, StringConstraints(pattern=JOB_ID_PATTERN)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -46,7 +56,15 @@ SAMPLING_FIELDS: tuple[str, ...] = (
 """Job fields passed through, flat, to the engine's ``SamplingParams``."""
 
 FinishReason = Literal["stop", "length", "cancelled", "deadline"]
-ErrorCode = Literal["invalid_request", "prompt_too_long", "deadline_exceeded", "cancelled", "dead_lettered", "internal"]
+ErrorCode = Literal[
+    "invalid_request",
+    "prompt_too_long",
+    "deadline_exceeded",
+    "cancelled",
+    "dead_lettered",
+    "entry_id_in_future",
+    "internal",
+]
 
 
 class InvalidJob(ValueError):
@@ -102,6 +120,7 @@ class JobRequest(BaseModel):
     reply_to: ReplyTo | None = None
     priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)] = 0
     timeout_s: Annotated[float, Field(gt=0.0)] | None = None
+    submitted_at: Annotated[float, Field(ge=0.0, le=1e11)] | None = None
     metadata: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -112,6 +131,9 @@ class JobRequest(BaseModel):
                 "exactly one of prompt, messages, prompt_token_ids is required, got " + (", ".join(given) or "none")
             )
         if self.metadata is not None:
+            depth = json_depth(self.metadata, MAX_METADATA_DEPTH + 1)
+            if depth > MAX_METADATA_DEPTH:
+                raise ValueError(f"metadata is nested more than {MAX_METADATA_DEPTH} levels deep")
             try:
                 encoded = json.dumps(self.metadata, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
             except ValueError as exc:
@@ -122,6 +144,17 @@ class JobRequest(BaseModel):
         if isinstance(self.stop, str) and not self.stop:
             raise ValueError("stop must not be empty")
         return self
+
+    def result_bytes_bound(self, max_model_len: int) -> int:
+        """An upper estimate of this job's result in bytes of JSON, before it runs: every choice at its
+        token limit (``max_tokens``, or the model's context), each token with its text, id and, when asked,
+        its logprob and ``logprobs`` alternatives. Workers refuse jobs above their ``max_result_bytes``: the
+        result is stored twice (result key and reply stream) and held in memory until it is written."""
+        tokens = min(self.max_tokens or DEFAULT_MAX_TOKENS, max_model_len)
+        per_token = TOKEN_JSON_BYTES
+        if self.logprobs is not None:
+            per_token += LOGPROB_JSON_BYTES * (1 + self.logprobs)
+        return (self.n or 1) * tokens * per_token
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The sampling fields the producer set, for ``SamplingParams(**kwargs)``."""
@@ -143,6 +176,25 @@ class JobRequest(BaseModel):
     def to_json(self) -> str:
         """Compact JSON with unset optional fields left out, as producers should send it."""
         return self.model_dump_json(exclude_none=True, exclude_defaults=True)
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a decoded JSON value (a scalar is 0), counted up to ``limit`` and no further, so
+    a hostile value costs at most ``limit`` levels of work (and no recursion)."""
+    depth = 0
+    level = [value]
+    while level and depth < limit:
+        children: list[Any] = []
+        for item in level:
+            if isinstance(item, dict):
+                children.extend(item.values())
+            elif isinstance(item, list):
+                children.extend(item)
+        if not children and not any(isinstance(item, (dict, list)) for item in level):
+            break
+        depth += 1
+        level = children
+    return depth
 
 
 def describe_validation_error(exc: Any, limit: int = 3) -> str:
@@ -201,13 +253,15 @@ def parse_job(raw: str | bytes, max_bytes: int) -> JobRequest:
 
 
 def salvage_reply_target(raw: str | bytes, max_bytes: int) -> tuple[str, str | None] | None:
-    """From a job that failed validation, recover ``(id, reply_to)`` if they are themselves valid.
+    """From a job that failed validation, recover ``(id, reply_to)``: the id if it is itself valid, and
+    ``reply_to`` only if that is valid too (None otherwise: the job's own reply stream is used).
 
-    Lets the worker send an ``error`` event to a producer whose job had, say, a bad ``temperature``;
-    returns None when no id can be trusted (the job then only goes to the dead-letter stream).
+    Lets the worker send an ``error`` event to a producer whose job had, say, a bad ``temperature`` or a
+    malformed ``reply_to``; returns None when no id can be trusted (the job then only goes to the
+    dead-letter stream).
     """
     data_bytes = _utf8(raw)
-    if len(data_bytes) > 8 * max_bytes:  # an oversized job is still answered, within reason
+    if len(data_bytes) > max(8 * max_bytes, SALVAGE_MAX_BYTES):  # an oversized job is still answered, within reason
         data: Any = None
     else:
         try:
@@ -217,10 +271,10 @@ def salvage_reply_target(raw: str | bytes, max_bytes: int) -> tuple[str, str | N
     if not isinstance(data, dict):
         return None
     job_id = data.get("id")
-    reply_to = data.get("reply_to")
-    if not _valid(_JOB_ID, job_id) or (reply_to is not None and not _valid(_REPLY_TO, reply_to)):
+    if not _valid(_JOB_ID, job_id):
         return None
-    return str(job_id), None if reply_to is None else str(reply_to)
+    reply_to = data.get("reply_to")
+    return str(job_id), str(reply_to) if _valid(_REPLY_TO, reply_to) else None
 
 
 _JOB_ID: TypeAdapter[str] = TypeAdapter(JobId)
@@ -339,7 +393,7 @@ class DeadLetter(BaseModel):
     """An entry of ``<ns>:dead:<queue>``: the raw job and why it was given up on.
 
     Stored as flat stream fields (strings) so operators can read it with ``XRANGE`` and re-queue the
-    ``job`` field as is.
+    ``job`` field as is, unless it was cut (``job_bytes`` larger than ``job``'s length in bytes).
     """
 
     job: str
@@ -349,6 +403,8 @@ class DeadLetter(BaseModel):
     worker: str
     job_id: str = ""
     entry_id: str = ""
+    job_bytes: int = 0  # length of the whole payload: more than ``job`` holds when it was cut
+    job_sha256: str = ""  # of the whole payload
     ts_ms: int = Field(default_factory=lambda: int(time.time() * 1000))
 
     def to_fields(self) -> dict[str, str]:
@@ -357,6 +413,11 @@ class DeadLetter(BaseModel):
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> DeadLetter:
         return cls.model_validate(fields, strict=False)
+
+    @property
+    def truncated(self) -> bool:
+        """Whether ``job`` is only the start of the payload (it cannot be re-queued as is)."""
+        return self.job_bytes > len(self.job.encode("utf-8", "surrogateescape"))
 
 
 def finite_or_none(value: float | None) -> float | None:

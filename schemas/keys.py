@@ -6,6 +6,7 @@ Every key lives under a namespace (default ``pagedq``) so several deployments ca
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 GROUP = "workers"
@@ -16,6 +17,11 @@ JOB_FIELD = "job"
 
 EVENT_FIELD = "event"
 """Field of a reply stream entry holding one event's JSON."""
+
+OWNER_FIELD = "entry"
+"""Field of a reply stream entry naming the job stream entry whose events the stream holds. A worker writes
+to a reply stream only when it does not exist yet or its first entry names the same job entry, so one job
+can never write into another job's (or another copy's) stream, nor into a key pagedq did not create."""
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -74,12 +80,25 @@ class Keys:
         """SCAN pattern matching the heartbeat keys of this queue's workers."""
         return f"{self.namespace}:worker:{self.queue}:*"
 
-    def reply_allowed(self, key: str) -> bool:
-        """Whether a job may name ``key`` as its ``reply_to``.
+    def reply_target(self, job_id: str, reply_to: str | None, granted: Sequence[str] = ()) -> str | None:
+        """The reply stream a job may write to, or None when its ``reply_to`` reaches outside its own keys.
 
-        Keys inside the namespace are reserved for pagedq's own use except the reply streams; this stops
-        a job from making the worker write events into a jobs stream, a result or a heartbeat.
+        A job's writable keys are derived from its id: its own reply stream ``<ns>:reply:<id>`` (the
+        default) and its result key. ``reply_to`` may name another stream only under a prefix the operator
+        granted (setting ``reply_prefixes``), and never a key pagedq uses for something else: a jobs stream,
+        a result, a heartbeat, a dead-letter stream, a cancel flag, or another job's reply stream.
         """
-        if not key.startswith(self.namespace + ":"):
-            return True
-        return key.startswith(f"{self.namespace}:reply:")
+        own = self.reply(job_id)
+        if reply_to is None or reply_to == own:
+            return own
+        if not any(reply_to.startswith(prefix) for prefix in granted):
+            return None
+        if reply_to.startswith(self.namespace + ":"):
+            kind = reply_to[len(self.namespace) + 1 :].split(":", 1)[0]
+            if kind in RESERVED_KINDS:
+                return None
+        return reply_to
+
+
+RESERVED_KINDS = frozenset({"jobs", "reply", "result", "cancel", "dead", "worker"})
+"""The second segment of the namespace's own keys (``<ns>:<kind>:...``): no ``reply_to`` may name one."""

@@ -1,9 +1,10 @@
 """Per-request sampling parameters, validated once at the API boundary.
 
-The engine trusts these values blindly on the hot path (the sampler does no checking), so every
-constraint lives here, expressed as pydantic ``Field`` bounds or validators so that an invalid request
-is rejected with an error naming the offending field. The model is frozen: a request's parameters must
-not change while the request is in flight, because the sampler and detokenizer cache derived state.
+The engine trusts these values on the hot path (the sampler checks nothing but that its arithmetic
+stayed finite, as a last guard), so every constraint lives here, expressed as pydantic ``Field``
+bounds or validators so that an invalid request is rejected with an error naming the offending
+field. The model is frozen: a request's parameters must not change while the request is in flight,
+because the sampler and detokenizer cache derived state.
 """
 
 from __future__ import annotations
@@ -16,6 +17,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
 
+# The sampler computes in float32, whose largest finite value is about 3.4e38 (written out here: the
+# schemas never import torch). A parameter that does not fit turns into inf there, and inf arithmetic
+# into NaN (0 * inf, inf - inf), which cannot be sampled (issue #17).
+FLOAT32_MAX = 3.4028234663852886e38
+
+# repetition_penalty p divides positive logits and multiplies negative ones; a sampled row's
+# temperature then divides by at least GREEDY_TEMPERATURE_EPS, i.e. multiplies by up to 1e5. With
+# logits up to ~1e3 in magnitude the largest value is 1e3 * max(p, 1/p) * 1e5, which must stay below
+# FLOAT32_MAX: max(p, 1/p) < 3.4e38 / 1e8 = 3.4e30. The bounds 1e-6 and 1e6 give 1e3 * 1e6 * 1e5 =
+# 1e14 instead, 24 orders of magnitude of margin for models with far larger logits, and are still
+# far outside any useful penalty (transformers suggests ~1.2). Issue #17's 1e-300 is rounded to 0 by
+# float32, which turns every positive seen logit into inf.
+MIN_REPETITION_PENALTY = 1e-6
+MAX_REPETITION_PENALTY = 1e6
+
 
 class SamplingParams(BaseModel):
     """How to turn one request's logits into tokens, and when to stop.
@@ -27,7 +43,9 @@ class SamplingParams(BaseModel):
     from the raw model logits.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: inf (and NaN) pass a bare ``ge`` bound, and an infinite temperature or
+    # penalty makes NaN in the sampler (-inf / inf for a masked token, 0 * inf for a zero logit).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     n: int = Field(default=1, ge=1, description="Independent samples per prompt.")
     max_tokens: int = Field(default=16, ge=1, description="Most tokens generated per sample.")
@@ -37,7 +55,7 @@ class SamplingParams(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1, description="-1 or 0 disables top-k.")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = None
@@ -55,6 +73,15 @@ class SamplingParams(BaseModel):
         # max_tokens is absent from info.data when it failed its own validation; report only that.
         if max_tokens is not None and value > max_tokens:
             raise ValueError(f"min_tokens ({value}) must be <= max_tokens ({max_tokens})")
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_fits_float32(cls, value: float) -> float:
+        # Beyond float32's range the sampler's division by inf makes NaN of masked (-inf) logits. A
+        # validator rather than ``le``, whose message would spell FLOAT32_MAX out in 39 digits.
+        if value > FLOAT32_MAX:
+            raise ValueError(f"temperature must be <= {FLOAT32_MAX:.3g} (the largest finite float32)")
         return value
 
     @field_validator("stop", mode="before")

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -48,6 +49,21 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
         return built[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny_model: Callable[[str], Path]) -> Path:
+    """The tiny Llama checkpoint the worker tests serve (a module may define its own ``model_dir``)."""
+    return tiny_model("llama_gqa")
+
+
+@pytest.fixture(scope="session")
+def engine(model_dir: Path) -> Any:
+    """One engine over :func:`model_dir` with the worker tests' sizes, shared by the modules that do not
+    define their own (each worker test checks it leaves no request and no KV block behind)."""
+    from tests.worker_harness import make_engine
+
+    return make_engine(model_dir)
 
 
 @dataclass

@@ -18,9 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
 
 from ops import batch
 from ops.batch import BatchLine, LineError, Progress, parse_line, read_done, response_body
+from ops.batch.command import LINES_FAILED
 from schemas.jobs import Choice, FinalEvent, Logprob, Timings, TopLogprob, Usage
 from tests.redis_servers import RedisServer, make_server
 from tests.worker_harness import ENGINE_KW, REPO, Ctx, WorkerProcess, wait_for
@@ -229,10 +232,19 @@ def _final(logprobs: bool) -> FinalEvent:
     )
 
 
+def openai_body(body: dict[str, Any]) -> ChatCompletion | Completion:
+    """The body parsed by the official SDK's model of its kind (raises when it is not that shape)."""
+    if body["object"] == "chat.completion":
+        return ChatCompletion.model_validate(body)
+    return Completion.model_validate(body)
+
+
 def test_response_bodies_are_openai_shaped() -> None:
     text = {5: "a", 6: "c", 7: "b"}.__getitem__
     body = response_body(_parse(chat("x", "hi")), _final(True), "served", text)
-    assert body["object"] == "chat.completion" and body["model"] == "tiny" and body["id"] == "chatcmpl-j1"
+    # The request said "tiny": the body names the model that served it, as OpenAI's does.
+    assert body["object"] == "chat.completion" and body["model"] == "served" and body["id"] == "chatcmpl-j1"
+    assert openai_body(body).model == "served"
     (choice,) = body["choices"]
     assert choice["message"] == {"role": "assistant", "content": "ab"} and choice["finish_reason"] == "stop"
     first = choice["logprobs"]["content"][0]
@@ -251,12 +263,29 @@ def test_response_bodies_are_openai_shaped() -> None:
         run_key="k",
         default_max_tokens=4,
     )
-    body = response_body(line, _final(True), "served", batch.token_id_text)
+    body = response_body(line, _final(True), "served", text)
     assert body["object"] == "text_completion" and body["model"] == "served"
     lp = body["choices"][0]["logprobs"]
-    assert lp["tokens"] == ["token_id:5", "token_id:7"] and lp["text_offset"] == [0, 10]
-    assert lp["top_logprobs"][0] == {"token_id:5": -0.5, "token_id:6": -1.5}
+    assert lp["tokens"] == ["a", "b"] and lp["text_offset"] == [0, 1]
+    assert lp["top_logprobs"][0] == {"a": -0.5, "c": -1.5}
+    assert openai_body(body).model == "served"
     assert response_body(line, _final(False), "s", text)["choices"][0]["logprobs"] is None
+
+
+def test_without_token_texts_offsets_and_bytes_are_null_not_computed_over_stand_ins() -> None:
+    """No tokenizer at hand: tokens are ``token_id:N``, and ``text_offset`` / ``bytes``, which only token
+    texts can give, are null (OpenAI's schema allows it) rather than numbers about the stand-in strings."""
+    line = _parse(completion("y", "p"))
+    body = response_body(line, _final(True), "served", batch.token_id_text)
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["token_id:5", "token_id:7"] and lp["text_offset"] is None
+    assert lp["top_logprobs"][0] == {"token_id:5": -0.5, "token_id:6": -1.5}
+    assert openai_body(body).choices[0].logprobs is not None
+    body = response_body(_parse(chat("x", "hi", logprobs=True)), _final(True), "served", batch.token_id_text)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [(e["token"], e["bytes"]) for e in content] == [("token_id:5", None), ("token_id:7", None)]
+    assert all(t["bytes"] is None for e in content for t in e["top_logprobs"])
+    assert isinstance(openai_body(body), ChatCompletion)
 
 
 def test_read_done_cuts_a_torn_last_line(tmp_path: Path) -> None:
@@ -325,7 +354,7 @@ def local_output(batch_file: BatchFile, model_dir: Path, tmp_path_factory: pytes
         [str(batch_file.path), str(out), "--local", "--model", str(model_dir), *ENGINE_FLAGS, "--progress", "none"]
     )
     print(f"--local batch of 200 lines: {time.monotonic() - started:.1f}s")
-    assert code == 0
+    assert code == LINES_FAILED  # every line answered, the malformed ones as errors
     return out
 
 
@@ -365,7 +394,7 @@ def test_local_batch_resumes_from_a_partial_output(
     code = batch.main(
         [str(batch_file.path), str(out), "--local", "--model", str(model_dir), *ENGINE_FLAGS, "--progress", "none"]
     )
-    assert code == 0
+    assert code == LINES_FAILED
     check_complete(batch_file, out)
     assert out.read_text().splitlines()[:50] == kept  # what was there is kept as is
     reference = answers(local_output)
@@ -373,8 +402,8 @@ def test_local_batch_resumes_from_a_partial_output(
     assert {cid: got[cid] for cid in batch_file.greedy & set(got)} == {
         cid: reference[cid] for cid in batch_file.greedy & set(got)
     }
-    # Nothing left to do: the run ends at once, without loading a model.
-    assert batch.main([str(batch_file.path), str(out), "--local", "--model", "/nonexistent"]) == 0
+    # Nothing left to do: the run ends at once, without loading a model (exit 3: earlier runs failed lines).
+    assert batch.main([str(batch_file.path), str(out), "--local", "--model", "/nonexistent"]) == LINES_FAILED
 
 
 @pytest.fixture(scope="module")
@@ -423,7 +452,7 @@ def test_two_workers_give_the_same_output_as_local(
     proc = run_batch(queue, batch_file, out, model_dir, "--log-interval-s", "0.5")
     stdout, stderr = proc.communicate(timeout=300)
     print(f"queue batch of 200 lines through 2 workers: {time.monotonic() - started:.1f}s")
-    assert proc.returncode == 0, stderr
+    assert proc.returncode == LINES_FAILED, stderr
     check_complete(batch_file, out)
     assert "batch: finished: 200/200 done" in stderr  # not a terminal: log lines, not a bar
     assert stdout == ""
@@ -431,7 +460,7 @@ def test_two_workers_give_the_same_output_as_local(
     assert set(local) == set(queued)
     assert {c: queued[c] for c in batch_file.greedy} == {c: local[c] for c in batch_file.greedy}
     served = {r["response"]["body"]["model"] for r in records(out)}
-    assert served == {"tiny"}
+    assert served == {str(model_dir)}  # the workers' model, not the requests' "tiny"
     # Both workers took part.
     workers = {queue.result(r["response"]["request_id"]).worker for r in records(out)}
     assert workers == {"bw0", "bw1"}
@@ -455,9 +484,68 @@ def test_killed_run_resumes_with_each_custom_id_exactly_once(
 
     proc = run_batch(queue, batch_file, out, model_dir, "--progress", "log")
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr
+    assert proc.returncode == LINES_FAILED, stderr
     assert f"resuming: {written} of 200 lines" in stderr
     check_complete(batch_file, out)
     local, resumed = answers(local_output), answers(out)
     assert {c: resumed[c] for c in batch_file.greedy} == {c: local[c] for c in batch_file.greedy}
     assert queue.redis.xlen(queue.keys.jobs) == 0  # nothing left behind in the queue
+
+
+def test_queue_answers_name_the_served_model_and_use_the_workers_token_texts(
+    queue: Ctx, model_dir: Path, tmp_path: Path
+) -> None:
+    """No ``--tokenizer``, no ``PAGEDQ_MODEL``, and requests naming OpenAI's model: each body names the
+    workers' model, and logprob tokens, chat ``bytes`` and completion ``text_offset`` come from the workers'
+    tokenizer (their model folder, named by their heartbeats), checked against transformers' decoding of the
+    token ids in the final events."""
+    from transformers import AutoTokenizer
+
+    asked = "gpt-4o-mini"
+    lines = [
+        chat("c-lp", "tell me about the sea", max_tokens=6, temperature=0, logprobs=True, top_logprobs=2),
+        chat("c-plain", "hello robot", max_tokens=4, temperature=0),
+        completion("p-lp", "the paged cache", max_tokens=6, temperature=0, logprobs=2),
+        completion("p-ids", [5, 6, 7, 8], max_tokens=5, temperature=0, logprobs=1),
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(line.replace('"model": "tiny"', f'"model": "{asked}"') for line in lines) + "\n")
+    argv = [sys.executable, "-m", "ops.batch", str(inp), str(out), "--redis-url", queue.server.url,
+            "--namespace", queue.ns, "--progress", "log"]  # fmt: skip
+    proc = subprocess.run(argv, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"requests name model {asked!r}; answered by {str(model_dir)!r}" in proc.stderr
+    assert "token_id:" not in out.read_text()
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def text(token_id: int) -> str:
+        return str(tok.decode([token_id]))
+
+    bodies = {r["custom_id"]: r["response"] for r in records(out)}
+    assert set(bodies) == {"c-lp", "c-plain", "p-lp", "p-ids"}
+    for cid, response in bodies.items():
+        body = response["body"]
+        assert body["model"] == str(model_dir), (cid, body["model"])
+        parsed = openai_body(body)
+        (choice,) = queue.result(response["request_id"]).choices
+        if cid == "c-plain":
+            assert body["choices"][0]["logprobs"] is None
+            continue
+        assert choice.logprobs
+        if isinstance(parsed, ChatCompletion):
+            lp = parsed.choices[0].logprobs
+            assert lp is not None and lp.content is not None
+            assert [e.token for e in lp.content] == [text(p.token_id) for p in choice.logprobs]
+            assert [e.bytes for e in lp.content] == [list(text(p.token_id).encode()) for p in choice.logprobs]
+            for entry, want in zip(lp.content, choice.logprobs, strict=True):
+                assert [(t.token, t.bytes) for t in entry.top_logprobs] == [
+                    (text(t.token_id), list(text(t.token_id).encode())) for t in want.top
+                ]
+        else:
+            clp = parsed.choices[0].logprobs
+            assert clp is not None and clp.tokens is not None and clp.text_offset is not None
+            assert clp.tokens == [text(p.token_id) for p in choice.logprobs]
+            lengths = [len(t) for t in clp.tokens]
+            assert clp.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
+            assert clp.top_logprobs == [{text(t.token_id): t.logprob for t in p.top} for p in choice.logprobs]

@@ -3,6 +3,10 @@
 A producer that knows nothing of pagedq but the task name sends ``pagedq.generate``; the results must be the
 protocol's final/error events, equal to what the engine gives for the same greedy jobs, and the engine must
 have run the concurrent tasks as one batch (its ``max_running`` counter, read through ``pagedq.stats``).
+
+The broker and the result backend are two databases of one server (db 1 and db 2), as in a producer app
+configured ``Celery(broker=".../1", backend=".../2")``: results must be stored where the producer's backend
+reads them, not merely reach it by pub/sub (which ignores database numbers).
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
+from celery.result import AsyncResult
 
 from schemas.jobs import JobRequest
 from tests.redis_servers import RedisServer, make_server
 from tests.worker_harness import ENGINE_KW, REPO, make_engine, wait_for
 from worker.engine_thread import EngineThread
+
+BROKER_DB, BACKEND_DB = 1, 2
 
 
 @dataclass
@@ -30,14 +38,22 @@ class CeleryWorker:
     proc: subprocess.Popen[bytes]
     log_path: Path
     client: Celery
+    broker_url: str
+    backend_url: str
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
 
-def client_app(url: str, *accept: str) -> Celery:
+def with_db(url: str, db: int) -> str:
+    """``redis://host:port/0`` -> the same server's database ``db``."""
+    base, _, _ = url.rpartition("/")
+    return f"{base}/{db}"
+
+
+def client_app(broker: str, backend: str, *accept: str) -> Celery:
     """A producer's own Celery app: it only shares the broker, the backend and the task name."""
-    app = Celery("web-backend", broker=url, backend=url, set_as_current=False)
+    app = Celery("web-backend", broker=broker, backend=backend, set_as_current=False)
     app.conf.update(task_serializer="json", result_serializer="json", accept_content=["json", *accept])
     return app
 
@@ -51,10 +67,12 @@ def model_dir(tiny_model: Any) -> Path:
 def celery_worker(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CeleryWorker]:
     tmp = tmp_path_factory.mktemp("celery")
     server: RedisServer = make_server("debian", tmp / "redis")
+    broker, backend = with_db(server.url, BROKER_DB), with_db(server.url, BACKEND_DB)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDQ_", "CELERY_"))}
     env.update({
         "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-        "PAGEDQ_REDIS_URL": server.url, "PAGEDQ_MODEL": str(model_dir), "PAGEDQ_DTYPE": "float32",
+        "PAGEDQ_REDIS_URL": broker, "PAGEDQ_CELERY_RESULT_BACKEND": backend,
+        "PAGEDQ_MODEL": str(model_dir), "PAGEDQ_DTYPE": "float32",
         "PAGEDQ_DEVICE": "cpu", "PAGEDQ_LOG_FORMAT": "json",
         "PAGEDQ_MAX_NUM_SEQS": str(ENGINE_KW["max_num_seqs"]),
         "PAGEDQ_MAX_NUM_BATCHED_TOKENS": str(ENGINE_KW["max_num_batched_tokens"]),
@@ -80,7 +98,7 @@ def celery_worker(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    worker = CeleryWorker(proc, log_path, client_app(server.url))
+    worker = CeleryWorker(proc, log_path, client_app(broker, backend), broker, backend)
     try:
 
         def ready() -> bool:
@@ -162,7 +180,7 @@ def test_pickled_messages_are_refused(celery_worker: CeleryWorker) -> None:
     from worker.celery_app import app as worker_app
 
     assert worker_app.conf.accept_content == ["json"] and worker_app.conf.result_accept_content == ["json"]
-    producer = client_app(celery_worker.client.conf.broker_url, "pickle")
+    producer = client_app(celery_worker.broker_url, celery_worker.backend_url, "pickle")
     try:
         pickled = producer.send_task("pagedq.generate", kwargs={"prompt": "p", "max_tokens": 2}, serializer="pickle")
         plain = producer.send_task("pagedq.generate", kwargs={"prompt": "j", "max_tokens": 2})
@@ -190,3 +208,30 @@ def test_revoke_cancels_a_running_generation(celery_worker: CeleryWorker) -> Non
     else:
         assert event["choices"][0]["finish_reason"] == "cancelled", event
         assert 0 < event["usage"]["completion_tokens"] < 1000
+
+
+def test_results_are_stored_in_the_producers_result_backend(celery_worker: CeleryWorker) -> None:
+    """The producer's backend (db 2) holds the result and its state; the broker's database (db 1) none."""
+    sent = celery_worker.client.send_task("pagedq.generate", kwargs={"prompt": "state", "max_tokens": 2})
+    event = sent.get(timeout=120)  # woken by pub/sub, which would deliver it whatever the database
+    assert event["type"] == "final", event
+    # The backend stores the value before it publishes it (one MULTI/EXEC), so it is readable now. Another
+    # app, with the backend only, reads it by GET: no pub/sub involved.
+    reader = Celery("reader", backend=celery_worker.backend_url, set_as_current=False)
+    reader.conf.update(result_serializer="json", accept_content=["json"], result_accept_content=["json"])
+    try:
+        stored = AsyncResult(sent.id, app=reader)
+        assert stored.state == "SUCCESS"
+        assert stored.result == event
+    finally:
+        reader.close()
+    key = f"celery-task-meta-{sent.id}"
+    broker_db = redis.Redis.from_url(celery_worker.broker_url)
+    backend_db = redis.Redis.from_url(celery_worker.backend_url)
+    try:
+        assert backend_db.exists(key) == 1
+        assert broker_db.exists(key) == 0
+        assert not list(broker_db.scan_iter("celery-task-meta-*"))  # no result of any task went to the broker
+    finally:
+        broker_db.close()
+        backend_db.close()

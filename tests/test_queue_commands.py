@@ -22,7 +22,7 @@ import pytest
 
 from ops import queue_commands
 from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, parse_event
-from schemas.keys import EVENT_FIELD, JOB_FIELD, Keys
+from schemas.keys import EVENT_FIELD, GROUP, JOB_FIELD, Keys
 from tests.redis_servers import RedisServer, redis_server  # noqa: F401
 from tests.worker_harness import REPO, Ctx, inprocess_worker, make_engine, wait_for
 from worker.consumer import Worker
@@ -327,3 +327,63 @@ def test_ctrl_c_in_submit_cancels_the_job(ctx: Ctx) -> None:
             proc.kill()
     assert proc.returncode == 130 and "cancelled job ctrl-c" in err
     assert ctx.redis.exists(ctx.keys.cancel("ctrl-c"))
+
+
+# --------------------------------------------------------------------------- first-run rough edges
+
+
+@DEBIAN
+def test_submit_without_a_live_worker_warns_and_gives_up(
+    ctx: Ctx, engine: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A first ``submit`` with no worker running said nothing and waited forever; now it warns at once and
+    gives up after ``--wait-s`` (600 s unless given), leaving the job queued for a worker to come."""
+    args = queue_commands.build_parser().parse_args(["submit", "hi"])
+    assert args.wait_s == queue_commands.DEFAULT_WAIT_S == 600
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.cli", *cli(ctx, "submit", "--chat", "hi", "--wait-s", "0.5", "--id", "lonely")],
+        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 124, proc.stderr
+    warning, gave_up = proc.stderr.strip().splitlines()
+    assert "warning: no live worker on queue 'default'" in warning and "`pagedq worker`" in warning
+    assert "giving up after 0.5 s" in warning and "within 0.5 s (it stays queued)" in gave_up
+    assert ctx.redis.xlen(ctx.keys.jobs) == 1
+    with inprocess_worker(ctx, engine, name="w-there"):  # with a worker: no warning, and the queued job runs
+        wait_for(lambda: "w-there" in ctx.heartbeats(), what="heartbeat")
+        code = queue_commands.main(cli(ctx, "submit", "hi", "--max-tokens", "2", "--json"))
+        assert code == 0 and "warning" not in capsys.readouterr().err
+        assert ctx.client.result("lonely", timeout=60).id == "lonely"
+
+
+@DEBIAN
+def test_status_tells_exited_workers_consumers_apart_and_prunes_the_empty_ones(
+    ctx: Ctx, engine: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two workers that exited, as they leave the group: one holding a job it had read, one holding nothing.
+    ctx.redis.xgroup_create(ctx.keys.jobs, GROUP, id="0", mkstream=True)
+    ctx.redis.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": "held-1", "prompt": "hi", "max_tokens": 1})})
+    assert ctx.redis.xreadgroup(GROUP, "gone-busy", {ctx.keys.jobs: ">"}, count=1)
+    ctx.redis.xgroup_createconsumer(ctx.keys.jobs, GROUP, "gone-idle")
+    with inprocess_worker(ctx, engine, name="w-live", reclaim_idle_s=600):  # not taking held-1 over here
+        wait_for(lambda: "w-live" in ctx.heartbeats(), what="heartbeat")
+        assert queue_commands.main(cli(ctx, "status", "--json")) == 0
+        (q,) = json_in(capsys.readouterr().out)["queues"]
+        consumers = {c["name"]: (c["live"], c["pending"]) for c in q["consumers"]}
+        assert consumers == {"gone-busy": (False, 1), "gone-idle": (False, 0), "w-live": (True, 0)}
+
+        assert queue_commands.main(cli(ctx, "status")) == 0
+        text = capsys.readouterr().out
+        lines = text.splitlines()
+        header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["NAME", "WORKER"])
+        rows = {line.split()[0]: line.split()[1] for line in lines[header + 1 : header + 4]}
+        assert rows["gone-busy"] == "gone" and rows["gone-idle"] == "gone" and rows["w-live"] == "live"
+        assert "2 consumer(s) without a heartbeat" in text and "their 1 pending job(s)" in text
+        assert "`pagedq status --prune`" in text
+
+        assert queue_commands.main(cli(ctx, "status", "--prune", "--json")) == 0
+        captured = capsys.readouterr()
+        assert "deleted 1 consumer(s): gone-idle" in captured.err
+        (q,) = json_in(captured.out)["queues"]
+        assert sorted(c["name"] for c in q["consumers"]) == ["gone-busy", "w-live"]  # the held job keeps its owner
+        assert ctx.redis.xpending_range(ctx.keys.jobs, GROUP, "-", "+", 10, "gone-busy")[0]["times_delivered"] == 1

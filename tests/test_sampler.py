@@ -1,4 +1,5 @@
-"""Sampler: stage numerics against plain references, distributions, and seeded batch-independence."""
+"""Sampler: stage numerics against plain references, distributions, seeded batch-independence, and rows
+whose arithmetic goes non-finite failing alone."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ from typing import Any
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingRow, apply_penalties, make_generator
+from engine.sampler import (
+    FAILED_TOKEN,
+    NAN_LOGITS,
+    NO_CANDIDATE,
+    NONFINITE_PROBS,
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    apply_penalties,
+    make_generator,
+)
 from schemas.sampling import SamplingParams
 
 V = 64
@@ -362,3 +373,107 @@ def test_non_float32_logits() -> None:
 def test_shape_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError, match="does not match"):
         Sampler({EOS}).sample(torch.zeros(2, V), [_row()])
+
+
+# ---------------------------------------------------------------- rows that cannot be sampled fail alone
+
+
+def _unchecked_row(generator: torch.Generator | None, prompt: list[int], **params: Any) -> SamplingRow:
+    """A row whose params skip validation: admission rejects these values, the sampler must survive them."""
+    return SamplingRow(SamplingParams.model_construct(**params), generator, prompt, [])
+
+
+def _mixed_rows(prompt: list[int] | None = None) -> list[SamplingRow]:
+    """Greedy, seeded and unseeded sampled rows, some with logprobs: what a real batch holds. Fresh
+    generators on every call, so two calls draw the same numbers."""
+    return [
+        _row(None, prompt, temperature=0, logprobs=2),
+        _row(make_generator(1), prompt, temperature=0.9, logprobs=1),
+        _row(None, prompt, temperature=1.0),
+        _row(make_generator(2), prompt, temperature=0.7, top_p=0.9),
+        _row(None, prompt, temperature=0),
+        _row(None, prompt, temperature=1.2, top_k=10),
+    ]
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    return Sampler({EOS}, generator=torch.Generator().manual_seed(5)).sample(logits, rows)
+
+
+def _assert_only_these_failed(clean: SamplerOutput, out: SamplerOutput, failed: dict[int, str]) -> None:
+    """``out`` failed exactly the ``failed`` rows; every other row has ``clean``'s token and logprobs."""
+    assert out.failed == failed
+    for i, token in enumerate(out.token_ids):
+        if i in failed:
+            assert token == FAILED_TOKEN and out.logprobs[i] is None
+        else:
+            assert (token, out.logprobs[i]) == (clean.token_ids[i], clean.logprobs[i]), i
+
+
+def test_nan_logits_fail_only_their_rows() -> None:
+    """A NaN in a greedy row is found by the argmax pass itself (max propagates NaN); in a sampled row,
+    by the probabilities' sum. Every other row draws what it draws without the poison, the unseeded
+    ones included: a failed unseeded row stays in the shared multinomial call."""
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(20))
+    poisoned = logits.clone()
+    poisoned[4, 7] = float("nan")  # greedy
+    poisoned[2, 3] = float("nan")  # sampled, unseeded
+    poisoned[3, 9] = float("nan")  # sampled, seeded
+    out = _sample(poisoned, _mixed_rows())
+    _assert_only_these_failed(
+        _sample(logits, _mixed_rows()), out, {4: NAN_LOGITS, 2: NONFINITE_PROBS, 3: NONFINITE_PROBS}
+    )
+
+
+def test_all_minus_inf_rows_fail() -> None:
+    """Nothing left to choose: a greedy row would silently take token 0, a sampled row would raise."""
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(21))
+    poisoned = logits.clone()
+    poisoned[0] = float("-inf")
+    poisoned[5] = float("-inf")
+    out = _sample(poisoned, _mixed_rows())
+    _assert_only_these_failed(_sample(logits, _mixed_rows()), out, {0: NO_CANDIDATE, 5: NONFINITE_PROBS})
+
+
+def test_all_greedy_batch_fails_only_its_nan_row() -> None:
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(23))
+    logits[1, 0] = float("nan")
+    out = Sampler({EOS}).sample(logits, [_row(temperature=0) for _ in range(4)])
+    assert out.failed == {1: NAN_LOGITS}
+    expected = logits.argmax(dim=1).tolist()
+    assert out.token_ids == [expected[0], FAILED_TOKEN, expected[2], expected[3]]
+
+
+def test_min_tokens_masking_every_token_fails_the_row() -> None:
+    logits = torch.tensor([[1.0, 2.0], [3.0, 1.0]])
+    out = Sampler({0, 1}).sample(logits, [_row(temperature=0, min_tokens=1), _row(temperature=0)])
+    assert out.failed == {0: NO_CANDIDATE}
+    assert out.token_ids == [FAILED_TOKEN, 0]
+
+
+def test_infinite_logits_after_a_penalty_fail_sampled_rows() -> None:
+    """Issue #17's producer: repetition_penalty=1e-300 (0 in float32) turns every positive seen logit
+    into +inf, and softmax turns +inf into NaN. A greedy row with the same penalty still has a
+    well-defined argmax (the first +inf), so only the sampled rows fail."""
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(22))
+    logits[:, 5] = 4.0  # a positive logit on a prompt token of every row
+    prompt = [5, 6, 7]
+    poisoned = _mixed_rows(prompt)
+    poisoned[1] = _unchecked_row(make_generator(1), prompt, temperature=0.9, repetition_penalty=1e-300, logprobs=1)
+    poisoned[2] = _unchecked_row(None, prompt, temperature=1.0, repetition_penalty=1e-300)
+    poisoned[4] = _unchecked_row(None, prompt, temperature=0.0, repetition_penalty=1e-300)
+    out = _sample(logits, poisoned)
+    assert out.token_ids[4] == 5  # the greedy row: argmax lands on the +inf
+    clean = _sample(logits, _mixed_rows(prompt))
+    clean.token_ids[4] = 5
+    _assert_only_these_failed(clean, out, {1: NONFINITE_PROBS, 2: NONFINITE_PROBS})
+
+
+def test_a_failed_seeded_row_does_not_draw() -> None:
+    """Its generator is left as it was: nothing was sampled, so nothing was consumed."""
+    gen = make_generator(9)
+    assert gen is not None
+    before = gen.get_state()
+    out = Sampler({EOS}).sample(torch.full((1, V), float("nan")), [_row(gen, temperature=1.0)])
+    assert out.failed == {0: NONFINITE_PROBS}
+    assert torch.equal(gen.get_state(), before)

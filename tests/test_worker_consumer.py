@@ -20,20 +20,10 @@ from hypothesis import strategies as st
 from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, TokenEvent
 from schemas.keys import GROUP, JOB_FIELD
 from tests.redis_servers import RedisServer, redis_server  # noqa: F401
-from tests.worker_harness import Ctx, inprocess_worker, make_engine, wait_for
+from tests.worker_harness import Ctx, inprocess_worker, wait_for
 from worker.client import JobFailed
 from worker.consumer import EngineLike, Worker
 from worker.reclaimer import Delivery
-
-
-@pytest.fixture(scope="session")
-def model_dir(tiny_model: Any) -> Path:
-    return Path(tiny_model("llama_gqa"))
-
-
-@pytest.fixture(scope="session")
-def engine(model_dir: Path) -> EngineLike:
-    return make_engine(model_dir)
 
 
 @pytest.fixture
@@ -383,10 +373,10 @@ def test_shutdown_hands_back_unstarted_at_once_and_abandons_after_grace(ctx: Ctx
 
 
 def test_n_logprobs_no_stream_and_custom_reply_to(ctx: Ctx, engine: EngineLike) -> None:
-    with inprocess_worker(ctx, engine):
+    with inprocess_worker(ctx, engine, reply_prefixes=[f"{ctx.ns}-replies:"]):
         two = ctx.client.submit("two choices", n=2, max_tokens=5, temperature=1.0, seed=3, logprobs=2)
         quiet = ctx.client.submit("no stream", max_tokens=5, stream=False)
-        custom = f"{ctx.ns}-elsewhere"
+        custom = f"{ctx.ns}-replies:routed"  # under a prefix the worker grants
         routed = ctx.client.submit("routed", max_tokens=3, reply_to=custom)
         final = ctx.client.result(two, timeout=60)
         assert [c.index for c in final.choices] == [0, 1]

@@ -5,19 +5,27 @@
 * ``/healthz`` turns 503 within 5 s of Redis going away and 200 again after it returns.
 * ``/metrics`` counts the worker's jobs, and its JSON log has one canonical ``job.finished`` line per
   job, with no prompt text in any line.
+* ``/metrics`` counts every terminal outcome, rejected and dead-lettered jobs included, by outcome and error
+  code: the counts add up to the entries submitted, and the dead letters to the dead-letter stream.
+* ``/metrics`` follows the serving stacks' conventions (no ``*_created`` series, ``pagedq_worker_info``, a
+  ``model_name`` label on the engine's metrics), and a scrape right after the last result was published
+  shows an idle engine.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.ops_helpers import http_get, metric_sum
+from schemas.keys import JOB_FIELD
+from tests.ops_helpers import http_get, metric_samples, metric_sum
 from tests.redis_servers import DEBIAN_VARIANT_SLOW, RedisServer, free_port, fresh_redis_server, redis_server  # noqa: F401
 from tests.worker_harness import Ctx, WorkerProcess, job_counts, logs_shown_on_failure, wait_for
 from worker.health import PROBE_CACHE_S
@@ -149,3 +157,90 @@ def test_metrics_and_canonical_log_lines(ctx: Ctx, model_dir: Path, tmp_path: Pa
         ):
             assert key in line, (key, line)  # fmt: skip
         assert line["completion_tokens"] == 4 and line["finish_reason"] == "length" and line["attempt"] == 1
+
+
+@pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
+def test_every_terminal_outcome_and_dead_letter_is_counted(ctx: Ctx, model_dir: Path, tmp_path: Path) -> None:
+    proc, port = _start(ctx, model_dir, tmp_path, "w-outcomes")
+    with logs_shown_on_failure(proc.log, proc.close):
+        proc.wait_ready()
+        good = ctx.client.submit_many(["one", "two", "three"], max_tokens=3, ignore_eos=True, temperature=0.0)
+        long_ago = time.time() - 3600  # a sane submitted_at (not in the future, not a month old), long past
+        bad: dict[str, tuple[str, bool]] = {  # payload -> (error code, dead-lettered)
+            "{not json": ("invalid_request", True),
+            json.dumps({"id": "bad-type", "prompt": "x", "max_tokens": "8"}): ("invalid_request", True),
+            json.dumps({"id": "bad-field", "prompt": "x", "bogus": 1}): ("invalid_request", True),
+            json.dumps({"id": "too-long", "prompt": "x" * 4000}): ("prompt_too_long", True),
+            json.dumps({"id": "bad-reply", "prompt": "x", "reply_to": "elsewhere:stream"}): ("invalid_request", True),
+            json.dumps({"id": "late", "prompt": "x", "timeout_s": 1, "submitted_at": long_ago}): (
+                "deadline_exceeded",
+                False,
+            ),
+        }
+        for payload in bad:
+            ctx.redis.xadd(ctx.keys.jobs, {JOB_FIELD: payload})
+        with_ids = [*good, "bad-type", "bad-field", "too-long", "bad-reply", "late"]
+        dead = sum(is_dead for _, is_dead in bad.values())
+
+        def all_answered() -> bool:
+            results = job_counts(ctx.redis, ctx.keys, with_ids).values()
+            return all(has_result for _, has_result in results) and ctx.redis.xlen(ctx.keys.dead) == dead
+
+        # The ledger counts a job when its terminal write is queued, before it is sent: once Redis has every
+        # result and dead letter, /metrics has counted them all.
+        wait_for(all_answered, 90, 0.1, "every job answered and every dead letter written")
+        text = http_get(port, "/metrics")[1]
+        submitted = len(good) + len(bad)
+        assert metric_sum(text, "pagedq_jobs_total") == submitted, text
+        assert metric_sum(text, "pagedq_jobs_total", outcome="final", reason="length") == len(good)
+        want_errors = Counter(code for code, _ in bad.values())
+        got_errors = {
+            labels["reason"]: value
+            for labels, value in metric_samples(text)["pagedq_jobs_total"]
+            if labels["outcome"] == "error"
+        }
+        assert got_errors == {code: float(n) for code, n in want_errors.items()}
+        assert metric_sum(text, "pagedq_dead_letters_total") == dead == ctx.redis.xlen(ctx.keys.dead)
+        assert proc.terminate() == 0
+
+
+ENGINE_METRICS = (
+    "pagedq_requests_running",
+    "pagedq_requests_waiting",
+    "pagedq_kv_cache_usage_ratio",
+    "pagedq_prefix_cache_queries_total",
+    "pagedq_prefix_cache_hits_total",
+    "pagedq_preemptions_total",
+    "pagedq_prompt_tokens_total",
+    "pagedq_generation_tokens_total",
+    "pagedq_time_to_first_token_seconds_count",
+    "pagedq_inter_token_latency_seconds_count",
+    "pagedq_e2e_request_latency_seconds_count",
+    "pagedq_request_queue_time_seconds_count",
+    "pagedq_jobs_total",
+)
+
+
+@pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
+def test_metrics_conventions_and_gauges_current_right_after_the_work(ctx: Ctx, model_dir: Path, tmp_path: Path) -> None:
+    proc, port = _start(ctx, model_dir, tmp_path, "w-conventions")
+    with logs_shown_on_failure(proc.log, proc.close):
+        proc.wait_ready()
+        # More jobs than max_num_seqs, all of one length: the engine runs full batches until the last ends.
+        ids = ctx.client.submit_many([f"job {i}" for i in range(10)], max_tokens=8, ignore_eos=True, temperature=0.0)
+        wait_for(lambda: all(c == (1, True) for c in job_counts(ctx.redis, ctx.keys, ids).values()), 90, 0.05, "jobs")
+        text = http_get(port, "/metrics")[1]  # at once: the last results were published a moment ago
+        samples = metric_samples(text)
+        for name in ("pagedq_requests_running", "pagedq_requests_waiting", "pagedq_jobs_unstarted"):
+            assert [value for _, value in samples[name]] == [0.0], (name, samples[name])
+        assert [value for _, value in samples["pagedq_kv_cache_usage_ratio"]] == [0.0]
+        assert metric_sum(text, "pagedq_jobs_total", outcome="final") == len(ids)
+
+        assert "_created" not in text
+        assert samples["pagedq_worker_info"] == [
+            ({"model": str(model_dir), "version": metadata.version("pagedq"), "dtype": "float32"}, 1.0)
+        ]
+        for name in ENGINE_METRICS:
+            assert samples.get(name), name
+            assert {labels.get("model_name") for labels, _ in samples[name]} == {str(model_dir)}, name
+        assert proc.terminate() == 0

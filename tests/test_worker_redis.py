@@ -26,7 +26,7 @@ from tests.redis_servers import (  # noqa: F401
 from tests.worker_harness import wait_for
 from worker.client import AsyncPagedqClient, JobFailed, PagedqClient, Restart
 from worker.embedded_redis import EmbeddedRedis
-from worker.publisher import Outbox, Publisher, Terminal
+from worker.publisher import DeadOnly, Outbox, Publisher, Terminal
 from worker.reclaimer import Reclaimer, ensure_group
 
 
@@ -70,15 +70,10 @@ def test_terminal_is_atomic_and_written_once(fx: Fixture) -> None:
     rec = Reclaimer(fx.redis, fx.keys, "w1", reclaim_idle_s=30)
     assert [d.entry_id for d in rec.read_new(10, None)] == [entry]
 
-    outbox = Outbox(
-        tokens=[
-            (
-                fx.keys.reply("j1"),
-                TokenEvent(id="j1", attempt=1, index=0, text="ab", token_ids=[1, 2]).to_json(),
-            )
-        ]
-    )
-    outbox.terminals.append(Terminal(entry, "j1", fx.keys.reply("j1"), _final("j1", "ab")))
+    token = TokenEvent(id="j1", attempt=1, index=0, text="ab", token_ids=[1, 2])
+    outbox = Outbox()
+    outbox.add_tokens(fx.keys.reply("j1"), entry, "j1", [token.to_json()])
+    outbox.terminals.append(Terminal(entry, "j1", fx.keys.reply("j1"), _final("j1", "ab").to_json()))
     assert fx.pub.flush(outbox) == []
     assert not outbox
     # Result key, reply stream (token then final), TTLs, ack and deletion all happened together.
@@ -92,7 +87,10 @@ def test_terminal_is_atomic_and_written_once(fx: Fixture) -> None:
     # A second delivery of the same job (another worker, a retry after a lost reply) writes nothing.
     entry2 = fx.add({"id": "j1", "prompt": "x"})
     rec.read_new(10, None)
-    assert fx.pub.terminal(Terminal(entry2, "j1", fx.keys.reply("j1"), _final("j1", "other", attempt=2))) is False
+    assert (
+        fx.pub.terminal(Terminal(entry2, "j1", fx.keys.reply("j1"), _final("j1", "other", attempt=2).to_json()))
+        is False
+    )
     assert parse_event(fx.redis.get(fx.keys.result("j1"))).attempt == 1
     assert len(fx.reply_events("j1")) == 2
     assert fx.redis.xpending(fx.keys.jobs, GROUP)["pending"] == 0
@@ -105,7 +103,7 @@ def test_terminal_with_dead_letter_and_foreign_reply_key(fx: Fixture) -> None:
     fx.redis.set(foreign, "not a stream")
     err = ErrorEvent(id="j2", attempt=3, code="dead_lettered", message="gave up", worker="w1")
     dead = DeadLetter(job='{"id":"j2"}', reason="gave up", code="dead_lettered", attempts=3, worker="w1", job_id="j2")
-    assert fx.pub.terminal(Terminal(entry, "j2", foreign, err, dead=dead)) is True
+    assert fx.pub.terminal(Terminal(entry, "j2", foreign, err.to_json(), dead=dead)) is True
     assert fx.redis.get(foreign) == "not a stream"  # a non-stream reply_to is left alone
     assert parse_event(fx.redis.get(fx.keys.result("j2"))) == err
     ((_, fields),) = fx.redis.xrange(fx.keys.dead)
@@ -117,9 +115,9 @@ def test_dead_only_and_script_reload_after_flush(fx: Fixture) -> None:
     Reclaimer(fx.redis, fx.keys, "w1", reclaim_idle_s=30).read_new(10, None)
     fx.redis.script_flush()  # as after a Redis restart: scripts are reloaded transparently
     dead = DeadLetter(job='{"no":"id"}', reason="job has no id", code="invalid_request", attempts=1, worker="w1")
-    outbox = Outbox(dead_only=[(entry, dead)])
+    outbox = Outbox(dead_only=[DeadOnly(entry, dead)])
     assert fx.pub.flush(outbox) == []
-    assert fx.pub.flush(Outbox(dead_only=[(entry, dead)])) == []  # idempotent: acked already
+    assert fx.pub.flush(Outbox(dead_only=[DeadOnly(entry, dead)])) == []  # idempotent: acked already
     assert fx.redis.xlen(fx.keys.dead) == 1
     assert fx.redis.xpending(fx.keys.jobs, GROUP)["pending"] == 0
 
@@ -202,9 +200,9 @@ def _fake_worker(
             outbox = Outbox()
             for e in batch:
                 if isinstance(e, TokenEvent):
-                    outbox.tokens.append((fx.keys.reply(e.id), e.to_json()))
+                    outbox.add_tokens(fx.keys.reply(e.id), "", e.id, [e.to_json()])
                 else:
-                    outbox.terminals.append(Terminal("", e.id, fx.keys.reply(e.id), e))
+                    outbox.terminals.append(Terminal("", e.id, fx.keys.reply(e.id), e.to_json()))
             fx.pub.flush(outbox)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -216,7 +214,9 @@ def test_client_submit_stream_result_cancel(fx: Fixture) -> None:
     client = PagedqClient(fx.server.client(), namespace=fx.ns)
     job_id = client.submit("Hello", max_tokens=4, temperature=0, metadata={"k": 1})
     ((_, fields),) = fx.redis.xrange(fx.keys.jobs)
-    assert json.loads(fields[JOB_FIELD]) == {
+    sent = json.loads(fields[JOB_FIELD])
+    assert abs(sent.pop("submitted_at") - time.time()) < 60  # the job's clock, from the producer
+    assert sent == {
         "id": job_id, "prompt": "Hello", "max_tokens": 4, "temperature": 0.0, "metadata": {"k": 1}
     }  # fmt: skip
     ids = client.submit_many(
@@ -260,8 +260,8 @@ def test_client_reads_tokens_published_with_the_terminal_after_an_empty_read(fx:
             calls["n"] += 1
             if calls["n"] == 1:  # the read came back empty: now the worker publishes
                 outbox = Outbox()
-                outbox.tokens.append((fx.keys.reply(job_id), tok.to_json()))
-                outbox.terminals.append(Terminal("", job_id, fx.keys.reply(job_id), final))
+                outbox.add_tokens(fx.keys.reply(job_id), "", job_id, [tok.to_json()])
+                outbox.terminals.append(Terminal("", job_id, fx.keys.reply(job_id), final.to_json()))
                 fx.pub.flush(outbox)
 
         if is_async:

@@ -125,7 +125,9 @@ def test_salvage_reply_target() -> None:
     assert salvage_reply_target('{"id": "j1", "temperature": "x"}', LIMIT) == ("j1", None)
     assert salvage_reply_target('{"id": "j1", "reply_to": "r:1", "n": -1}', LIMIT) == ("j1", "r:1")
     assert salvage_reply_target('{"id": "j 1"}', LIMIT) is None
-    assert salvage_reply_target('{"id": "j1", "reply_to": 3}', LIMIT) is None
+    # A malformed reply_to does not cost the producer its answer: it goes to the job's own stream.
+    for bad in ("3", '""', '"a b"', '"' + "x" * 257 + '"', '{"k": 1}'):
+        assert salvage_reply_target('{"id": "j1", "reply_to": ' + bad + "}", LIMIT) == ("j1", None), bad
     assert salvage_reply_target("[]", LIMIT) is None
     assert salvage_reply_target("{", LIMIT) is None
 
@@ -219,8 +221,15 @@ def test_keys_and_reserved_reply_targets() -> None:
     assert keys.jobs == "pq:jobs:q1" and keys.dead == "pq:dead:q1"
     assert keys.reply("a") == "pq:reply:a" and keys.result("a") == "pq:result:a"
     assert keys.cancel("a") == "pq:cancel:a"
-    assert keys.reply_allowed("pq:reply:other") and keys.reply_allowed("elsewhere:x")
-    assert not keys.reply_allowed("pq:jobs:q1") and not keys.reply_allowed("pq:result:a")
+    # A job reaches its own reply stream, and a key under a granted prefix that pagedq uses for nothing else.
+    assert keys.reply_target("a", None) == keys.reply_target("a", "pq:reply:a") == "pq:reply:a"
+    assert keys.reply_target("a", "pq:reply:other") is None  # another job's stream
+    assert keys.reply_target("a", "elsewhere:x") is None  # not granted
+    assert keys.reply_target("a", "app:replies:a", ["app:replies:"]) == "app:replies:a"
+    granted = ["pq:"]  # even an operator granting the whole namespace does not open pagedq's own keys
+    assert keys.reply_target("a", "pq:custom:a", granted) == "pq:custom:a"
+    for reserved in ("pq:jobs:q1", "pq:result:a", "pq:reply:b", "pq:dead:q1", "pq:cancel:a", "pq:worker:q1:w"):
+        assert keys.reply_target("a", reserved, granted) is None, reserved
     with pytest.raises(ValueError):
         Keys("a:b")
 

@@ -147,10 +147,11 @@ class WorkerProcess:
         *,
         fault_marker: str | None = None,
         step_delay_s: float = 0.0,
+        wedge_marker: str | None = None,
         **settings: Any,
     ) -> None:
-        """``settings`` become ``--flags``; ``fault_marker`` / ``step_delay_s`` inject faults into the
-        process's engine (:mod:`tests.fault_injection`)."""
+        """``settings`` become ``--flags``; ``fault_marker`` / ``step_delay_s`` / ``wedge_marker`` inject
+        faults into the process's engine (:mod:`tests.fault_injection`)."""
         self.name = name
         self.ctx = ctx
         self.log_path = log_dir / f"worker-{name}.log"
@@ -164,8 +165,9 @@ class WorkerProcess:
                 "PAGEDQ_LOG_FORMAT": "json",
             }
         )
-        if fault_marker or step_delay_s:
-            env.update(process_environment(fault_marker=fault_marker, step_delay_s=step_delay_s))
+        if fault_marker or step_delay_s or wedge_marker:
+            faults = {"fault_marker": fault_marker, "step_delay_s": step_delay_s, "wedge_marker": wedge_marker}
+            env.update(process_environment(**faults))
             settings.setdefault("engine_factory", FAULT_FACTORY)
         args = {
             "redis_url": ctx.server.url,

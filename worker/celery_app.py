@@ -40,7 +40,8 @@ Trade-offs chosen (worker/CELERY.md has the longer version):
   ``finish_reason`` ``cancelled`` and the partial text. ``timeout_s`` counts from when the engine thread
   received the job. ``priority`` orders jobs inside the engine only.
 * Everything the task needs comes from the same ``PAGEDQ_*`` settings as ``pagedq worker`` (model, engine
-  size, ``redis_url`` for broker and result backend, ``result_ttl_s`` for result expiry).
+  size, ``redis_url`` for the broker, ``celery_result_backend`` for the result backend (the broker's URL
+  when unset: it must be the backend the producers' apps name), ``result_ttl_s`` for result expiry).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ TASK_NAME = "pagedq.generate"
 STATS_TASK_NAME = "pagedq.stats"
 REVOKE_POLL_S = 0.25
 VISIBILITY_TIMEOUT_S = 3600
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
 def celery_url(url: str) -> str:
@@ -73,11 +75,24 @@ def celery_url(url: str) -> str:
     return url
 
 
+def result_backend_url(settings: Settings) -> str:
+    """Where results go: ``celery_result_backend`` when set, else the broker's URL.
+
+    A producer reads a task's state and result from *its* app's result backend (``AsyncResult(id).state``
+    is a GET there). Writing them to the broker instead only looks right: ``result.get()`` is woken by a
+    pub/sub message, and Redis pub/sub ignores database numbers, so a producer whose backend is another
+    database of the same server still receives the value, while ``state`` stays ``PENDING`` forever and the
+    stored result sits in a database nobody reads (and outside any ACL scoped to the backend's keys).
+    """
+    backend = getattr(settings, "celery_result_backend", None) or settings.redis_url or DEFAULT_REDIS_URL
+    return celery_url(str(backend))
+
+
 def make_app(settings: Settings | None = None) -> Celery:
     """A Celery app configured for pagedq (see the module doc for why each setting)."""
     settings = settings or load_settings()
-    url = celery_url(settings.redis_url or "redis://localhost:6379/0")
-    app = Celery("pagedq", broker=url, backend=url, set_as_current=False)
+    broker = celery_url(settings.redis_url or DEFAULT_REDIS_URL)
+    app = Celery("pagedq", broker=broker, backend=result_backend_url(settings), set_as_current=False)
     app.conf.update(
         task_serializer="json",
         result_serializer="json",

@@ -8,6 +8,16 @@ Redelivery: when a worker dies mid-job another one reruns it with a higher ``att
 never yields text twice: while the new attempt repeats what was already yielded it stays silent and then
 continues where the old attempt stopped; if the new attempt diverges (sampling) it yields a
 :class:`Restart` first, after which the deltas start again from the beginning of the text.
+
+Readers trust nothing they read from a reply stream: any producer may name another job's reply stream as
+its ``reply_to``, and anyone who can write to Redis can append to it. So events of another job (``id``
+not the job's) and entries that are not valid events are skipped, and a terminal event read from the
+stream only counts once ``<ns>:result:<id>`` confirms it: the worker writes the two atomically, so the
+result key is the authoritative outcome and a terminal event without one is a forgery.
+
+Durability: ``submit`` returns once the primary has the job in memory. With ``wait_replicas`` (per call
+or per client) it also waits, with Redis ``WAIT``, until that many replicas have it, and raises
+:class:`NotReplicated` when fewer acknowledge in time (README, "Durability").
 """
 
 from __future__ import annotations
@@ -28,6 +38,24 @@ CANCEL_TTL_S = 86_400
 
 PromptInput: TypeAlias = str | Sequence[Mapping[str, Any]] | Sequence[int]
 Event: TypeAlias = TokenEvent | FinalEvent | ErrorEvent
+
+
+class NotReplicated(Exception):
+    """Fewer replicas than ``wait_replicas`` acknowledged a submission within ``wait_timeout_ms``.
+
+    The jobs ARE queued on the primary (Redis cannot take a write back): they will run unless the primary
+    fails before a replica gets them. To be sure, submit again with the same ids (``job_ids``) once the
+    replicas are back: however often an id is queued, it has exactly one terminal event.
+    """
+
+    def __init__(self, job_ids: list[str], acked: int, wanted: int, timeout_ms: int) -> None:
+        super().__init__(
+            f"{len(job_ids)} job(s) queued on the primary, but only {acked} of {wanted} replica(s) acknowledged "
+            f"within {timeout_ms} ms: they are lost if the primary fails now (first id: {job_ids[0]})"
+        )
+        self.job_ids = job_ids
+        self.acked = acked
+        self.wanted = wanted
 
 
 class JobFailed(Exception):
@@ -57,8 +85,11 @@ def new_job_id() -> str:
 def build_job(prompt: PromptInput | None = None, /, **params: Any) -> JobRequest:
     """A validated :class:`JobRequest` from a prompt (str), chat messages or token ids, and job fields.
 
-    ``id`` defaults to a fresh UUID. Raises ``pydantic.ValidationError`` on bad fields, before anything
-    reaches Redis.
+    ``id`` defaults to a fresh UUID and ``submitted_at`` to now (``time.time()``, this machine's clock):
+    workers count a job's queue time and ``timeout_s`` from it (when it is neither in the future nor
+    absurdly old by the worker's clock) instead of from the stream entry id, which a producer may choose.
+    Pass ``submitted_at`` to keep a job's original time (re-queueing it), or ``None`` for none. Raises
+    ``pydantic.ValidationError`` on bad fields, before anything reaches Redis.
     """
     fields = dict(params)
     if prompt is not None:
@@ -69,12 +100,15 @@ def build_job(prompt: PromptInput | None = None, /, **params: Any) -> JobRequest
         else:
             fields["messages"] = [dict(m) for m in prompt]  # type: ignore[arg-type]
     fields.setdefault("id", new_job_id())
+    fields.setdefault("submitted_at", time.time())
     return JobRequest.model_validate(fields)
 
 
 def _as_job(item: PromptInput | Mapping[str, Any] | JobRequest, common: Mapping[str, Any]) -> JobRequest:
     if isinstance(item, JobRequest):
-        return item
+        if "submitted_at" in item.model_fields_set:
+            return item
+        return item.model_copy(update={"submitted_at": time.time()})
     if isinstance(item, Mapping):
         return build_job(**{**common, **item})
     return build_job(item, **common)
@@ -84,10 +118,12 @@ def _as_job(item: PromptInput | Mapping[str, Any] | JobRequest, common: Mapping[
 class StreamState:
     """Turns the events of a reply stream into what :meth:`stream` yields, across redeliveries.
 
-    Pure (no I/O) so both clients share it, and tests can feed it any sequence of events.
+    Pure (no I/O) so both clients share it, and tests can feed it any sequence of events. With ``job_id``
+    set, events of other jobs (another job's ``reply_to`` naming this stream) are ignored.
     """
 
     index: int = 0
+    job_id: str | None = None
     attempt: int = 0
     yielded: str = ""  # text yielded since the start (or since the last Restart)
     replay: str = ""  # text of the current attempt so far
@@ -95,7 +131,7 @@ class StreamState:
     result: FinalEvent | None = None
 
     def feed(self, event: Event) -> list[StreamItem]:
-        if self.done:
+        if self.done or (self.job_id is not None and event.id != self.job_id):
             return []
         if isinstance(event, ErrorEvent):
             self.done = True
@@ -128,17 +164,39 @@ class StreamState:
         return [Restart(attempt), text] if text else [Restart(attempt)]
 
 
-def _events(reply: Any) -> tuple[list[Event], str | None]:
-    """Events and last entry id from an ``XREAD`` reply on one stream."""
+def _events(reply: Any, job_id: str) -> tuple[list[Event], str | None]:
+    """The events of job ``job_id`` and the last entry id from an ``XREAD`` reply on one stream.
+
+    Entries without a valid ``event``, and events of other jobs, are skipped (module doc): a reply stream
+    is writable by anyone, and a reader that crashed on, or believed, whatever was written there would
+    hand every producer a way to break or fool every other producer's reads.
+    """
     events: list[Event] = []
     last = None
     for _stream, entries in reply or []:
         for entry_id, fields in entries:
             last = entry_id
-            raw = (fields or {}).get(EVENT_FIELD)
-            if raw is not None:
-                events.append(parse_event(raw))
+            raw = fields.get(EVENT_FIELD) if isinstance(fields, dict) else None
+            if raw is None:
+                continue
+            try:
+                event = parse_event(raw)
+            except ValueError:  # pydantic's ValidationError, also for non-JSON
+                continue
+            if event.id == job_id:
+                events.append(event)
     return events, last
+
+
+def _stored(raw: str | bytes | None, job_id: str) -> Event | None:
+    """The terminal event stored at the job's result key, or None when there is none (or none valid)."""
+    if raw is None:
+        return None
+    try:
+        event = parse_event(raw)
+    except ValueError:
+        return None
+    return event if event.id == job_id and not isinstance(event, TokenEvent) else None
 
 
 def _terminal(event: Event) -> FinalEvent:
@@ -153,6 +211,8 @@ class _Base:
     namespace: str = "pagedq"
     queue: str = "default"
     block_ms: int = 1000
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 1000
     _reply_to: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -161,6 +221,14 @@ class _Base:
 
     def reply_key(self, job_id: str, reply_to: str | None = None) -> str:
         return reply_to or self._reply_to.get(job_id) or self.keys.reply(job_id)
+
+    def _wait_args(self, wait_replicas: int | None, wait_timeout_ms: int | None) -> tuple[int, int]:
+        """The (replicas, timeout) a submission waits for: the call's, else the client's."""
+        replicas = self.wait_replicas if wait_replicas is None else wait_replicas
+        timeout_ms = self.wait_timeout_ms if wait_timeout_ms is None else wait_timeout_ms
+        if replicas < 0 or timeout_ms < 0:
+            raise ValueError(f"wait_replicas and wait_timeout_ms must be >= 0, got {replicas}, {timeout_ms}")
+        return replicas, timeout_ms
 
     def _remember(self, job: JobRequest) -> None:
         if job.reply_to:
@@ -171,13 +239,22 @@ class _Base:
 
 class PagedqClient(_Base):
     """Blocking producer client. ``redis`` is a URL or a ``redis.Redis`` created with
-    ``decode_responses=True``."""
+    ``decode_responses=True``.
+
+    ``wait_replicas`` > 0 makes every ``submit``/``submit_many`` wait (Redis ``WAIT``, at most
+    ``wait_timeout_ms``; 0 waits forever) until that many replicas have the jobs, raising
+    :class:`NotReplicated` otherwise; each call may override both.
+    """
 
     def __init__(
         self, redis_url: str | redis.Redis = "redis://localhost:6379/0", *, namespace: str = "pagedq",
-        queue: str = "default", block_ms: int = 1000,
+        queue: str = "default", block_ms: int = 1000, wait_replicas: int = 0, wait_timeout_ms: int = 1000,
     ) -> None:  # fmt: skip
-        super().__init__(namespace=namespace, queue=queue, block_ms=block_ms)
+        super().__init__(
+            namespace=namespace, queue=queue, block_ms=block_ms, wait_replicas=wait_replicas,
+            wait_timeout_ms=wait_timeout_ms,
+        )  # fmt: skip
+        self._wait_args(None, None)  # reject bad values now, not at the first submit
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True) if isinstance(redis_url, str) else redis_url
 
     def close(self) -> None:
@@ -189,23 +266,37 @@ class PagedqClient(_Base):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def submit(self, prompt: PromptInput | None = None, /, **params: Any) -> str:
+    def submit(
+        self, prompt: PromptInput | None = None, /, *, wait_replicas: int | None = None,
+        wait_timeout_ms: int | None = None, **params: Any,
+    ) -> str:  # fmt: skip
         """Queue one job: a prompt string, a list of chat messages or a list of token ids, plus any job
-        field (``max_tokens``, ``temperature``, ``priority``, ``timeout_s``, ``id``...). Returns its id."""
-        job = build_job(prompt, **params)
-        self.redis.xadd(self.keys.jobs, {JOB_FIELD: job.to_json()})
-        self._remember(job)
-        return job.id
+        field (``max_tokens``, ``temperature``, ``priority``, ``timeout_s``, ``id``...). Returns its id.
 
-    def submit_many(self, items: Iterable[PromptInput | Mapping[str, Any] | JobRequest], /, **common: Any) -> list[str]:
+        ``wait_replicas`` / ``wait_timeout_ms`` override the client's (class doc); :class:`NotReplicated`
+        when too few replicas acknowledged."""
+        return self.submit_many(
+            [build_job(prompt, **params)], wait_replicas=wait_replicas, wait_timeout_ms=wait_timeout_ms
+        )[0]
+
+    def submit_many(
+        self, items: Iterable[PromptInput | Mapping[str, Any] | JobRequest], /, *, wait_replicas: int | None = None,
+        wait_timeout_ms: int | None = None, **common: Any,
+    ) -> list[str]:  # fmt: skip
         """Queue many jobs in one round trip; ``items`` are prompts or dicts of job fields, ``common``
-        applies to all. Returns their ids in order."""
+        applies to all. Returns their ids in order. ``wait_replicas``: as for :meth:`submit`, one
+        ``WAIT`` for the whole batch."""
+        replicas, timeout_ms = self._wait_args(wait_replicas, wait_timeout_ms)
         jobs = [_as_job(item, common) for item in items]
+        # One pipeline, hence one connection: WAIT counts the writes of its own connection only.
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
             pipe.xadd(self.keys.jobs, {JOB_FIELD: job.to_json()})
             self._remember(job)
-        pipe.execute()
+        if replicas and jobs:
+            pipe.wait(replicas, timeout_ms)
+        replies = pipe.execute()
+        _check_replicas(jobs, replies, replicas, timeout_ms)
         return [job.id for job in jobs]
 
     def cancel(self, job_id: str) -> None:
@@ -217,7 +308,9 @@ class PagedqClient(_Base):
         pipe.execute()
 
     def events(self, job_id: str, *, timeout: float | None = None, reply_to: str | None = None) -> Iterator[Event]:
-        """Raw events of the job's reply stream, up to and including its terminal event."""
+        """The job's events from its reply stream, up to and including its terminal event, which is the
+        one stored at its result key (module doc: others' events, invalid entries and unconfirmed
+        terminal events are skipped)."""
         key = self.reply_key(job_id, reply_to)
         deadline = None if timeout is None else time.monotonic() + timeout
         last = "0"
@@ -225,22 +318,24 @@ class PagedqClient(_Base):
             block = _block_ms(self.block_ms, deadline)
             if block is None:
                 raise TimeoutError(f"job {job_id}: no terminal event within {timeout}s")
-            events, new_last = _events(self.redis.xread({key: last}, count=1000, block=block))
+            events, new_last = _events(self.redis.xread({key: last}, count=1000, block=block), job_id)
             last = new_last or last
+            unconfirmed = False  # a terminal event of this read had no result key behind it
             for event in events:
-                yield event
-                if not isinstance(event, TokenEvent):
-                    return
-            if new_last is None and (stored := self.redis.get(self.keys.result(job_id))) is not None:
+                if isinstance(event, TokenEvent):
+                    yield event
+                elif not unconfirmed:  # one GET per read, however many forged terminals it holds
+                    if (stored := _stored(self.redis.get(self.keys.result(job_id)), job_id)) is not None:
+                        yield stored
+                        return
+                    unconfirmed = True
+            if new_last is None and (stored := _stored(self.redis.get(self.keys.result(job_id)), job_id)):
                 # The job ended after the empty read (its last token events and terminal land together):
                 # read the stream once more, so those tokens are not skipped; only a reply stream that
                 # expired or was never written (a foreign reply_to) leaves the result key alone.
-                events, _ = _events(self.redis.xread({key: last}, count=1000))
-                for event in events:
-                    yield event
-                    if not isinstance(event, TokenEvent):
-                        return
-                yield parse_event(stored)
+                events, _ = _events(self.redis.xread({key: last}, count=1000), job_id)
+                yield from (event for event in events if isinstance(event, TokenEvent))
+                yield stored
                 return
 
     def stream(
@@ -251,15 +346,15 @@ class PagedqClient(_Base):
         May yield a :class:`Restart` after a redelivery (see module doc); raises :class:`JobFailed` on an
         ``error`` event and ``TimeoutError`` after ``timeout`` seconds.
         """
-        state = StreamState(index=index)
+        state = StreamState(index=index, job_id=job_id)
         for event in self.events(job_id, timeout=timeout, reply_to=reply_to):
             yield from state.feed(event)
 
     def result(self, job_id: str, timeout: float | None = None, *, reply_to: str | None = None) -> FinalEvent:
         """Wait for the job's terminal event; raises :class:`JobFailed` or ``TimeoutError``."""
-        stored = self.redis.get(self.keys.result(job_id))
+        stored = _stored(self.redis.get(self.keys.result(job_id)), job_id)
         if stored is not None:
-            return _terminal(parse_event(stored))
+            return _terminal(stored)
         for event in self.events(job_id, timeout=timeout, reply_to=reply_to):
             if not isinstance(event, TokenEvent):
                 return _terminal(event)
@@ -271,9 +366,13 @@ class AsyncPagedqClient(_Base):
 
     def __init__(
         self, redis_url: str | aioredis.Redis = "redis://localhost:6379/0", *, namespace: str = "pagedq",
-        queue: str = "default", block_ms: int = 1000,
+        queue: str = "default", block_ms: int = 1000, wait_replicas: int = 0, wait_timeout_ms: int = 1000,
     ) -> None:  # fmt: skip
-        super().__init__(namespace=namespace, queue=queue, block_ms=block_ms)
+        super().__init__(
+            namespace=namespace, queue=queue, block_ms=block_ms, wait_replicas=wait_replicas,
+            wait_timeout_ms=wait_timeout_ms,
+        )  # fmt: skip
+        self._wait_args(None, None)
         self.redis = (
             aioredis.Redis.from_url(redis_url, decode_responses=True) if isinstance(redis_url, str) else redis_url
         )
@@ -287,21 +386,29 @@ class AsyncPagedqClient(_Base):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def submit(self, prompt: PromptInput | None = None, /, **params: Any) -> str:
-        job = build_job(prompt, **params)
-        await self.redis.xadd(self.keys.jobs, {JOB_FIELD: job.to_json()})
-        self._remember(job)
-        return job.id
+    async def submit(
+        self, prompt: PromptInput | None = None, /, *, wait_replicas: int | None = None,
+        wait_timeout_ms: int | None = None, **params: Any,
+    ) -> str:  # fmt: skip
+        ids = await self.submit_many(
+            [build_job(prompt, **params)], wait_replicas=wait_replicas, wait_timeout_ms=wait_timeout_ms
+        )
+        return ids[0]
 
     async def submit_many(
-        self, items: Iterable[PromptInput | Mapping[str, Any] | JobRequest], /, **common: Any
-    ) -> list[str]:
+        self, items: Iterable[PromptInput | Mapping[str, Any] | JobRequest], /, *, wait_replicas: int | None = None,
+        wait_timeout_ms: int | None = None, **common: Any,
+    ) -> list[str]:  # fmt: skip
+        replicas, timeout_ms = self._wait_args(wait_replicas, wait_timeout_ms)
         jobs = [_as_job(item, common) for item in items]
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=False)  # one connection for the XADDs and WAIT (see sync)
         for job in jobs:
             pipe.xadd(self.keys.jobs, {JOB_FIELD: job.to_json()})
             self._remember(job)
-        await pipe.execute()
+        if replicas and jobs:
+            pipe.wait(replicas, timeout_ms)
+        replies = await pipe.execute()
+        _check_replicas(jobs, replies, replicas, timeout_ms)
         return [job.id for job in jobs]
 
     async def cancel(self, job_id: str) -> None:
@@ -316,41 +423,51 @@ class AsyncPagedqClient(_Base):
         key = self.reply_key(job_id, reply_to)
         deadline = None if timeout is None else time.monotonic() + timeout
         last = "0"
-        while True:
+        while True:  # as PagedqClient.events
             block = _block_ms(self.block_ms, deadline)
             if block is None:
                 raise TimeoutError(f"job {job_id}: no terminal event within {timeout}s")
-            events, new_last = _events(await self.redis.xread({key: last}, count=1000, block=block))
+            events, new_last = _events(await self.redis.xread({key: last}, count=1000, block=block), job_id)
             last = new_last or last
+            unconfirmed = False
             for event in events:
-                yield event
-                if not isinstance(event, TokenEvent):
-                    return
-            if new_last is None and (stored := await self.redis.get(self.keys.result(job_id))) is not None:
-                events, _ = _events(await self.redis.xread({key: last}, count=1000))  # see PagedqClient.events
-                for event in events:
+                if isinstance(event, TokenEvent):
                     yield event
-                    if not isinstance(event, TokenEvent):
+                elif not unconfirmed:
+                    if (stored := _stored(await self.redis.get(self.keys.result(job_id)), job_id)) is not None:
+                        yield stored
                         return
-                yield parse_event(stored)
+                    unconfirmed = True
+            if new_last is None and (stored := _stored(await self.redis.get(self.keys.result(job_id)), job_id)):
+                events, _ = _events(await self.redis.xread({key: last}, count=1000), job_id)
+                for event in events:
+                    if isinstance(event, TokenEvent):
+                        yield event
+                yield stored
                 return
 
     async def stream(
         self, job_id: str, *, timeout: float | None = None, index: int = 0, reply_to: str | None = None
     ) -> AsyncIterator[StreamItem]:
-        state = StreamState(index=index)
+        state = StreamState(index=index, job_id=job_id)
         async for event in self.events(job_id, timeout=timeout, reply_to=reply_to):
             for item in state.feed(event):
                 yield item
 
     async def result(self, job_id: str, timeout: float | None = None, *, reply_to: str | None = None) -> FinalEvent:
-        stored = await self.redis.get(self.keys.result(job_id))
+        stored = _stored(await self.redis.get(self.keys.result(job_id)), job_id)
         if stored is not None:
-            return _terminal(parse_event(stored))
+            return _terminal(stored)
         async for event in self.events(job_id, timeout=timeout, reply_to=reply_to):
             if not isinstance(event, TokenEvent):
                 return _terminal(event)
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _check_replicas(jobs: list[JobRequest], replies: list[Any], replicas: int, timeout_ms: int) -> None:
+    """Raise :class:`NotReplicated` when the pipeline's closing ``WAIT`` counted fewer than ``replicas``."""
+    if replicas and jobs and int(replies[-1]) < replicas:
+        raise NotReplicated([job.id for job in jobs], int(replies[-1]), replicas, timeout_ms)
 
 
 def _block_ms(block_ms: int, deadline: float | None) -> int | None:

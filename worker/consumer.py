@@ -15,8 +15,10 @@ Failure model:
   one job runs, fails that job's attempt only. Any other step exception makes every running job a suspect:
   they are aborted and rerun one at a time, so the culprit is found (and retried, then dead-lettered) while
   the others finish.
-* SIGTERM: stop reading, hand unstarted jobs back at once, finish running ones within ``shutdown_grace_s``,
-  hand back the rest, exit 0.
+* SIGTERM: stop reading, hand unstarted jobs back at once, finish running ones within ``shutdown_grace_s``
+  (less the time kept for the last writes), hand back the rest, exit 0. :mod:`worker.watchdog` ends the
+  process with a non-zero code if that has not happened by the end of the grace period, whatever the loop
+  is doing, and also when :meth:`Worker.liveness` says the loop stopped making progress.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import redis
@@ -31,7 +34,7 @@ import structlog
 
 from schemas.keys import Keys
 from worker.held_jobs import HeldJobs, Job
-from worker.intake import Intake, Parsed
+from worker.intake import FUTURE_ENTRY_TOLERANCE_S, Intake, Parsed, job_clock
 from worker.job_ledger import JobLedger
 from worker.job_run import EngineLike
 from worker.keeper import Keeper, OwnedEntries
@@ -44,12 +47,8 @@ from worker.status import LoopTimes, WorkerIdentity, engine_load, heartbeat_snap
 
 log = structlog.get_logger("pagedq.worker")
 
-
-def _entry_time(entry_id: str) -> float:
-    try:
-        return int(entry_id.split("-", 1)[0]) / 1000.0
-    except ValueError:
-        return time.time()
+FINAL_FLUSH_RESERVE_S = 2.0
+"""Of the shutdown grace period, the end kept for the last writes (at most a quarter of it)."""
 
 
 class Worker:
@@ -84,6 +83,7 @@ class Worker:
             result_ttl_s=settings.result_ttl_s,
             reply_ttl_s=settings.reply_ttl_s,
             reply_maxlen=settings.reply_maxlen,
+            dead_maxlen=settings.dead_maxlen,
         )
         self.reclaimer = Reclaimer(self.redis, self.keys, self.name, reclaim_idle_s=settings.reclaim_idle_s)
         self.owned = OwnedEntries()  # entries this worker owns (the keeper keeps them fresh)
@@ -98,11 +98,15 @@ class Worker:
         self.identity = WorkerIdentity(self.name, settings.queue, self.model_name)
 
         self._stop = threading.Event()
+        self.stop_requested_at: float | None = None  # monotonic time of the first stop request
+        self.last_progress = time.monotonic()  # end of the last tick that completed without an exception
         self._force = False
         self._draining = False
         self._drain_deadline = 0.0
         self._next_cancel_poll = 0.0
         self._next_status = 0.0
+        self._rewind_pending = False
+        self._recent_n: deque[int] = deque(maxlen=16)  # n of the last jobs read, to size reads in choices
         self._keeper: Keeper | None = None
         self.loop_times = LoopTimes()
         self.loop_errors = 0  # unexpected exceptions swallowed by the loop
@@ -140,6 +144,8 @@ class Worker:
         """Begin a graceful drain (safe from signal handlers and other threads); ``force`` skips the wait."""
         if self._stop.is_set() or force:
             self._force = True
+        if self.stop_requested_at is None:
+            self.stop_requested_at = time.monotonic()
         self._stop.set()
 
     def run(self) -> int:
@@ -162,7 +168,7 @@ class Worker:
             self.name,
             self.reclaimer,
             self.owned,
-            lambda: self.status,
+            self.heartbeat,
             period_s=min(self.settings.heartbeat_interval_s, self.settings.reclaim_idle_s / 3),
             heartbeat_ttl_s=self.settings.heartbeat_ttl_s,
             backoff_max_s=self.settings.redis_backoff_max_s,
@@ -184,7 +190,9 @@ class Worker:
         """One iteration of the loop; True once stopped and drained. Never raises: a bug in one iteration
         is logged and counted (``errors``) and the loop goes on."""
         try:
-            return self._tick()
+            done = self._tick()
+            self.last_progress = time.monotonic()
+            return done
         except Exception:
             self.loop_errors += 1
             self.log.exception("worker.loop_error")
@@ -207,6 +215,10 @@ class Worker:
             t = time.perf_counter()
             with self.link.phase():
                 self.sender.send()
+                if self._rewind_pending and not self.outbox:
+                    self._rewind_pending = False
+                    if self.reclaimer.rewind_future_ids(FUTURE_ENTRY_TOLERANCE_S):
+                        self.log.warning("stream.ids_rewound", reason="entries with future ids were dead-lettered")
                 if now >= self._next_cancel_poll:
                     self._poll_cancels(now)
                 if not self._draining:
@@ -221,6 +233,9 @@ class Worker:
             t = time.perf_counter()
             self.held_jobs.step()
             step_s = time.perf_counter() - t
+            # Before this step's terminal events go out: whoever has read one and then scrapes /metrics
+            # sees the engine as it is after the step, not as it was up to 0.2 s (plus an idle read) ago.
+            self._update_status()
             if self.link.usable(time.monotonic()):
                 t = time.perf_counter()
                 with self.link.phase():
@@ -239,22 +254,51 @@ class Worker:
     def redis_now(self) -> float:
         return self.link.now()
 
+    def liveness(self) -> tuple[bool, str]:
+        """Whether the loop is making progress (read by the health server, the watchdog and the heartbeat,
+        from other threads: it only reads two clocks). Not live: no tick completed for ``stall_timeout_s``
+        (a wedged step, or every tick raising), or Redis has refused writes for that long."""
+        now = time.monotonic()
+        bound = self.settings.stall_timeout_s
+        stalled = now - self.last_progress
+        if stalled > bound:
+            return False, f"the worker loop has not completed a tick for {stalled:.0f} s"
+        refusing = self.sender.refusing_since
+        if refusing is not None and now - refusing > bound:
+            return False, f"Redis has been refusing this worker's writes for {now - refusing:.0f} s"
+        return True, "live"
+
+    def heartbeat(self) -> dict[str, Any]:
+        """The status snapshot the keeper publishes, marked ``unhealthy`` when the loop is not live (the
+        snapshot itself is only refreshed by the loop, so it would otherwise go on saying ``ready``)."""
+        live, why = self.liveness()
+        return self.status if live else {**self.status, "state": "unhealthy", "unhealthy": why}
+
     # ----------------------------------------------------------------------------- admission
 
     def unstarted(self) -> int:
         """Jobs held but not running: the engine's waiting queue plus the backlog."""
         return self.engine.num_waiting() + len(self.backlog) + len(self.intake.inbox)
 
-    def capacity(self) -> int:
-        """How many more jobs to take now: free engine slots plus ``prefetch``, minus jobs not started.
+    def held_choices(self) -> int:
+        """Sequences this worker holds or will: each held job's ``n``, plus one per unprocessed delivery."""
+        return sum(job.request.n or 1 for job in self.held_jobs.all()) + len(self.intake.inbox)
 
-        This is the backpressure: a worker never holds more than ``max_num_seqs + prefetch`` unstarted
-        jobs (only ``prefetch`` while the engine is full), leaving the rest of the backlog to others.
+    def capacity(self) -> int:
+        """How many more entries to read now: the choices still free of ``max_num_seqs + prefetch``, divided
+        by the largest ``n`` of the recent jobs (rounded up).
+
+        This is the backpressure: a worker holds at most ``max_num_seqs + prefetch`` sequences' worth of jobs
+        (counted in choices, so jobs of ``n: 64`` fill it as 64 jobs of ``n: 1`` would; a read overshoots by
+        less than one job once the jobs' ``n`` is known), leaving the rest of the backlog to others.
         """
         if any(j.suspect for j in self.jobs.values()):
             return 0  # a suspect runs alone
-        free = max(0, self.settings.max_num_seqs - self.engine.num_running())
-        return free + self.settings.prefetch - self.unstarted()
+        free = self.settings.max_num_seqs + self.settings.prefetch - self.held_choices()
+        if free <= 0:
+            return 0
+        per_job = max(self._recent_n, default=1)
+        return -(-free // per_job)
 
     def _admit(self, now: float) -> None:
         intake = self.intake
@@ -278,10 +322,11 @@ class Worker:
         """Start the deliveries read so far, or answer them at once (invalid, duplicate, cancelled...)."""
         for d in self.intake.inbox:
             self.owned.add(d.entry_id)
-        parsed, unusable, gone = self.intake.take()
+        parsed, unusable, gone = self.intake.take(self.redis_now())
         self.outbox.acks.extend(d.entry_id for d in gone)
         for bad in unusable:
             self.held_jobs.reject(bad.delivery.entry_id, bad.delivery.attempt, bad.raw, bad.error)
+            self._rewind_pending |= bad.error.code == "entry_id_in_future"
         if not parsed:
             return
         max_attempts = self.settings.max_attempts
@@ -291,6 +336,12 @@ class Worker:
                 job.log.info("job.duplicate")
                 self.counts["duplicate"] += 1
                 self.outbox.acks.append(job.entry_id)
+            elif req.reply_to is not None and job.reply_to != req.reply_to:
+                msg = (
+                    f"reply_to {req.reply_to!r} is outside this job's own keys: use {self.keys.reply(req.id)!r} "
+                    f"or a key under a prefix the worker grants (reply_prefixes: {self.settings.reply_prefixes})"
+                )
+                self.held_jobs.end_error(job, "invalid_request", msg, dead=True)
             elif attempt > max_attempts:
                 msg = f"delivered {attempt} times, more than max_attempts={max_attempts}"
                 self.held_jobs.end_error(job, "dead_lettered", msg, dead=True)
@@ -298,9 +349,6 @@ class Worker:
                 self.held_jobs.end_error(job, "cancelled", "cancelled before it started")
             elif job.deadline is not None and self.redis_now() >= job.deadline:
                 self.held_jobs.end_error(job, "deadline_exceeded", f"deadline of {req.timeout_s}s passed before start")
-            elif not self.keys.reply_allowed(job.reply_to):
-                job.reply_to = self.keys.reply(req.id)
-                self.held_jobs.end_error(job, "invalid_request", "reply_to must not name a pagedq key", dead=True)
             elif self.held_jobs.busy_id(req.id):
                 self.backlog.append(job)  # same id already running here: wait, then it is a duplicate
             else:
@@ -309,13 +357,15 @@ class Worker:
     def _new_job(self, item: Parsed) -> Job:
         d, req = item.delivery, item.request
         self.ledger.delivery(d.attempt)
+        self._recent_n.append(req.n or 1)
+        reply_to = self.keys.reply_target(req.id, req.reply_to, self.settings.reply_prefixes)
         return Job(
             request=req,
             attempt=d.attempt,
-            enqueued_at=_entry_time(d.entry_id),
+            enqueued_at=job_clock(req.submitted_at, d.entry_id, self.redis_now()),
             entry_id=d.entry_id,
             raw=item.raw,
-            reply_to=req.reply_to or self.keys.reply(req.id),
+            reply_to=reply_to or self.keys.reply(req.id),  # a refused reply_to is answered on the job's own
             log=self.log.bind(job_id=req.id, attempt=d.attempt, entry_id=d.entry_id),
         )
 
@@ -358,7 +408,8 @@ class Worker:
 
     def _begin_drain(self, now: float) -> None:
         self._draining = True
-        self._drain_deadline = now + self.settings.shutdown_grace_s
+        grace = self.settings.shutdown_grace_s
+        self._drain_deadline = now + grace - min(FINAL_FLUSH_RESERVE_S, grace / 4)
         releases = self.sender.releases
         handed_back = len(self.intake.inbox)
         for d in self.intake.inbox:
@@ -385,7 +436,7 @@ class Worker:
 
     def _final_flush(self) -> bool:
         """Last writes before exiting; gives up (entries stay pending for others) if Redis stays away."""
-        give_up_at = time.monotonic() + max(5.0, self.settings.redis_backoff_max_s * 2)
+        give_up_at = (self.stop_requested_at or time.monotonic()) + self.settings.shutdown_grace_s
         while self.sender:
             with self.link.phase():
                 self.sender.send()
@@ -400,8 +451,12 @@ class Worker:
     # --------------------------------------------------------------------------------- status
 
     def _update_status(self, force: bool = False) -> None:
+        """Refresh the status snapshot (heartbeat, /metrics): every 0.2 s at most while the engine's load
+        stays the same, and at once when its running or waiting count changed."""
         now = time.monotonic()
-        if not force and now < self._next_status:
+        counts = (self.engine.num_running(), self.engine.num_waiting())
+        changed = counts != (self.status.get("running"), self.status.get("waiting"))
+        if not force and not changed and now < self._next_status:
             return
         self._next_status = now + 0.2
         try:

@@ -244,7 +244,10 @@ class EngineThread:
                     stream.put(event)
             if delta.finished:
                 self._by_request.pop(delta.request_id, None)
-                self._finish(run, run.final_event(None, time.time(), self.worker_name))
+                if delta.error is not None:  # its own input broke its sampling: it alone fails
+                    self._finish(run, run.error_event("invalid_request", delta.error, self.worker_name))
+                else:
+                    self._finish(run, run.final_event(None, time.time(), self.worker_name))
         # Sequences that ended during this step were part of its batch too.
         self.max_running = max(self.max_running, self.engine.num_running() + finished_seqs)
         self._snapshot = self._engine_snapshot()

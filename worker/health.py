@@ -4,11 +4,12 @@ It runs on a daemon thread with the standard library's threading HTTP server, so
 stalls the worker loop, and it is started *before* the model loads: orchestrators can then tell "alive,
 still loading" (``/healthz`` 200, ``/readyz`` 503) from "dead".
 
-* ``/healthz``: the process answers AND Redis answers a PING within a short timeout. The probe result is
-  cached for :data:`PROBE_CACHE_S` so a burst of probes does not hammer Redis; it uses its own client
-  (the loop's client must never be shared across threads mid-command).
+* ``/healthz``: the process answers, Redis answers a PING within a short timeout, AND the worker loop is
+  live (``Worker.liveness``: it completed a tick, and Redis accepted its writes, within ``stall_timeout_s``).
+  The probe result is cached for :data:`PROBE_CACHE_S` so a burst of probes does not hammer Redis; it
+  uses its own client (the loop's client must never be shared across threads mid-command).
 * ``/readyz``: the model is loaded and the consumer group is joined (the worker published its first
-  status snapshot), and the worker is not draining for shutdown.
+  status snapshot), the loop is live, and the worker is not draining for shutdown.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class HealthServer:
         self.probe = probe
         self.started = time.time()
         self._status: Callable[[], Mapping[str, Any]] | None = None
+        self._liveness: Callable[[], tuple[bool, str]] = lambda: (True, "live")
         metrics.bind(status=self.status, stream=probe.stream)
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
         self.httpd.daemon_threads = True
@@ -102,9 +104,20 @@ class HealthServer:
         self.thread.start()
         return self
 
-    def attach(self, status: Callable[[], Mapping[str, Any]]) -> None:
-        """Give the server the worker's status snapshot (``lambda: worker.status``)."""
+    def attach(
+        self, status: Callable[[], Mapping[str, Any]], liveness: Callable[[], tuple[bool, str]] | None = None
+    ) -> None:
+        """Give the server the worker's status snapshot (``lambda: worker.status``) and liveness check."""
         self._status = status
+        if liveness is not None:
+            self._liveness = liveness
+
+    def live(self) -> tuple[bool, str]:
+        """(healthy, why not): Redis answers and the worker loop is live."""
+        ok, error = self.probe.healthy()
+        if not ok:
+            return False, f"redis unreachable ({mask_url(self.probe.url)}): {error}"
+        return self._liveness()
 
     def status(self) -> Mapping[str, Any]:
         return self._status() if self._status is not None else {}
@@ -117,6 +130,9 @@ class HealthServer:
             return False, "joining the consumer group"
         if st.get("state") == "draining":
             return False, "draining"
+        live, why = self._liveness()
+        if not live:
+            return False, why
         return True, "ready"
 
     def stop(self) -> None:
@@ -133,9 +149,8 @@ class HealthServer:
                 if path == "/metrics":
                     self._send(200, generate_latest(server.metrics.registry), CONTENT_TYPE_LATEST)
                 elif path == "/healthz":
-                    ok, error = server.probe.healthy()
-                    body = "ok\n" if ok else f"redis unreachable ({mask_url(server.probe.url)}): {error}\n"
-                    self._send(200 if ok else 503, body.encode())
+                    ok, why = server.live()
+                    self._send(200 if ok else 503, ("ok\n" if ok else f"{why}\n").encode())
                 elif path == "/readyz":
                     ok, why = server.ready()
                     self._send(200 if ok else 503, f"{why}\n".encode())

@@ -9,6 +9,7 @@ waited for its id.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from schemas.jobs import DeadLetter, ErrorCode, ErrorEvent, FinalEvent, FinishRe
 from schemas.keys import Keys
 from worker.job_ledger import JobLedger
 from worker.job_run import EngineLike, JobRun, apply_deltas
-from worker.publisher import Terminal
+from worker.publisher import DeadOnly, Terminal
 from worker.redis_link import REDIS_DOWN
 from worker.sender import Sender
 from worker.settings import Settings
@@ -76,28 +77,42 @@ class HeldJobs:
         return any(j.id == job_id for j in self.jobs.values())
 
     def reject(self, entry_id: str, attempt: int, raw: str, exc: InvalidJob, job: Job | None = None) -> None:
-        """Answer an unusable job: error event (when a reply target is known), dead letter, ack."""
+        """Answer an unusable job: error event (when its id can be read), dead letter, ack.
+
+        The error goes to the job's own reply stream, or to its ``reply_to`` when that is valid and allowed,
+        so a producer whose ``reply_to`` was the problem still hears why."""
         target = (job.id, job.reply_to) if job else salvage_reply_target(raw, self.settings.max_payload_bytes)
         job_id = target[0] if target else ""
         dead = self.dead_letter(raw, exc.code, exc.message, attempt, entry_id, job_id)
-        self.ledger.rejected()
+        self.ledger.rejected(exc.code)
         if target is None:
             self.log.warning("job.rejected", entry_id=entry_id, reason=exc.message, reply=False)
-            self.sender.outbox.dead_only.append((entry_id, dead))
+            self.sender.outbox.dead_only.append(DeadOnly(entry_id, dead))
             return
-        reply_to = target[1]
-        if reply_to is None or not self.keys.reply_allowed(reply_to):
-            reply_to = self.keys.reply(job_id)
+        reply_to = self.keys.reply_target(job_id, target[1], self.settings.reply_prefixes) or self.keys.reply(job_id)
         event = ErrorEvent(id=job_id, attempt=attempt, code=exc.code, message=exc.message, worker=self.name)
         self.log.warning("job.rejected", job_id=job_id, entry_id=entry_id, code=exc.code, reason=exc.message)
-        self.sender.outbox.terminals.append(Terminal(entry_id, job_id, reply_to, event, dead=dead))
+        self.sender.outbox.terminals.append(Terminal(entry_id, job_id, reply_to, event.to_json(), dead=dead))
 
     def dead_letter(
         self, raw: str, code: ErrorCode, reason: str, attempts: int, entry_id: str, job_id: str
     ) -> DeadLetter:
-        """The dead-letter entry of a payload (kept byte for byte) and why it could not be run."""
+        """The dead-letter entry of a payload and why it could not be run. The payload is kept byte for byte
+        up to ``dead_payload_bytes``; beyond that it is cut, and its full length and SHA-256 are kept, so
+        the dead-letter stream stays bounded (it is also capped at ``dead_maxlen`` entries)."""
+        data = raw.encode("utf-8", "surrogateescape")
+        limit = self.settings.dead_payload_bytes
+        kept = raw if len(data) <= limit else data[:limit].decode("utf-8", "surrogateescape")
         return DeadLetter(
-            job=raw, reason=reason, code=code, attempts=attempts, worker=self.name, job_id=job_id, entry_id=entry_id
+            job=kept,
+            job_bytes=len(data),
+            job_sha256=hashlib.sha256(data).hexdigest(),
+            reason=reason[:2000],
+            code=code,
+            attempts=attempts,
+            worker=self.name,
+            job_id=job_id,
+            entry_id=entry_id,
         )
 
     def start(self, job: Job) -> None:
@@ -109,6 +124,7 @@ class HeldJobs:
                 max_num_seqs=self.settings.max_num_seqs,
                 now=self.clock(),
                 owner="worker",
+                max_result_bytes=self.settings.max_result_bytes,
             )
         except InvalidJob as exc:
             self.reject(job.entry_id, job.attempt, job.raw, exc, job)
@@ -159,7 +175,10 @@ class HeldJobs:
             self.step_failed(exc)
             return
         for job, delta in apply_deltas(deltas, self.by_request, self.clock()):
-            if delta.finished:
+            if delta.error is not None:  # this job's own input broke its sampling: it alone fails
+                job.log.warning("job.failed_in_engine", error=delta.error)
+                self.end_error(job, "invalid_request", delta.error, dead=True)
+            elif delta.finished:
                 self.end_final(job)
             elif job.request.stream and time.monotonic() - job.last_publish >= self.settings.stream_interval_s:
                 self.emit_tokens(job)
@@ -207,8 +226,8 @@ class HeldJobs:
             self.emit_tokens(job)
 
     def emit_tokens(self, job: Job) -> None:
-        for event in job.take_token_events():
-            self.sender.outbox.tokens.append((job.reply_to, event.to_json()))
+        payloads = [event.to_json() for event in job.take_token_events()]
+        self.sender.outbox.add_tokens(job.reply_to, job.entry_id, job.id, payloads)
         job.last_publish = time.monotonic()
 
     # -------------------------------------------------------------------------------- endings
@@ -235,8 +254,18 @@ class HeldJobs:
         self.end(job, job.error_event(code, message, self.name), letter)
 
     def end(self, job: Job, event: FinalEvent | ErrorEvent, letter: DeadLetter | None = None) -> None:
-        """Queue the terminal write (with the dead letter, if any) and account for the job."""
-        self.sender.outbox.terminals.append(Terminal(job.entry_id, job.id, job.reply_to, event, dead=letter))
+        """Queue the terminal write (with the dead letter, if any) and account for the job.
+
+        The event is serialised here, so an event that cannot be (whatever slipped through admission)
+        fails its own job with an ``internal`` error instead of every flush that would carry it."""
+        try:
+            payload = event.to_json()
+        except Exception as exc:
+            job.log.exception("job.unserialisable_event")
+            message = f"the job's {event.type} event could not be serialised: {type(exc).__name__}"
+            event = ErrorEvent(id=job.id, attempt=job.attempt, code="internal", message=message, worker=self.name)
+            payload = event.to_json()
+        self.sender.outbox.terminals.append(Terminal(job.entry_id, job.id, job.reply_to, payload, dead=letter))
         self.ledger.ended(job.log, job.request, event, dead_lettered=letter is not None)
 
     def stop(self, job: Job, reason: FinishReason) -> None:

@@ -38,6 +38,40 @@ class Unusable:
     error: InvalidJob
 
 
+FUTURE_ENTRY_TOLERANCE_S = 60.0
+"""How far ahead of the Redis clock an entry id may be: Redis' own ids are never ahead (up to clock steps
+between a primary and its promoted replica, well under a minute); further ahead, a producer chose it."""
+
+MAX_SUBMITTED_AGE_S = 30 * 86_400.0
+"""A ``submitted_at`` older than this is not believed (a producer's clock off by more than a month)."""
+
+
+def entry_time(entry_id: str) -> float:
+    """Seconds since the epoch encoded in a stream entry id (``<ms>-<seq>``); 0 when it is not one."""
+    try:
+        return int(entry_id.split("-", 1)[0]) / 1000.0
+    except ValueError:
+        return 0.0
+
+
+def job_clock(submitted_at: float | None, entry_id: str, now: float) -> float:
+    """When a job is deemed enqueued, for its timings and deadline: never later than ``now`` (the Redis
+    server's time at read), never a producer's choice that could hurt another job.
+
+    * ``submitted_at`` (the producer's clock) when given and sane: not ahead of ``now`` by more than
+      :data:`FUTURE_ENTRY_TOLERANCE_S` (then clamped to ``now``), not older than a month;
+    * else the entry id's time, which Redis chose (a producer can only pick ids above every existing one,
+      i.e. in the future, and those never get here: ``take`` refuses them), so it survives redeliveries;
+    * else ``now``.
+    """
+    if submitted_at is not None and now - MAX_SUBMITTED_AGE_S <= submitted_at <= now + FUTURE_ENTRY_TOLERANCE_S:
+        return min(submitted_at, now)
+    stamped = entry_time(entry_id)
+    if 0.0 < stamped <= now + FUTURE_ENTRY_TOLERANCE_S:
+        return min(stamped, now)
+    return now
+
+
 class Intake:
     """The reads of one worker and the deliveries not handled yet (``inbox``, kept across Redis errors)."""
 
@@ -48,6 +82,7 @@ class Intake:
         self.settings = settings
         self.log = log
         self.inbox: list[Delivery] = []
+        self.future_entries = 0  # entries refused for an id ahead of the clock (the loop repairs the stream)
         self.blocked = False  # the last read waited for work (the loop counts that time as idle)
         self._history: str | None = "0"  # cursor in our own PEL; None once walked
         self._next_poll = 0.0
@@ -89,9 +124,10 @@ class Intake:
         if removed:
             self.log.info("group.consumers_removed", consumers=removed)
 
-    def take(self) -> tuple[list[Parsed], list[Unusable], list[Delivery]]:
+    def take(self, now: float) -> tuple[list[Parsed], list[Unusable], list[Delivery]]:
         """Empty the inbox into valid jobs, unusable payloads, and deliveries whose entry is gone (only an
-        ack is owed for those)."""
+        ack is owed for those). ``now`` is the Redis server's time: an entry id further ahead of it than
+        :data:`FUTURE_ENTRY_TOLERANCE_S` was chosen by a producer, not by Redis, and is unusable."""
         batch, self.inbox = self.inbox, []
         parsed: list[Parsed] = []
         unusable: list[Unusable] = []
@@ -103,7 +139,16 @@ class Intake:
             raw = d.fields.get(JOB_FIELD)
             if raw is None:
                 error = InvalidJob(f"stream entry has no {JOB_FIELD!r} field")
-                unusable.append(Unusable(d, json.dumps(d.fields), error))
+                unusable.append(Unusable(d, json.dumps(d.fields, ensure_ascii=False), error))
+                continue
+            ahead_s = entry_time(d.entry_id) - now
+            if ahead_s > FUTURE_ENTRY_TOLERANCE_S:
+                self.future_entries += 1
+                message = (
+                    f"stream entry id {d.entry_id} is {ahead_s:.0f} s ahead of the Redis clock; add jobs with "
+                    "an automatic id (XADD ... *) and resubmit"
+                )
+                unusable.append(Unusable(d, raw, InvalidJob(message, "entry_id_in_future")))
                 continue
             try:
                 parsed.append(Parsed(d, raw, parse_job(raw, self.settings.max_payload_bytes)))

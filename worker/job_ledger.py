@@ -3,6 +3,12 @@
 Each ended job is logged once, as ``job.finished``, with everything an operator asks about it (outcome,
 reason, tokens, timings, and prompt and outputs only where ``log_prompts`` asks), and counted once, so the
 heartbeat's ``jobs_*`` counters and ``/metrics`` agree with the logs.
+
+Every terminal outcome goes through here, rejections included: a payload that is not a job (not JSON, wrong
+types, an entry id in the future, a prompt too long for the model) ends as an ``error`` with its code and a
+dead letter, exactly as a job that ran out of attempts does. Counting only the jobs that reached the
+engine would make ``pagedq_jobs_total`` fall short of the jobs submitted by precisely the ones an
+operator most needs to see, and ``pagedq_dead_letters_total`` disagree with the dead-letter stream.
 """
 
 from __future__ import annotations
@@ -28,9 +34,13 @@ class JobLedger:
         if self.metrics is not None:
             self.metrics.delivery(attempt)
 
-    def rejected(self) -> None:
-        """A payload that could not be read as a job was answered and dead-lettered."""
+    def rejected(self, code: str | None = None) -> None:
+        """A payload that could not be run was answered (when its id could be read) and dead-lettered:
+        an ``error`` outcome with its error ``code`` (``unknown`` when the caller does not say), and a
+        dead letter."""
         self.counts["error"] += 1
+        if self.metrics is not None:
+            self.metrics.job_finished(outcome="error", reason=code, dead_lettered=True)
 
     def ended(self, log: Any, request: JobRequest, event: FinalEvent | ErrorEvent, *, dead_lettered: bool) -> None:
         """A job's terminal event was queued: count it, log it, measure it."""

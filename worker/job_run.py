@@ -96,14 +96,24 @@ class JobRun:
         """Whether this attempt has produced a token (it then ends ``final``, whatever stops it)."""
         return self.first_token_at is not None
 
-    def start(self, engine: EngineLike, request_id: str, *, max_num_seqs: int | None, now: float, owner: str) -> None:
+    def start(
+        self,
+        engine: EngineLike,
+        request_id: str,
+        *,
+        max_num_seqs: int | None,
+        now: float,
+        owner: str,
+        max_result_bytes: int | None = None,
+    ) -> None:
         """Add the job to ``engine`` as ``request_id``.
 
         Bad input raises :class:`InvalidJob` with its wire code (``prompt_too_long`` for a prompt the
         model's context cannot hold, ``invalid_request`` for anything the engine refuses as a value);
         any other exception is the engine's own failure and propagates for the caller's policy.
         A job with more choices than ``max_num_seqs`` (None: no limit) could never be scheduled and is
-        refused; ``owner`` names what that limit belongs to in the message ("worker", "engine").
+        refused; ``owner`` names what that limit belongs to in the message ("worker", "engine"). So is a job
+        whose result could grow past ``max_result_bytes`` (None: no limit).
         """
         try:
             prompt = engine_prompt(engine, self.request)
@@ -111,6 +121,14 @@ class JobRun:
             n = self.request.n or 1
             if max_num_seqs is not None and n > max_num_seqs:
                 raise InvalidJob(f"n={n} is larger than this {owner}'s max_num_seqs={max_num_seqs}")
+            if max_result_bytes is not None:
+                bound = self.request.result_bytes_bound(engine.max_model_len)
+                if bound > max_result_bytes:
+                    raise InvalidJob(
+                        f"n x max_tokens x (1 + logprobs) could make a result of {bound / 2**20:.1f} MiB, more "
+                        f"than this {owner}'s max_result_bytes={max_result_bytes / 2**20:.1f} MiB: lower "
+                        "max_tokens, n or logprobs"
+                    )
             engine.add_request(request_id, prompt, params, priority=self.request.priority)
         except InvalidJob:
             raise

@@ -10,21 +10,35 @@ Two kinds of metrics:
   :meth:`WorkerMetrics.job_finished` and :meth:`WorkerMetrics.delivery`. They only touch prometheus-client
   objects, which are thread-safe, so the loop never blocks on a scrape.
 * **state metrics** (running/waiting requests, KV usage, engine counters, reconnects, stream backlog) are
-  read at scrape time from the worker's ``status`` snapshot (a dict the loop replaces every 0.2 s) and from
-  a Redis probe of the HTTP thread. Scrapes therefore never call into the engine, which is not thread-safe.
+  read at scrape time from the worker's ``status`` snapshot (a dict the loop replaces as the engine's load
+  changes) and from a Redis probe of the HTTP thread. Scrapes therefore never call into the engine, which
+  is not thread-safe; a gauge is as current as that snapshot.
+
+Conventions taken from vLLM's and other serving stacks' exporters, so that their dashboards and alerts carry
+over:
+
+* no ``*_created`` series (:func:`prometheus_client.disable_created_metrics`): one timestamp series beside
+  every counter and histogram doubles what is stored and says nothing a restart does not;
+* ``pagedq_worker_info{model, version, dtype}`` (always 1): what this replica serves, to join on;
+* a ``model_name`` label on the engine's metrics (requests, KV cache, prefix cache, tokens, latencies, jobs),
+  so a fleet serving several models on one Prometheus keeps them apart. The name is the one the worker
+  reports in its heartbeat; it is known once the model is loaded (:meth:`WorkerMetrics.set_model`), and
+  is empty before that.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
+from importlib import metadata
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 PREFIX = "pagedq_"
+MODEL_LABEL = "model_name"
 
 # Latency buckets (seconds): LLM jobs span milliseconds (a cached short prompt) to minutes (a long
 # generation queued behind others), so the buckets are roughly logarithmic over that range.
@@ -39,15 +53,33 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) and value >= 0 else None
 
 
+def pagedq_version() -> str:
+    """The installed pagedq's version (``unknown`` when run from a tree that was never installed)."""
+    try:
+        return metadata.version("pagedq")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def dtype_name(dtype: object) -> str:
+    """``torch.bfloat16`` or ``"bfloat16"`` -> ``bfloat16``: the label value, whatever form it came in."""
+    return str(dtype).removeprefix("torch.")
+
+
 class WorkerMetrics:
-    """All metrics of one worker. Create it first, then :meth:`bind` the status and stream sources."""
+    """All metrics of one worker. Create it first, then :meth:`bind` the status and stream sources, and
+    :meth:`set_model` once the model is loaded."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # Process-wide in prometheus-client; read at every scrape, so calling it here covers every metric.
+        disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = ""
+        self.info: dict[str, str] | None = None  # the labels of pagedq_worker_info, once the model is loaded
         r = self.registry
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
-            return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
+            return Histogram(PREFIX + name, doc, [MODEL_LABEL], buckets=buckets, registry=r)
 
         self.ttft = histogram(
             "time_to_first_token_seconds", "Time from enqueue (stream entry id) to the first generated token."
@@ -63,18 +95,37 @@ class WorkerMetrics:
         )
         self.jobs = Counter(
             PREFIX + "jobs",
-            "Jobs ended by this worker, by outcome (final/error) and reason (finish reason or error code).",
-            ["outcome", "reason"],
+            "Jobs ended by this worker, by outcome (final/error) and reason (finish reason or error code); "
+            "rejected jobs included.",
+            [MODEL_LABEL, "outcome", "reason"],
             registry=r,
         )
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished jobs.", registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens of finished jobs.", registry=r)
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished jobs.", [MODEL_LABEL], registry=r
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens of finished jobs.", [MODEL_LABEL], registry=r
+        )
         self.redeliveries = Counter(
             PREFIX + "redeliveries", "Deliveries of a job beyond its first (retries, reclaims).", registry=r
         )
-        self.dead_letters = Counter(PREFIX + "dead_letters", "Jobs this worker dead-lettered.", registry=r)
-        self._state = _StateCollector()
+        self.dead_letters = Counter(
+            PREFIX + "dead_letters", "Jobs this worker dead-lettered (rejected ones included).", registry=r
+        )
+        self._state = _StateCollector(self)
         r.register(self._state)
+
+    def set_model(self, model_name: str, dtype: object) -> None:
+        """What this worker serves, once its model is loaded: the ``model_name`` label of the engine's
+        metrics and ``pagedq_worker_info``. ``dtype`` is what the engine computes in (``auto`` resolved).
+
+        The series of the event metrics are created here, at zero, so that a dashboard
+        sees them (and ``rate()`` has a starting point) before the first job ends."""
+        self.model_name = model_name
+        self.info = {"model": model_name, "version": pagedq_version(), "dtype": dtype_name(dtype)}
+        labelled = (self.ttft, self.inter_token, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens)
+        for metric in labelled:
+            metric.labels(model_name=model_name)
 
     def bind(self, status: StatusSource | None = None, stream: StreamSource | None = None) -> None:
         """Where scrape-time state comes from: the worker's status snapshot and a (backlog, pending) probe."""
@@ -104,30 +155,33 @@ class WorkerMetrics:
     ) -> None:
         """Record one ended job. Errors record no latency histograms: a rejected job's "latency" would
         only skew the distributions users alert on."""
-        self.jobs.labels(outcome=outcome, reason=reason or "unknown").inc()
+        model = self.model_name
+        self.jobs.labels(model_name=model, outcome=outcome, reason=reason or "unknown").inc()
         if dead_lettered:
             self.dead_letters.inc()
         if outcome != "final":
             return
-        self.prompt_tokens.inc(max(0, prompt_tokens))
-        self.generation_tokens.inc(max(0, completion_tokens))
+        self.prompt_tokens.labels(model_name=model).inc(max(0, prompt_tokens))
+        self.generation_tokens.labels(model_name=model).inc(max(0, completion_tokens))
         queued, ttft, total = _finite(queued_s), _finite(ttft_s), _finite(total_s)
         if queued is not None:
-            self.queue_time.observe(queued)
+            self.queue_time.labels(model_name=model).observe(queued)
         if ttft is not None:
-            self.ttft.observe(ttft)
+            self.ttft.labels(model_name=model).observe(ttft)
         if total is not None:
-            self.e2e.observe(total)
+            self.e2e.labels(model_name=model).observe(total)
         if ttft is not None and total is not None and completion_tokens > 1:
             gap = max(0.0, total - ttft) / (completion_tokens - 1)
+            inter_token = self.inter_token.labels(model_name=model)
             for _ in range(min(completion_tokens - 1, 4096)):
-                self.inter_token.observe(gap)
+                inter_token.observe(gap)
 
 
 class _StateCollector(Collector):
     """Scrape-time gauges and counters read from the worker's status snapshot and the stream probe."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.metrics = metrics
         self.status: StatusSource = dict
         self.stream: StreamSource = lambda: None
 
@@ -136,18 +190,34 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         st = self.status() or {}
+        model = self.metrics.model_name
+        info = self.metrics.info
 
-        def gauge(name: str, doc: str, key: str) -> Iterator[Metric]:
+        def gauge(name: str, doc: str, key: str, engine: bool = True) -> Iterator[Metric]:
             if isinstance(st.get(key), (int, float)):
-                yield GaugeMetricFamily(PREFIX + name, doc, value=float(st[key]))
+                if not engine:
+                    yield GaugeMetricFamily(PREFIX + name, doc, value=float(st[key]))
+                    return
+                family = GaugeMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+                family.add_metric([model], float(st[key]))
+                yield family
 
-        def counter(name: str, doc: str, key: str) -> Iterator[Metric]:
+        def counter(name: str, doc: str, key: str, engine: bool = True) -> Iterator[Metric]:
             if isinstance(st.get(key), (int, float)):
-                yield CounterMetricFamily(PREFIX + name, doc, value=float(st[key]))
+                if not engine:
+                    yield CounterMetricFamily(PREFIX + name, doc, value=float(st[key]))
+                    return
+                family = CounterMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+                family.add_metric([model], float(st[key]))
+                yield family
 
+        if info is not None:
+            family = GaugeMetricFamily(PREFIX + "worker_info", "What this worker serves (always 1).", labels=list(info))
+            family.add_metric(list(info.values()), 1.0)
+            yield family
         yield from gauge("requests_running", "Requests running in the engine.", "running")
         yield from gauge("requests_waiting", "Requests waiting in the engine's scheduler.", "waiting")
-        yield from gauge("jobs_unstarted", "Jobs read from Redis, not yet in the engine.", "unstarted")
+        yield from gauge("jobs_unstarted", "Jobs read from Redis, not yet in the engine.", "unstarted", engine=False)
         yield from gauge("kv_cache_usage_ratio", "Share of KV cache blocks in use (0-1).", "kv_cache_usage")
         yield from counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                            "prefix_cache_queries")  # fmt: skip
@@ -159,9 +229,9 @@ class _StateCollector(Collector):
         yield from counter("spec_accepted_tokens", "Draft tokens accepted (decode steps saved).",
                            "spec_accepted_tokens")  # fmt: skip
         yield from counter("redis_reconnects", "Times the worker got Redis back after losing it.",
-                           "jobs_reconnects")  # fmt: skip
+                           "jobs_reconnects", engine=False)  # fmt: skip
         yield from counter("duplicate_deliveries", "Deliveries of jobs that had already ended (acked only).",
-                           "jobs_duplicate")  # fmt: skip
+                           "jobs_duplicate", engine=False)  # fmt: skip
         yield GaugeMetricFamily(
             PREFIX + "worker_draining", "1 while the worker drains for shutdown.",
             value=1.0 if st.get("state") == "draining" else 0.0,

@@ -1,17 +1,27 @@
 """Writes what a worker has to say about jobs: token events, and exactly one terminal event per job.
 
-Token events are pipelined: all events of one engine step go out in one MULTI/EXEC round trip. Terminal
-events go through one Lua script that, atomically,
+A job reaches exactly its own keys: its result key, and its reply stream, which a worker writes only if the
+stream does not exist yet or was created for the same job stream entry (each reply entry names its job entry
+in field ``entry``). So a job can never write into another job's stream, nor into another copy's of the same
+id, nor trim or expire a key pagedq did not create for it (:data:`OWNED_LUA`).
+
+Token events go through one small script per reply stream (the ownership check, then the appends), all of
+one engine step in one MULTI/EXEC round trip. Terminal events go through one Lua script that, atomically,
 
 1. acks (and deletes) the job's stream entry,
-2. stops if ``<ns>:result:<id>`` already exists (another delivery of the job already ended it),
+2. stops if ``<ns>:result:<id>`` already exists (another delivery of the job already ended it), after
+   the dead letter of an unusable payload that reused the id,
 3. stores the event at ``<ns>:result:<id>`` with a TTL,
-4. appends it to the reply stream, which then expires ``reply_ttl_s`` later,
-5. appends a dead-letter entry when asked.
+4. appends it to the reply stream if the job owns it, which then expires ``reply_ttl_s`` later,
+5. appends a dead-letter entry when asked (the dead-letter stream is capped with ``MAXLEN ~``).
 
 So a crash can never leave a job acked without its result, nor produce two results: whichever delivery of a
 job finishes first wins, later ones are acked silently. The script is idempotent, which makes it safe to
 retry after a lost reply.
+
+One refused command never holds the others back: a transaction that Redis aborts as a whole (a command
+refused when queued, e.g. by an ACL) is resent one unit at a time (nothing of it was applied), and the units
+that fail alone are reported back to the caller, which decides their fate (:mod:`worker.sender`).
 """
 
 from __future__ import annotations
@@ -22,44 +32,91 @@ from dataclasses import dataclass, field
 import redis
 from redis.commands.core import Script
 
-from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, TokenEvent
-from schemas.keys import EVENT_FIELD, GROUP, Keys
+from schemas.jobs import DeadLetter
+from schemas.keys import EVENT_FIELD, GROUP, OWNER_FIELD, Keys
 
-TERMINAL_LUA = """
+OWNED_LUA = f"""
+-- Whether the reply stream KEYS[n] may be written for job entry `entry`: it does not exist, or it is a
+-- stream whose first entry names that job entry. An empty stream someone else made is not ours either.
+local function owned(key, entry)
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'none' then
+    return true
+  end
+  if kind ~= 'stream' then
+    return false
+  end
+  local first = redis.call('XRANGE', key, '-', '+', 'COUNT', 1)
+  if #first == 0 then
+    return false
+  end
+  local fields = first[1][2]
+  for i = 1, #fields, 2 do
+    if fields[i] == '{OWNER_FIELD}' then
+      return fields[i + 1] == entry
+    end
+  end
+  return false
+end
+"""
+
+TOKENS_LUA = (
+    OWNED_LUA
+    + f"""
+-- KEYS[1] reply stream; ARGV[1] job entry id, ARGV[2] reply MAXLEN, ARGV[3..] event JSONs.
+-- Returns the number of events appended, or -1 when the stream is not this job entry's.
+if not owned(KEYS[1], ARGV[1]) then
+  return -1
+end
+for i = 3, #ARGV do
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', '{EVENT_FIELD}', ARGV[i], '{OWNER_FIELD}', ARGV[1])
+end
+return #ARGV - 2
+"""
+)
+
+TERMINAL_LUA = (
+    OWNED_LUA
+    + f"""
 -- KEYS[1] jobs stream, KEYS[2] result key, KEYS[3] reply stream, KEYS[4] dead-letter stream
 -- ARGV[1] group, ARGV[2] entry id, ARGV[3] event JSON, ARGV[4] result TTL (s), ARGV[5] reply TTL (s),
--- ARGV[6] reply MAXLEN, ARGV[7] '1' to append to the reply stream, ARGV[8] number of dead-letter
--- field/value strings that follow (0: none)
+-- ARGV[6] reply MAXLEN, ARGV[7] '1' to append to the reply stream, ARGV[8] dead-letter MAXLEN,
+-- ARGV[9] number of dead-letter field/value strings that follow (0: none)
+local acked = 0
 if ARGV[2] ~= '' then
-  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+  acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
   redis.call('XDEL', KEYS[1], ARGV[2])
 end
+local n = tonumber(ARGV[9])
 if redis.call('EXISTS', KEYS[2]) == 1 then
+  -- The job already ended. An unusable payload reusing its id still leaves its one dead letter, written
+  -- by whichever write acked its entry (a retried write finds it acked, and adds none).
+  if n > 0 and acked == 1 then
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', unpack(ARGV, 10, 9 + n))
+  end
   return 0
 end
 redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
-if ARGV[7] == '1' then
-  local kind = redis.call('TYPE', KEYS[3])['ok']
-  if kind == 'stream' or kind == 'none' then
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'event', ARGV[3])
-    redis.call('EXPIRE', KEYS[3], ARGV[5])
-  end
+if ARGV[7] == '1' and owned(KEYS[3], ARGV[2]) then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', '{EVENT_FIELD}', ARGV[3], '{OWNER_FIELD}', ARGV[2])
+  redis.call('EXPIRE', KEYS[3], ARGV[5])
 end
-local n = tonumber(ARGV[8])
 if n > 0 then
-  redis.call('XADD', KEYS[4], '*', unpack(ARGV, 9, 8 + n))
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', unpack(ARGV, 10, 9 + n))
 end
 return 1
 """
+)
 
 DEAD_ONLY_LUA = """
 -- A job without a usable id: no result key, no reply; only a dead letter and the ack.
--- KEYS[1] jobs stream, KEYS[2] dead-letter stream; ARGV[1] group, ARGV[2] entry id, ARGV[3..] fields
+-- KEYS[1] jobs stream, KEYS[2] dead-letter stream; ARGV[1] group, ARGV[2] entry id, ARGV[3] dead-letter
+-- MAXLEN, ARGV[4..] fields. Exactly one dead letter per entry: none once the entry is no longer pending.
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   return 0
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
 return 1
 """
 
@@ -72,29 +129,75 @@ return 1
 
 
 @dataclass
+class TokenWrite:
+    """Token events of one job for one reply stream (one step's worth), written together or not at all."""
+
+    reply_to: str
+    entry_id: str  # the job stream entry they belong to: the reply stream's owner
+    job_id: str
+    payloads: list[str]
+    written: bool | None = None  # after flush: False if the stream belongs to another job entry
+
+
+@dataclass
 class Terminal:
-    """A terminal write waiting to go out (kept until Redis confirmed it, across reconnects)."""
+    """A terminal write waiting to go out (kept until Redis confirmed it, across reconnects).
+
+    ``payload`` is the event's JSON, made when the terminal is queued so that an event that cannot be
+    serialised fails its own job there and then, never a flush (see ``HeldJobs.end``)."""
 
     entry_id: str
     job_id: str
     reply_to: str
-    event: FinalEvent | ErrorEvent
+    payload: str
     write_reply: bool = True
     dead: DeadLetter | None = None
     written: bool | None = None  # after flush: True if it ended the job, False if a result already existed
+    failures: int = 0  # flushes that Redis refused (the sender retries, then degrades)
+
+
+@dataclass
+class DeadOnly:
+    """The dead letter of an entry with no usable job id (nothing else is written for it)."""
+
+    entry_id: str
+    dead: DeadLetter
+    failures: int = 0
+
+
+Unit = TokenWrite | Terminal | DeadOnly | str  # str: an entry id to ack
 
 
 @dataclass
 class Outbox:
     """Everything not yet confirmed by Redis, in order: token events first, then terminal writes."""
 
-    tokens: list[tuple[str, str]] = field(default_factory=list)  # (reply stream, event JSON)
+    tokens: list[TokenWrite] = field(default_factory=list)
     terminals: list[Terminal] = field(default_factory=list)
-    dead_only: list[tuple[str, DeadLetter]] = field(default_factory=list)  # (entry id, dead letter)
+    dead_only: list[DeadOnly] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.tokens or self.terminals or self.dead_only or self.acks)
+
+    def add_tokens(self, reply_to: str, entry_id: str, job_id: str, payloads: list[str]) -> None:
+        """Queue token events, merged with the job's previous batch if that has not gone out yet."""
+        if not payloads:
+            return
+        last = self.tokens[-1] if self.tokens else None
+        if last is not None and last.reply_to == reply_to and last.entry_id == entry_id:
+            last.payloads.extend(payloads)
+        else:
+            self.tokens.append(TokenWrite(reply_to, entry_id, job_id, list(payloads)))
+
+    def units(self) -> list[Unit]:
+        return [*self.tokens, *self.terminals, *self.dead_only, *self.acks]
+
+    def clear(self) -> None:
+        self.tokens.clear()
+        self.terminals.clear()
+        self.dead_only.clear()
+        self.acks.clear()
 
 
 class Publisher:
@@ -108,78 +211,113 @@ class Publisher:
         result_ttl_s: int,
         reply_ttl_s: int,
         reply_maxlen: int,
+        dead_maxlen: int = 10_000,
     ) -> None:
         self.client = client
         self.keys = keys
         self.result_ttl_s = result_ttl_s
         self.reply_ttl_s = reply_ttl_s
         self.reply_maxlen = reply_maxlen
+        self.dead_maxlen = dead_maxlen
+        self._tokens: Script = client.register_script(TOKENS_LUA)
         self._terminal: Script = client.register_script(TERMINAL_LUA)
         self._dead_only: Script = client.register_script(DEAD_ONLY_LUA)
         self._ack: Script = client.register_script(ACK_LUA)
 
-    def token_event(self, reply_to: str, event: TokenEvent) -> tuple[str, str]:
-        return reply_to, event.to_json()
-
-    def flush(self, outbox: Outbox) -> list[BaseException]:
-        """Write and clear ``outbox``; returns per-command errors (e.g. WRONGTYPE on a foreign reply key).
+    def flush(self, outbox: Outbox) -> list[tuple[Unit, BaseException]]:
+        """Write and clear ``outbox``; returns the units Redis refused, each with its error.
 
         Raises ``redis.ConnectionError``/``TimeoutError`` with the outbox left intact, so the caller can
-        retry after reconnecting (terminal writes are idempotent; token events of a step are all-or-nothing
-        thanks to MULTI/EXEC).
+        retry after reconnecting (terminal writes are idempotent; the token events of a flush are
+        all-or-nothing thanks to MULTI/EXEC).
         """
-        if not outbox:
+        units = outbox.units()
+        if not units:
             return []
+        try:
+            results = self._execute(units)
+        except redis.ResponseError:
+            # Redis refused a command as it was queued (EXECABORT: an ACL, a wrong arity...), so nothing
+            # was applied: send each unit alone, and only the guilty ones fail.
+            results = self._one_by_one(outbox)
+        outbox.clear()
+        failed: list[tuple[Unit, BaseException]] = []
+        for unit, result in zip(units, results, strict=True):
+            if isinstance(result, BaseException):
+                failed.append((unit, result))
+            elif isinstance(unit, TokenWrite):
+                unit.written = not (isinstance(result, int) and result < 0)
+            elif isinstance(unit, Terminal):
+                unit.written = bool(result)
+        return failed
+
+    def _execute(self, units: Sequence[Unit]) -> list[object]:
         pipe = self.client.pipeline(transaction=True)
-        for reply_to, payload in outbox.tokens:
-            pipe.xadd(reply_to, {EVENT_FIELD: payload}, maxlen=self.reply_maxlen, approximate=True)
-        for t in outbox.terminals:
-            self._queue_terminal(pipe, t)
-        for entry_id, dead in outbox.dead_only:
-            self._dead_only(
-                keys=[self.keys.jobs, self.keys.dead],
-                args=[GROUP, entry_id, *_flatten(dead.to_fields())],
+        for unit in units:
+            self._queue(pipe, unit)
+        return list(pipe.execute(raise_on_error=False))
+
+    def _one_by_one(self, outbox: Outbox) -> list[object]:
+        """Each unit in its own transaction. A connection error part-way leaves in ``outbox`` exactly the
+        units not confirmed yet (the ones confirmed are removed as they are), so nothing is sent twice."""
+        results: list[object] = []
+        for unit in outbox.units():
+            try:
+                (result,) = self._execute([unit])
+            except redis.ResponseError as exc:
+                result = exc
+            results.append(result)
+            _remove(outbox, unit)
+        return results
+
+    def _queue(self, pipe: redis.client.Pipeline, unit: Unit) -> None:
+        keys = self.keys
+        if isinstance(unit, TokenWrite):
+            self._tokens(keys=[unit.reply_to], args=[unit.entry_id, self.reply_maxlen, *unit.payloads], client=pipe)
+        elif isinstance(unit, Terminal):
+            dead_fields = _flatten(unit.dead.to_fields()) if unit.dead is not None else []
+            self._terminal(
+                keys=[keys.jobs, keys.result(unit.job_id), unit.reply_to, keys.dead],
+                args=[
+                    GROUP,
+                    unit.entry_id,
+                    unit.payload,
+                    self.result_ttl_s,
+                    self.reply_ttl_s,
+                    self.reply_maxlen,
+                    "1" if unit.write_reply else "0",
+                    self.dead_maxlen,
+                    len(dead_fields),
+                    *dead_fields,
+                ],
                 client=pipe,
             )
-        for entry_id in outbox.acks:
-            self._ack(keys=[self.keys.jobs], args=[GROUP, entry_id], client=pipe)
-        results = pipe.execute(raise_on_error=False)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        offset = len(outbox.tokens)
-        for i, t in enumerate(outbox.terminals):
-            r = results[offset + i]
-            t.written = None if isinstance(r, BaseException) else bool(r)
-        outbox.tokens.clear()
-        outbox.terminals.clear()
-        outbox.dead_only.clear()
-        outbox.acks.clear()
-        return errors
-
-    def _queue_terminal(self, pipe: redis.client.Pipeline, t: Terminal) -> None:
-        dead_fields = _flatten(t.dead.to_fields()) if t.dead is not None else []
-        self._terminal(
-            keys=[self.keys.jobs, self.keys.result(t.job_id), t.reply_to, self.keys.dead],
-            args=[
-                GROUP,
-                t.entry_id,
-                t.event.to_json(),
-                self.result_ttl_s,
-                self.reply_ttl_s,
-                self.reply_maxlen,
-                "1" if t.write_reply else "0",
-                len(dead_fields),
-                *dead_fields,
-            ],
-            client=pipe,
-        )
+        elif isinstance(unit, DeadOnly):
+            self._dead_only(
+                keys=[keys.jobs, keys.dead],
+                args=[GROUP, unit.entry_id, self.dead_maxlen, *_flatten(unit.dead.to_fields())],
+                client=pipe,
+            )
+        else:
+            self._ack(keys=[keys.jobs], args=[GROUP, unit], client=pipe)
 
     def terminal(self, t: Terminal) -> bool:
         """Write one terminal event now; True if it ended the job, False if a result already existed."""
-        outbox = Outbox(terminals=[t])
-        errors = self.flush(outbox)
-        if errors:
-            raise errors[0]
+        failed = self.flush(Outbox(terminals=[t]))
+        if failed:
+            raise failed[0][1]
         return bool(t.written)
+
+
+def _remove(outbox: Outbox, unit: Unit) -> None:
+    if isinstance(unit, TokenWrite):
+        outbox.tokens.remove(unit)
+    elif isinstance(unit, Terminal):
+        outbox.terminals.remove(unit)
+    elif isinstance(unit, DeadOnly):
+        outbox.dead_only.remove(unit)
+    else:
+        outbox.acks.remove(unit)
 
 
 def _flatten(fields: dict[str, str]) -> Sequence[bytes]:

@@ -62,6 +62,63 @@ return {r[1], r[2]}
 """
 
 
+REWIND_LUA = """
+-- KEYS[1] jobs stream; ARGV[1] tolerance (ms) an entry id may be ahead of the Redis clock.
+-- After a producer added an entry with an id far in the future, every later automatic id comes after it,
+-- so every later job would look like it came from the future too. Once no such entry is left in the stream
+-- (they were dead-lettered), move the stream's last id, and each group's last-delivered id that is past
+-- it, back to the newest entry (or now): automatic ids follow the clock again. Returns 1 if it rewound.
+local function parse(id)
+  local dash = string.find(id, '-', 1, true)
+  return tonumber(string.sub(id, 1, dash - 1)), tonumber(string.sub(id, dash + 1))
+end
+local function after(a, b)
+  local ams, aseq = parse(a)
+  local bms, bseq = parse(b)
+  return ams > bms or (ams == bms and aseq > bseq)
+end
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_id = string.format('%d-0', now_ms)
+local limit = string.format('%d-0', now_ms + tonumber(ARGV[1]))
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+local last = nil
+for i = 1, #info, 2 do
+  if info[i] == 'last-generated-id' then
+    last = info[i + 1]
+  end
+end
+if last == nil or not after(last, limit) then
+  return 0
+end
+local target = now_id
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #top > 0 then
+  if after(top[1][1], limit) then
+    return 0  -- an entry from the future is still there: not yet
+  end
+  if after(top[1][1], target) then
+    target = top[1][1]
+  end
+end
+redis.call('XSETID', KEYS[1], target)
+for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local name, delivered = nil, nil
+  for i = 1, #group, 2 do
+    if group[i] == 'name' then
+      name = group[i + 1]
+    elseif group[i] == 'last-delivered-id' then
+      delivered = group[i + 1]
+    end
+  end
+  if name ~= nil and delivered ~= nil and after(delivered, target) then
+    redis.call('XGROUP', 'SETID', KEYS[1], name, target)
+  end
+end
+return 1
+"""
+
+
 @dataclass
 class Delivery:
     """One delivery of a stream entry to this worker; ``fields`` is None when the entry was deleted."""
@@ -92,6 +149,7 @@ class Reclaimer:
         self._keep_fresh: Script = client.register_script(KEEP_FRESH_LUA)
         self._release: Script = client.register_script(RELEASE_LUA)
         self._autoclaim_ids: Script = client.register_script(AUTOCLAIM_IDS_LUA)
+        self._rewind: Script = client.register_script(REWIND_LUA)
 
     def _counts(self, ids: list[str]) -> dict[str, int]:
         """Delivery counts of entries (one round trip)."""
@@ -186,6 +244,11 @@ class Reclaimer:
         for entry_id, count in entries.items():
             args += [entry_id, "" if count is None else max(count, 0)]
         return int(self._release(keys=[self.keys.jobs], args=args))
+
+    def rewind_future_ids(self, tolerance_s: float) -> bool:
+        """Bring the stream's automatic ids back to the clock after entries with future ids were answered
+        (see :data:`REWIND_LUA`); True if it did."""
+        return bool(self._rewind(keys=[self.keys.jobs], args=[int(tolerance_s * 1000)]))
 
     def forget_dead_consumers(self, live: set[str]) -> list[str]:
         """Delete consumers with no pending entries and no heartbeat (``live``), keeping the group tidy."""

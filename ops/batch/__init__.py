@@ -10,6 +10,11 @@ output line ``{id, custom_id, response: {status_code, request_id, body}, error}`
 an OpenAI ``chat.completion`` / ``text_completion`` object with ``usage``. Lines that fail validation or
 generation go to the errors file (default ``OUTPUT.errors.jsonl``) with the reason; the run goes on.
 
+A request's ``model`` is accepted whatever it names, and the answer's ``body.model`` is the model that
+served it, as OpenAI records it: an OpenAI batch file (``"model": "gpt-4o-mini"``) runs unchanged, and its
+output says truthfully what answered (the run notes the difference once). Refusing mismatched lines would
+refuse every line of such a file, for a name the workers of a queue never choose by.
+
 Two ways to run the jobs, same output:
 
 * through the queue (default): jobs go to ``<ns>:jobs:<queue>`` and however many workers serve that queue
@@ -19,7 +24,8 @@ Two ways to run the jobs, same output:
 Rerunning the same command resumes: every custom_id already in OUTPUT or the errors file is skipped, so a
 run killed at any point ends, once rerun, with each custom_id exactly once; ``--overwrite`` starts afresh.
 
-Exit codes: 0 every line has an output or error line, 1 Redis failed or stayed unreachable for 5 minutes
+Exit codes: 0 every line has an output line, 3 every line has an output or error line but some are errors
+(``--retry-errors`` runs them again), 1 Redis failed or stayed unreachable for 5 minutes
 (rerun to resume), 2 bad arguments or input (duplicates, unreadable file), 130 interrupted (rerun to resume).
 
 One concept per module, each with the design choices that apply to it:
@@ -43,6 +49,7 @@ from ops.batch.responses import (
     TerminalEvent,
     TokenText,
     error_record,
+    has_token_texts,
     load_token_text,
     outcome_record,
     output_record,
@@ -67,6 +74,7 @@ __all__ = [
     "body_to_fields",
     "error_record",
     "errors_path_for",
+    "has_token_texts",
     "iter_lines",
     "job_id_for",
     "load_token_text",

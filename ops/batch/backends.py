@@ -4,10 +4,16 @@
   share them; this process only submits and collects results.
 * :class:`LocalBackend` (``--local``): an engine in this process (on an
   :class:`~worker.engine_thread.EngineThread`), no Redis.
+
+Each answer is described by what served it (:meth:`Backend.served_model`, :meth:`Backend.token_text`), not
+by what this process was told: in queue mode the final event names its worker, and the worker's heartbeat
+names its model, so a batch run with no ``--model`` or ``--tokenizer`` of its own still records the served
+model and, when the worker's model folder is readable here, writes real token texts.
 """
 
 from __future__ import annotations
 
+import json
 import queue
 import sys
 from collections.abc import Collection
@@ -25,25 +31,47 @@ from worker.settings import Settings
 class Backend(Protocol):
     """Where jobs run: the queue (workers) or an engine in this process."""
 
-    served_model: str
-
     def submit(self, jobs: list[JobRequest]) -> None: ...
     def wait(self, ids: Collection[str], timeout_s: float) -> list[TerminalEvent]: ...
-    def token_text(self) -> TokenText: ...
+    def served_model(self, event: TerminalEvent) -> str:
+        """The name of the model that answered ``event`` (an event :meth:`wait` returned)."""
+        ...
+
+    def token_text(self, event: TerminalEvent) -> TokenText:
+        """Token id -> text with the tokenizer of the model that answered ``event`` (when there is one)."""
+        ...
+
     def close(self) -> None: ...
+
+
+def heartbeat_model(raw: str | bytes | None) -> str | None:
+    """The ``model`` a worker's heartbeat JSON names, or None (no heartbeat, or not one pagedq wrote)."""
+    try:
+        beat = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    model = beat.get("model") if isinstance(beat, dict) else None
+    return model if isinstance(model, str) and model else None
 
 
 class QueueBackend:
     """Jobs through ``<ns>:jobs:<queue>``; results from ``<ns>:result:<id>`` (MGET), woken by a blocking
     XREAD on the jobs' reply streams (jobs are sent with ``stream: false``, so these hold only the
-    terminal event)."""
+    terminal event).
+
+    The served model of an answer is the model its worker's heartbeat names, read when its first answer
+    comes (the worker is alive then, or was moments ago) and remembered; a worker whose heartbeat is gone
+    (it exited before a resumed run collected its results) falls back to ``PAGEDQ_MODEL``, else ``pagedq``.
+    """
 
     def __init__(self, url: str, settings: Settings, tokenizer: str | None) -> None:
         self.client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30)
         self.keys = Keys(settings.namespace, settings.queue)
-        self.served_model = settings.model or "pagedq"
-        self._tokenizer_source = tokenizer or settings.model
-        self._text: TokenText | None = None
+        self.default_model = settings.model or "pagedq"
+        self._tokenizer = tokenizer  # --tokenizer: chosen by the user, so it wins over what workers report
+        self._fallback_tokenizer = settings.model
+        self._worker_models: dict[str, str] = {}  # worker name -> the model its heartbeat named
+        self._texts: dict[str, TokenText] = {}  # tokenizer source -> token texts (token_id_text if it failed)
 
     def live_workers(self) -> int:
         return sum(1 for _ in self.client.scan_iter(match=self.keys.heartbeat_pattern, count=1000))
@@ -68,7 +96,12 @@ class QueueBackend:
         return out
 
     def wait(self, ids: Collection[str], timeout_s: float) -> list[TerminalEvent]:
-        wanted = list(ids)
+        """Terminal events of some of ``ids`` (none after ``timeout_s``), their workers' models looked up."""
+        events = self._wait(list(ids), timeout_s)
+        self._learn_models(events)
+        return events
+
+    def _wait(self, wanted: list[str], timeout_s: float) -> list[TerminalEvent]:
         found = self._results(wanted)
         if found or not wanted:
             return found
@@ -83,19 +116,39 @@ class QueueBackend:
                     events.append(event)
         return events or self._results(wanted)
 
-    def token_text(self) -> TokenText:
-        if self._text is None:
-            self._text = token_id_text
-            if self._tokenizer_source:
-                try:
-                    self._text = load_token_text(self._tokenizer_source)
-                except Exception as exc:  # logprobs still usable as token ids
-                    print(
-                        f"pagedq batch: cannot load tokenizer {self._tokenizer_source!r} ({exc}); "
-                        "logprob tokens are written as token_id:<id>",
-                        file=sys.stderr,
-                    )
-        return self._text
+    def _learn_models(self, events: list[TerminalEvent]) -> None:
+        """Read the heartbeats of workers not seen yet (one MGET). Done inside :meth:`wait`, so that a
+        Redis outage here is waited out like any other; the events are read again on the next call."""
+        unseen = sorted({e.worker for e in events if e.worker and e.worker not in self._worker_models})
+        if not unseen:
+            return
+        beats = self.client.mget([self.keys.heartbeat(name) for name in unseen])
+        for name, raw in zip(unseen, beats, strict=True):
+            model = heartbeat_model(raw)
+            if model is not None:
+                self._worker_models[name] = model
+
+    def served_model(self, event: TerminalEvent) -> str:
+        return self._worker_models.get(event.worker or "", self.default_model)
+
+    def token_text(self, event: TerminalEvent) -> TokenText:
+        """The tokenizer named by ``--tokenizer``, else the serving worker's model folder when it exists on
+        this machine (same host, or a shared volume), else ``PAGEDQ_MODEL``'s; else token-id stand-ins."""
+        served = self._worker_models.get(event.worker or "")
+        source = self._tokenizer or (served if served and Path(served).is_dir() else None) or self._fallback_tokenizer
+        if not source:
+            return token_id_text
+        if source not in self._texts:
+            try:
+                self._texts[source] = load_token_text(source)
+            except Exception as exc:  # logprobs still usable as token ids
+                print(
+                    f"pagedq batch: cannot load tokenizer {source!r} ({exc}); "
+                    "logprob tokens are written as token_id:<id>",
+                    file=sys.stderr,
+                )
+                self._texts[source] = token_id_text
+        return self._texts[source]
 
     def close(self) -> None:
         self.client.close()
@@ -112,7 +165,9 @@ class LocalBackend:
         self.engine = engine
         self.thread = EngineThread(engine, worker_name="local", max_num_seqs=settings.max_num_seqs).start()
         self.done: queue.SimpleQueue[TerminalEvent] = queue.SimpleQueue()
-        self.served_model = settings.model or Path(str(getattr(engine, "model_path", "pagedq"))).name
+        # The name a worker of these settings reports (worker.consumer.Worker.model_name), so that a batch
+        # run here and one run through the queue record the same model.
+        self._served = settings.model or str(getattr(engine, "model_path", "pagedq"))
 
     def submit(self, jobs: list[JobRequest]) -> None:
         for job in jobs:
@@ -130,7 +185,10 @@ class LocalBackend:
             except queue.Empty:
                 return events
 
-    def token_text(self) -> TokenText:
+    def served_model(self, event: TerminalEvent) -> str:
+        return self._served
+
+    def token_text(self, event: TerminalEvent) -> TokenText:
         tok = self.engine.tokenizer
         return lambda t: str(tok.decode([t]))
 

@@ -8,8 +8,10 @@
   no fleet to spread) for up to ``REDIS_GIVE_UP_S``; then exit 1, and a rerun resumes.
 * SIGTERM stops the run like Ctrl-C, so files are closed cleanly either way.
 
-Exit codes: 0 every line has an output or error line, 1 Redis failed or stayed unreachable for 5 minutes
-(rerun to resume), 2 bad arguments or input (duplicates, unreadable file), 130 interrupted (rerun to resume).
+Exit codes: 0 every line has an output line, 1 Redis failed or stayed unreachable for 5 minutes (rerun to
+resume), 2 bad arguments or input (duplicates, unreadable file), 3 every line was answered but some failed
+(``LINES_FAILED``: their error lines are in the errors file; ``--retry-errors`` runs them again), 130
+interrupted (rerun to resume).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from ops.batch.responses import TerminalEvent, error_record, outcome_record, tok
 from schemas.jobs import FinalEvent
 from worker.backoff import Backoff
 from worker.settings import SettingsError
+
+LINES_FAILED = 3
+"""Exit code of a run that answered every line, some with an error: a script must not take it for success."""
 
 REDIS_GIVE_UP_S = 300.0
 """How long the run waits out an unreachable Redis before exiting 1 (a rerun resumes where it stopped)."""
@@ -161,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     if skipped >= scan.total:  # nothing left: do not load a model or touch Redis
         what = f"all {scan.total} lines of {inp} are already in {out} / {errors}" if scan.total else f"{inp} is empty"
         print(f"pagedq batch: {what}", file=sys.stderr)
-        return 0
+        return LINES_FAILED if (err_ids & scan.ids) or err_lines else 0
     try:
         backend: Backend = LocalBackend(settings) if args.local else QueueBackend(str(url), settings, args.tokenizer)
     except Exception as exc:
@@ -195,6 +200,10 @@ def run(args: argparse.Namespace) -> int:
         summary += "; interrupted: rerun the same command to resume"
     elif code == 1:
         summary += "; Redis failed: rerun the same command to resume"
+    failed = writer.failed + len(err_ids & scan.ids) + len(err_lines)  # this run's and earlier runs'
+    if code == 0 and failed:
+        code = LINES_FAILED
+        summary += f"; {failed} line(s) failed (see {errors}): exit {LINES_FAILED}"
     progress.close(summary)
     return code
 
@@ -227,6 +236,7 @@ def _process(
     """The loop: keep up to ``max_in_flight`` jobs outstanding, write each answer as it arrives."""
     in_flight: dict[str, BatchLine] = {}
     unsent: list[BatchLine] = []
+    renamed: set[tuple[str, str]] = set()  # (model requested, model served) pairs already noted
     exhausted = False
     redis_down_since: float | None = None
     backoff = Backoff(0.2, 5.0, jitter=False)
@@ -277,21 +287,25 @@ def _process(
             progress.note("Redis reachable again")
             redis_down_since = None
             backoff.reset()
-        text_of = None
         for event in events:
             answered = in_flight.pop(event.id, None)
             if answered is None:
                 continue  # answered already (a result seen twice)
-            if text_of is None:
-                text_of = backend.token_text() if _wants_logprobs(events) else token_id_text
-            ok, record = outcome_record(answered, event, backend.served_model, text_of)
+            served = backend.served_model(event)
+            text_of = backend.token_text(event) if _wants_logprobs(event) else token_id_text
+            ok, record = outcome_record(answered, event, served, text_of)
             writer.write(ok, record)
+            asked = answered.model
+            if ok and asked is not None and asked != served and (asked, served) not in renamed:
+                renamed.add((asked, served))  # noted once: a batch names the same model on every line
+                progress.note(f"requests name model {asked!r}; answered by {served!r}, the body.model written")
             progress.update(ok, event.usage.completion_tokens if isinstance(event, FinalEvent) else 0)
         progress.tick()
 
 
-def _wants_logprobs(events: list[TerminalEvent]) -> bool:
-    return any(isinstance(e, FinalEvent) and any(c.logprobs is not None for c in e.choices) for e in events)
+def _wants_logprobs(event: TerminalEvent) -> bool:
+    """Only answers with logprobs need token texts (loading a tokenizer costs a second or more)."""
+    return isinstance(event, FinalEvent) and any(c.logprobs is not None for c in event.choices)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,7 +6,8 @@ An input line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url``
 The mapping is strict: body fields pagedq cannot honour (``tools``, ``response_format``, ``echo``...) make
 the line an error rather than being silently ignored, so a batch never quietly gets answers to a different
 question than it asked; ``user``, ``store``, ``metadata`` and ``service_tier`` are accepted and ignored
-(they change nothing about the answer).
+(they change nothing about the answer). So is ``model``: the queue's workers serve the model they serve, and
+the answer's ``body.model`` names it (:mod:`ops.batch.responses`).
 """
 
 from __future__ import annotations

@@ -4,9 +4,18 @@ An answer is one output line ``{id, custom_id, response: {status_code, request_i
 is shaped like an OpenAI ``chat.completion`` / ``text_completion`` object with ``usage``; a failure is an
 errors-file line ``{id, custom_id, response: null, error: {code, message, line}}``.
 
-Token strings in ``logprobs`` need a tokenizer (events carry token ids): ``--local`` has the engine's; queue
-mode loads ``--tokenizer`` (or the ``PAGEDQ_MODEL`` folder) with :func:`load_token_text` and otherwise writes
-tokens as ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids`` convention), so logprobs stay usable.
+**The body's ``model`` is the model that served the request**, as OpenAI's is (a request for ``gpt-4o`` is
+answered with ``"model": "gpt-4o-2024-08-06"``), never the request's own ``model``, which is accepted
+whatever it says: a worker serves one model, and an OpenAI batch file names OpenAI's models. The served
+name is the one the worker reports (``--model`` / ``PAGEDQ_MODEL`` as given, else its model folder).
+
+Token strings in ``logprobs`` need the worker's tokenizer (events carry token ids): ``--local`` has the
+engine's; queue mode loads ``--tokenizer``, else the serving worker's model folder when it is readable here,
+else the ``PAGEDQ_MODEL`` folder, with :func:`load_token_text`. ``text_offset`` (completions) and ``bytes``
+(chat) are computed from those token texts, so they agree with ``tokens`` / ``token`` as in vLLM. When no
+tokenizer can be had, tokens are written as ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``
+convention), so logprobs stay usable, and ``text_offset`` and ``bytes`` are ``null`` (both nullable in
+OpenAI's schema): offsets and bytes of placeholder strings would be wrong numbers, not missing ones.
 """
 
 from __future__ import annotations
@@ -32,6 +41,11 @@ def token_id_text(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
+def has_token_texts(text: TokenText) -> bool:
+    """Whether ``text`` gives the tokens' real texts (a tokenizer), not :func:`token_id_text`'s stand-ins."""
+    return text is not token_id_text
+
+
 def _usage(event: FinalEvent) -> dict[str, Any]:
     u = event.usage
     return {
@@ -43,9 +57,11 @@ def _usage(event: FinalEvent) -> dict[str, Any]:
 
 
 def _chat_logprobs(choice: Any, text: TokenText) -> dict[str, Any]:
+    real = has_token_texts(text)
+
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         s = text(token_id)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8", "replace"))}
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8", "replace")) if real else None}
 
     content = [
         {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
@@ -65,13 +81,14 @@ def _completion_logprobs(choice: Any, text: TokenText) -> dict[str, Any]:
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in choice.logprobs],
         "top_logprobs": [{text(t.token_id): t.logprob for t in lp.top} for lp in choice.logprobs],
-        "text_offset": offsets,
+        "text_offset": offsets if has_token_texts(text) else None,
     }
 
 
 def response_body(line: BatchLine, event: FinalEvent, served_model: str, text: TokenText) -> dict[str, Any]:
     """The OpenAI ``chat.completion`` / ``text_completion`` object for a job's final event: the two differ
-    only in their id prefix, object name and how a choice carries its text and logprobs."""
+    only in their id prefix, object name and how a choice carries its text and logprobs. ``model`` is
+    ``served_model`` whatever the request named (module doc)."""
     created = int(time.time())
     choices: list[dict[str, Any]]
     if line.kind == "chat":
@@ -100,7 +117,7 @@ def response_body(line: BatchLine, event: FinalEvent, served_model: str, text: T
         "id": f"{id_prefix}-{event.id}",
         "object": object_name,
         "created": created,
-        "model": line.model or served_model,
+        "model": served_model,
         "choices": choices,
         "usage": _usage(event),
         "system_fingerprint": None,

@@ -24,16 +24,11 @@ from ops import queue_commands
 from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, parse_event
 from schemas.keys import EVENT_FIELD, GROUP, JOB_FIELD, Keys
 from tests.redis_servers import RedisServer, redis_server  # noqa: F401
-from tests.worker_harness import REPO, Ctx, inprocess_worker, make_engine, wait_for
+from tests.worker_harness import REPO, Ctx, inprocess_worker, wait_for
 from worker.consumer import Worker
 
 # One server kind is enough here: these commands are plain Redis clients (the worker tests cover both).
 DEBIAN = pytest.mark.parametrize("redis_server", ["debian"], indirect=True)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model: Any) -> Any:
-    return make_engine(Path(tiny_model("llama_gqa")))
 
 
 @pytest.fixture

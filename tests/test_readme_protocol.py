@@ -21,7 +21,7 @@ from ops.batch import command as batch
 from schemas.jobs import ErrorEvent, FinalEvent, TokenEvent, parse_event
 from schemas.keys import EVENT_FIELD, JOB_FIELD
 from tests.redis_servers import RedisServer, redis_server  # noqa: F401
-from tests.worker_harness import REPO, Ctx, inprocess_worker, make_engine, wait_for
+from tests.worker_harness import REPO, Ctx, inprocess_worker, wait_for
 
 README = (REPO / "README.md").read_text()
 
@@ -34,11 +34,6 @@ def section(title: str) -> str:
     found = re.search(rf"^#+ {re.escape(title)}\n(.*?)(?=^#+ |\Z)", README, re.S | re.M)
     assert found, f"no section {title!r} in README.md"
     return " ".join(found.group(1).split())
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model: Any) -> Any:
-    return make_engine(Path(tiny_model("llama_gqa")))
 
 
 @pytest.fixture

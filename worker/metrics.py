@@ -193,23 +193,22 @@ class _StateCollector(Collector):
         model = self.metrics.model_name
         info = self.metrics.info
 
-        def gauge(name: str, doc: str, key: str, engine: bool = True) -> Iterator[Metric]:
+        def from_status(kind: Any, name: str, doc: str, key: str, engine: bool) -> Iterator[Metric]:
+            """One sample of ``kind`` (gauge or counter family) from status field ``key``, if present;
+            engine metrics carry the model label."""
             if isinstance(st.get(key), (int, float)):
                 if not engine:
-                    yield GaugeMetricFamily(PREFIX + name, doc, value=float(st[key]))
+                    yield kind(PREFIX + name, doc, value=float(st[key]))
                     return
-                family = GaugeMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+                family = kind(PREFIX + name, doc, labels=[MODEL_LABEL])
                 family.add_metric([model], float(st[key]))
                 yield family
 
+        def gauge(name: str, doc: str, key: str, engine: bool = True) -> Iterator[Metric]:
+            return from_status(GaugeMetricFamily, name, doc, key, engine)
+
         def counter(name: str, doc: str, key: str, engine: bool = True) -> Iterator[Metric]:
-            if isinstance(st.get(key), (int, float)):
-                if not engine:
-                    yield CounterMetricFamily(PREFIX + name, doc, value=float(st[key]))
-                    return
-                family = CounterMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
-                family.add_metric([model], float(st[key]))
-                yield family
+            return from_status(CounterMetricFamily, name, doc, key, engine)
 
         if info is not None:
             family = GaugeMetricFamily(PREFIX + "worker_info", "What this worker serves (always 1).", labels=list(info))

@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+from pydantic import ValidationError
 
 from engine import Engine, EngineConfig
 from engine.outputs import RequestDelta
+from schemas.jobs import JobRequest
 from schemas.sampling import SamplingParams
+from tests.redis_servers import RedisServer, redis_server  # noqa: F401
 from tests.tiny_models import make_tiny_checkpoint
 from tests.tiny_tokenizer import make_tokenizer
+from tests.worker_harness import Ctx, inprocess_worker, wait_for
+from worker.client import JobFailed
 
 WIDE_VOCAB = 544  # the logits width; the tokenizer has 512 tokens
 
@@ -202,3 +208,82 @@ def test_bad_constraints_are_refused_at_admission(engine: Engine, params: dict[s
 def test_at_most_one_constraint() -> None:
     with pytest.raises(ValueError, match="at most one of json_schema, regex, choice, grammar"):
         SamplingParams(regex="a", choice=["a"])
+
+
+# ---------------------------------------------------------------------------------------- wire + Redis
+
+
+def test_job_fields_map_to_sampling_params() -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "invoice", "schema": INVOICE_SCHEMA, "strict": True}}
+    job = JobRequest.model_validate_json(json.dumps({"id": "a", "prompt": "x", "response_format": fmt}))
+    assert job.sampling_params().json_schema == INVOICE_SCHEMA
+    assert JobRequest.model_validate_json(job.to_json()) == job  # "schema" goes back on the wire as "schema"
+    obj = JobRequest.model_validate_json('{"id":"a","prompt":"x","response_format":{"type":"json_object"}}')
+    assert obj.sampling_params().json_schema == {"type": "object"}
+    text = JobRequest.model_validate_json('{"id":"a","prompt":"x","response_format":{"type":"text"}}')
+    assert not text.sampling_params().structured
+    regex = JobRequest.model_validate_json('{"id":"a","prompt":"x","guided_regex":"[0-9]+"}')
+    assert regex.sampling_params().regex == "[0-9]+"
+    choice = JobRequest.model_validate_json('{"id":"a","prompt":"x","guided_choice":["a","b"]}')
+    assert choice.sampling_params().choice == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"response_format": {"type": "json_schema"}}, 'json_schema is required with type "json_schema"'),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "at most one of response_format"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": [""]}, "guided_choice"),
+    ],
+)
+def test_malformed_structured_fields_are_refused_by_the_wire_model(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        JobRequest.model_validate_json(json.dumps({"id": "a", "prompt": "x", **fields}))
+
+
+@pytest.fixture
+def ctx(redis_server: RedisServer) -> Iterator[Ctx]:  # noqa: F811
+    c = Ctx(redis_server)
+    yield c
+    c.close()
+
+
+def test_response_format_end_to_end_through_redis(ctx: Ctx, engine: Engine) -> None:
+    """A worker serves constrained and plain jobs together; schemas and regexes it cannot compile are
+    answered with one invalid_request each, and nothing is left pending."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "invoice", "schema": INVOICE_SCHEMA, "strict": True}}
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "strang"}}}
+    with inprocess_worker(ctx, engine):
+        good = [
+            ctx.client.submit("Invoice:", response_format=fmt, temperature=1.0, seed=s, max_tokens=256, n=2)
+            for s in range(3)
+        ]
+        # Unbounded strings from a random model rarely close within max_tokens: seed 1 is one that does.
+        obj = ctx.client.submit(
+            "Object:", response_format={"type": "json_object"}, temperature=1.0, seed=1, max_tokens=256
+        )
+        choice = ctx.client.submit("Answer:", guided_choice=CHOICES, temperature=1.0, seed=1)
+        regex = ctx.client.submit("Code:", guided_regex=REGEX, temperature=1.0, seed=2, max_tokens=64)
+        plain = ctx.client.submit("The quick brown", temperature=0, max_tokens=8)
+        bad = {
+            ctx.client.submit("x", response_format=bad_schema): 'Unsupported type "strang"',
+            ctx.client.submit("x", guided_regex="a(b"): "The parenthesis is not closed",
+        }
+        for job_id in good:
+            final = ctx.client.result(job_id, timeout=60)
+            assert len(final.choices) == 2
+            for c in final.choices:
+                check_json(c.text, c.finish_reason)
+        final = ctx.client.result(obj, timeout=60)
+        assert final.choices[0].finish_reason == "stop" and isinstance(json.loads(final.choices[0].text), dict)
+        assert ctx.client.result(choice, timeout=60).choices[0].text in CHOICES
+        assert re.fullmatch(REGEX, ctx.client.result(regex, timeout=60).choices[0].text)
+        assert ctx.client.result(plain, timeout=60).choices[0].token_ids
+        for job_id, message in bad.items():
+            with pytest.raises(JobFailed) as failed:
+                ctx.client.result(job_id, timeout=60)
+            assert failed.value.code == "invalid_request" and message in failed.value.event.message
+            assert len(ctx.terminal_events(job_id)) == 1
+        wait_for(lambda: ctx.pending() == 0, what="every job acked")

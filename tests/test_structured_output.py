@@ -287,3 +287,77 @@ def test_response_format_end_to_end_through_redis(ctx: Ctx, engine: Engine) -> N
             assert failed.value.code == "invalid_request" and message in failed.value.event.message
             assert len(ctx.terminal_events(job_id)) == 1
         wait_for(lambda: ctx.pending() == 0, what="every job acked")
+
+
+# ---------------------------------------------------------------------------------------- real model
+
+EXTRACTION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 40},
+        "date": {"type": "string", "pattern": r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+        "amount": {"type": "number", "minimum": 0},
+    },
+    "required": ["name", "date", "amount"],
+    "additionalProperties": False,
+}
+INVOICES = [
+    "Invoice from Acme Corp dated 2024-03-15 for a total of $1,250.00.",
+    "Bill to: Jane Smith. Date: 2023-11-02. Amount due: 89.99 USD.",
+    "Globex Inc. invoice #4471, issued 2024-01-31, total 4300 dollars.",
+    "Receipt: Bob's Bakery, 2022-07-04, paid $12.50 in cash.",
+    "Payment of 560.00 EUR to Initech on 2024-06-20.",
+    "Umbrella Ltd billed us 15,000 on 2021-12-01 for consulting.",
+    "On 2023-05-09, Stark Industries invoiced 999.95 for parts.",
+    "Wayne Enterprises — invoice date 2024-02-29 — amount 72.40.",
+    "Hooli charged 3,100.00 on 2022-10-10 (invoice 88).",
+    "Date 2020-08-18: Soylent Co. requests payment of 45.",
+    "Invoice: Pied Piper, 2024-04-01, total due $0.99.",
+    "Vandelay Industries, latex goods, 2019-03-03, 2,500 USD.",
+    "Cyberdyne Systems invoice for 7,777.77, dated 2023-09-23.",
+    "Tyrell Corp: 2024-07-07, amount 640.",
+    "Paid to Oscorp 2022-02-14 the sum of 150.25 dollars.",
+    "Invoice 12 from Wonka Ltd on 2021-06-30: 33.33.",
+    "Massive Dynamic invoiced 12,000 on 2023-01-15.",
+    "Gringotts Bank fee, 2024-05-05, 5.00.",
+    "Aperture Science, 2022-12-24, total 420.69.",
+    "Blue Sun Corp invoice dated 2020-01-01 for 1,000,000.00.",
+]
+
+
+@pytest.mark.realmodel
+def test_real_model_extracts_valid_json(prepared: Any) -> None:
+    """SmolLM2 (135M, Q4) extracts name/date/amount from 20 invoice texts; every greedy answer must be
+    valid against the schema, whatever the model makes of the facts. The answers are printed."""
+    from engine import LLM
+
+    llm = LLM(str(prepared.path), kv_cache_bytes=256 * 1024**2)
+    conversations = [
+        [
+            {"role": "system", "content": "Extract the invoice's name, date (YYYY-MM-DD) and amount as JSON."},
+            {"role": "user", "content": text},
+        ]
+        for text in INVOICES
+    ]
+    params = SamplingParams(temperature=0, max_tokens=96, json_schema=EXTRACTION_SCHEMA)
+    outs = llm.chat(conversations, params)
+    for text, out in zip(INVOICES, outs, strict=True):
+        answer = out.outputs[0]
+        print(f"\n{text}\n  -> {answer.text} ({answer.finish_reason})")
+    for out in outs:
+        answer = out.outputs[0]
+        assert answer.finish_reason == "stop", answer.text
+        jsonschema.validate(json.loads(answer.text), EXTRACTION_SCHEMA)
+
+
+def test_logprobs_of_a_constrained_request_name_only_allowed_tokens(engine: Engine) -> None:
+    """Masked tokens have logprob -inf: they are left out of the top list (-inf is not JSON)."""
+    params = SamplingParams(temperature=0, choice=["yes", "no"], logprobs=5)
+    engine.add_request("lp", "Answer:", params)
+    lps = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            for c in delta.outputs:
+                lps += c.logprobs or []
+    assert lps and all(v > float("-inf") for lp in lps for _, v in lp.top)
+    assert all(lp.logprob > float("-inf") for lp in lps)

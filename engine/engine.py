@@ -257,10 +257,16 @@ class Engine:
             for j in range(count)
         ]
         started = clock()
-        constrained = [(i, s.matcher) for i, (s, _) in enumerate(samplers) if s.matcher is not None]
-        if constrained:
-            # Constrained sequences never speculate, so sequence i has exactly logits row i. In place:
-            # the sampled distribution and the logprobs are those of the allowed tokens.
+        if any(s.matcher is not None for s, _ in samplers):
+            # A constrained sequence never speculates, so it has one logits row; rows before it may
+            # belong to speculating neighbours (one per draft). In place: the sampled distribution
+            # and the logprobs are those of the allowed tokens.
+            constrained = []
+            row = 0
+            for s, count in samplers:
+                if s.matcher is not None:
+                    constrained.append((row, s.matcher))
+                row += count
             self.grammars.apply_bitmasks(logits, constrained)
         out = self._sample(logits, rows, [count for _, count in samplers])
         stats.phase_s["sample"] += clock() - started

@@ -45,7 +45,8 @@ def library_message(exc: BaseException) -> str:
 
 def constraint_of(params: SamplingParams) -> tuple[str, str] | None:
     """(kind, canonical text) of the request's constraint, or None: the grammar cache's key. A schema
-    given as a dict and the same schema as a string share one entry (key order aside)."""
+    given as a dict and the same schema as a string share one entry. Keys are not sorted: the order of
+    ``properties`` is the order the JSON object's keys are generated in (as OpenAI's structured output)."""
     if params.json_schema is not None:
         schema = params.json_schema
         if isinstance(schema, str):
@@ -53,7 +54,7 @@ def constraint_of(params: SamplingParams) -> tuple[str, str] | None:
                 schema = json.loads(schema)
             except ValueError as exc:
                 raise ValueError(f"json_schema is not valid JSON: {exc}") from exc
-        return "json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        return "json_schema", json.dumps(schema, separators=(",", ":"))
     if params.regex is not None:
         return "regex", params.regex
     if params.choice is not None:

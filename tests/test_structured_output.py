@@ -147,11 +147,15 @@ def test_greedy_json_schema_and_string_schema_share_one_compiled_grammar(engine:
 
 
 def test_unconstrained_requests_are_untouched_by_constrained_neighbours(engine: Engine) -> None:
+    """Unconstrained requests (greedy ones speculating, so their neighbours' logits rows shift by their
+    drafts) get exactly the tokens they get alone."""
     plain = {
         "greedy": ("The quick brown", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)),
+        "looping": ("the cat the cat the cat the cat", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)),
         "seeded": ("Once upon a", SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)),
     }
     alone = {rid: texts(d) for rid, d in run(engine, plain).items()}
+    drafts = engine.num_draft_tokens
     mixed = run(
         engine,
         {
@@ -160,8 +164,11 @@ def test_unconstrained_requests_are_untouched_by_constrained_neighbours(engine: 
             "choice": ("Answer:", SamplingParams(temperature=0, choice=CHOICES)),
         },
     )
+    assert engine.num_draft_tokens > drafts  # the speculating neighbours were there
     for rid in plain:
-        assert texts(mixed[rid]) == alone[rid]
+        assert texts(mixed[rid]) == alone[rid], rid
+    json_text, _, json_reason = texts(mixed["json"])[0]
+    check_json(json_text, json_reason)
     assert texts(mixed["choice"])[0][0] in CHOICES
 
 
@@ -347,7 +354,9 @@ def test_real_model_extracts_valid_json(prepared: Any) -> None:
     for out in outs:
         answer = out.outputs[0]
         assert answer.finish_reason == "stop", answer.text
-        jsonschema.validate(json.loads(answer.text), EXTRACTION_SCHEMA)
+        value = json.loads(answer.text)
+        jsonschema.validate(value, EXTRACTION_SCHEMA)
+        assert list(value) == ["name", "date", "amount"]  # the schema's order, not sorted
 
 
 def test_logprobs_of_a_constrained_request_name_only_allowed_tokens(engine: Engine) -> None:
@@ -361,3 +370,14 @@ def test_logprobs_of_a_constrained_request_name_only_allowed_tokens(engine: Engi
                 lps += c.logprobs or []
     assert lps and all(v > float("-inf") for lp in lps for _, v in lp.top)
     assert all(lp.logprob > float("-inf") for lp in lps)
+
+
+def test_keys_come_in_the_schema_order(engine: Engine) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"z": {"type": "boolean"}, "a": {"enum": [1, 2]}},
+        "required": ["z", "a"],
+        "additionalProperties": False,
+    }
+    ((text, _, reason),) = texts(run(engine, {"o": ("x", sampled(0, json_schema=schema))})["o"]).values()
+    assert reason == "stop" and list(json.loads(text)) == ["z", "a"]

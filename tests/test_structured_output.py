@@ -381,3 +381,20 @@ def test_keys_come_in_the_schema_order(engine: Engine) -> None:
     }
     ((text, _, reason),) = texts(run(engine, {"o": ("x", sampled(0, json_schema=schema))})["o"]).values()
     assert reason == "stop" and list(json.loads(text)) == ["z", "a"]
+
+
+def test_prefix_cache_hits_and_stop_strings_with_constraints(engine: Engine) -> None:
+    """A constrained request behind a cached prompt prefix gets the output it gets cold; a stop string
+    cuts constrained output short (finish_reason stop, the stop string not in the text)."""
+    prompt = "Paged attention stores the key and value cache in fixed size blocks. " * 3 + "Invoice:"
+    params = SamplingParams(temperature=0, max_tokens=256, json_schema=INVOICE_SCHEMA)
+    cold = run(engine, {"cold": (prompt, params)})["cold"]
+    warm = run(engine, {"warm": (prompt, params)})["warm"]
+    assert warm[-1].num_cached_tokens > 0
+    assert texts(warm) == texts(cold)
+    check_json(texts(warm)[0][0], texts(warm)[0][2])
+
+    regex = "[a-c]{3}x[a-c]{3}"
+    out = run(engine, {"stop": ("Code:", SamplingParams(temperature=0, max_tokens=32, regex=regex, stop=["x"]))})
+    ((text, _, reason),) = texts(out["stop"]).values()
+    assert reason == "stop" and re.fullmatch("[a-c]{3}", text)

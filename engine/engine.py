@@ -18,6 +18,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -36,6 +37,7 @@ from engine.sampler import FAILED_TOKEN, Sampler, SamplerOutput, SamplingRow, ma
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_stats import BLOCK_FILL_EVERY_STEPS, StepStats
+from engine.structured import GrammarCache
 from schemas.sampling import SamplingParams
 
 log = structlog.get_logger("pagedq.engine")
@@ -50,6 +52,7 @@ class Request:
     seqs: list[Sequence]
     num_finished: int = 0  # samples that have ended (a request ends when all n have)
     error: str | None = None  # why sampling failed; the request then ends at once, all n samples
+    grammar: Any = None  # structured output: the compiled grammar each sample's matcher starts from
 
     @property
     def finished(self) -> bool:
@@ -77,6 +80,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self._grammars: GrammarCache | None = None  # built by the first constrained request
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted, since start
         self.num_accepted_tokens = 0
         self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
@@ -129,10 +133,23 @@ class Engine:
         ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(len(ids), self.max_model_len)
-        seq = self._new_sequence(request_id, 0, ids, len(ids), params, priority)
+        grammar = self.grammars.compile(params) if params.structured else None  # ValueError: refused
+        seq = self._new_sequence(request_id, 0, ids, len(ids), params, priority, grammar)
         seq.pending_fork = params.n > 1
-        self.requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, [seq])
+        self.requests[request_id] = Request(
+            request_id, prompt if isinstance(prompt, str) else None, ids, params, [seq], grammar=grammar
+        )
         self.scheduler.add(seq)
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """The compiled-grammar cache, built on first use: it walks the whole vocabulary once, which an
+        engine that never sees a constrained request should not pay for."""
+        if self._grammars is None:
+            self._grammars = GrammarCache(
+                self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids), max_threads=2
+            )
+        return self._grammars
 
     def _new_sequence(
         self,
@@ -142,6 +159,7 @@ class Engine:
         num_prompt: int,
         params: SamplingParams,
         priority: int,
+        grammar: Any = None,
     ) -> Sequence:
         return Sequence(
             request_id=request_id,
@@ -155,6 +173,7 @@ class Engine:
             ),
             generator=make_generator(params.seed, index),
             logprobs=[] if params.logprobs is not None else None,
+            matcher=None if grammar is None else GrammarCache.matcher(grammar),
         )
 
     def abort(self, request_id: str) -> bool:
@@ -238,6 +257,17 @@ class Engine:
             for j in range(count)
         ]
         started = clock()
+        if any(s.matcher is not None for s, _ in samplers):
+            # A constrained sequence never speculates, so it has one logits row; rows before it may
+            # belong to speculating neighbours (one per draft). In place: the sampled distribution
+            # and the logprobs are those of the allowed tokens.
+            constrained = []
+            row = 0
+            for s, count in samplers:
+                if s.matcher is not None:
+                    constrained.append((row, s.matcher))
+                row += count
+            self.grammars.apply_bitmasks(logits, constrained)
         out = self._sample(logits, rows, [count for _, count in samplers])
         stats.phase_s["sample"] += clock() - started
 
@@ -311,6 +341,11 @@ class Engine:
         for j, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             if failed and (reason := failed.get(at + j)) is not None:
                 break
+            if seq.matcher is not None and not seq.matcher.accept_token(token):
+                # The bitmask allowed only tokens the grammar accepts; reaching here is a bug, and the
+                # request cannot go on with a matcher out of step with its tokens.
+                reason = f"structured output: the grammar rejected token {token}"
+                break
             self._append_token(seq, token, lp)
             if seq.is_finished or j == len(drafts) or token != drafts[j]:
                 break
@@ -344,7 +379,9 @@ class Engine:
         if not k_max or len(running) > config.speculative_disable_by_batch_size:
             return
         for seq in running:
-            if not seq.params.greedy or not seq.is_decoding:
+            # Constrained sequences do not speculate: their matcher would have to score each draft
+            # position and roll back rejected ones; one token a step is the simple, correct choice.
+            if not seq.params.greedy or not seq.is_decoding or seq.matcher is not None:
                 continue
             k = min(k_max, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
             if k <= 0:
@@ -365,6 +402,7 @@ class Engine:
                 parent.num_prompt_tokens,
                 parent.params,
                 parent.priority,
+                req.grammar,
             )
             child.arrival = parent.arrival
             child.num_cached_tokens = parent.num_cached_tokens
@@ -392,9 +430,13 @@ class Engine:
         params = seq.params
         n_out = seq.num_output_tokens
         reason = None
-        if seq.detokenizer.stopped or (
-            n_out >= params.min_tokens
-            and ((not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids)
+        if (
+            seq.detokenizer.stopped
+            or (seq.matcher is not None and seq.matcher.is_terminated())
+            or (
+                n_out >= params.min_tokens
+                and ((not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids)
+            )
         ):
             reason = "stop"
         elif n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:

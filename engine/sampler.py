@@ -28,6 +28,7 @@ from engine.outputs import TokenLogprobs
 from schemas.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+NEG_INF = float("-inf")
 
 # The token a failed row gets. Never a vocabulary id, so a caller that forgot to look at
 # ``SamplerOutput.failed`` trips over it (an index error, a detokenizer error) instead of silently
@@ -348,6 +349,8 @@ class Sampler:
             top_vals, top_ids = top.values.tolist(), top.indices.tolist()
         for j, i in enumerate(want):
             n = rows[i].params.logprobs or 0
-            pairs = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else []
+            # Tokens a structured-output bitmask ruled out have logprob -inf: they are no alternatives
+            # (and -inf is not JSON), so the top list may be shorter than asked.
+            pairs = [(t, v) for t, v in zip(top_ids[j][:n], top_vals[j][:n], strict=True) if v > NEG_INF] if n else []
             result[i] = TokenLogprobs(token_id=token_ids[i], logprob=float(picked_lp[j]), top=pairs)
         return result

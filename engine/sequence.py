@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,6 +52,9 @@ class Sequence:
     # Speculative decoding: draft tokens to verify in the next step (not in token_ids until accepted).
     spec_token_ids: list[int] = field(default_factory=list)
     ngram_index: NgramIndex | None = None
+    # Structured output: this sample's xgrammar GrammarMatcher (None when unconstrained), advanced by
+    # every token appended to it and by nothing else.
+    matcher: Any = None
     # Streaming bookkeeping: what has not been handed to the caller yet.
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""

@@ -23,6 +23,9 @@ MAX_METADATA_DEPTH = 16
 """Deepest nesting of ``metadata`` (objects and lists): deeper JSON is tiny on the wire but too deep to
 serialise safely with the event it is echoed in."""
 INT32_MAX = 2**31 - 1
+MAX_SCHEMA_DEPTH = 64
+"""Deepest nesting of a ``response_format`` JSON schema: the grammar compiler recurses over it."""
+MAX_CHOICES = 256
 SALVAGE_MAX_BYTES = 64 << 20
 """Largest payload whose id a worker still reads to answer it (an error event), however far over the job size
 limit: parsing costs about as much memory again as the entry a worker already read. Beyond, dead letter only."""
@@ -85,6 +88,45 @@ class ChatMessage(BaseModel):
     content: str
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: the schema the output must validate against. ``name``
+    and ``strict`` are accepted for compatibility; the output is always held to the schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)] = "response"
+    description: str | None = None
+    # "schema" would shadow BaseModel.schema(); on the wire it is "schema".
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``{"type": "json_schema", "json_schema": {...}}``, ``{"type":
+    "json_object"}`` (any JSON object) or ``{"type": "text"}`` (no constraint)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only then')
+        if self.json_schema is not None:
+            depth = json_depth(self.json_schema.schema_, MAX_SCHEMA_DEPTH + 1)
+            if depth > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"json_schema.schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+        return self
+
+    def json_schema_value(self) -> dict[str, Any] | None:
+        """The schema SamplingParams gets: the given one, any JSON object for json_object, None for text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return None if self.json_schema is None else self.json_schema.schema_
+
+
 class JobRequest(BaseModel):
     """A job as producers put it in field ``job`` of an entry of ``<ns>:jobs:<queue>``.
 
@@ -115,6 +157,13 @@ class JobRequest(BaseModel):
     ignore_eos: bool | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     skip_special_tokens: bool | None = None
+    # Structured output (at most one): OpenAI's response_format, and vLLM's guided_regex / guided_choice.
+    response_format: ResponseFormat | None = None
+    guided_regex: Annotated[str, StringConstraints(min_length=1)] | None = None
+    guided_choice: (
+        Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
+        | None
+    ) = None
 
     stream: bool = True
     reply_to: ReplyTo | None = None
@@ -141,6 +190,13 @@ class JobRequest(BaseModel):
             size = len(encoded.encode())
             if size > MAX_METADATA_BYTES:
                 raise ValueError(f"metadata is {size} bytes of JSON, the limit is {MAX_METADATA_BYTES}")
+        constraints = [f for f in ("response_format", "guided_regex", "guided_choice") if getattr(self, f) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            constraints.remove("response_format")
+        if len(constraints) > 1:
+            raise ValueError(
+                f"at most one of response_format, guided_regex, guided_choice, got {', '.join(constraints)}"
+            )
         if isinstance(self.stop, str) and not self.stop:
             raise ValueError("stop must not be empty")
         return self
@@ -158,7 +214,14 @@ class JobRequest(BaseModel):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The sampling fields the producer set, for ``SamplingParams(**kwargs)``."""
-        return {f: getattr(self, f) for f in SAMPLING_FIELDS if getattr(self, f) is not None}
+        kwargs = {f: getattr(self, f) for f in SAMPLING_FIELDS if getattr(self, f) is not None}
+        if self.response_format is not None and (schema := self.response_format.json_schema_value()) is not None:
+            kwargs["json_schema"] = schema
+        if self.guided_regex is not None:
+            kwargs["regex"] = self.guided_regex
+        if self.guided_choice is not None:
+            kwargs["choice"] = list(self.guided_choice)
+        return kwargs
 
     def sampling_params(self) -> SamplingParams:
         """Build the engine's ``SamplingParams``; its own validation errors become :class:`InvalidJob`."""
@@ -175,7 +238,7 @@ class JobRequest(BaseModel):
 
     def to_json(self) -> str:
         """Compact JSON with unset optional fields left out, as producers should send it."""
-        return self.model_dump_json(exclude_none=True, exclude_defaults=True)
+        return self.model_dump_json(exclude_none=True, exclude_defaults=True, by_alias=True)
 
 
 def json_depth(value: Any, limit: int) -> int:

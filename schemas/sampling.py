@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # Below this temperature, dividing logits would overflow float32 and the result is argmax anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
+STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar")
 
 # The sampler computes in float32, whose largest finite value is about 3.4e38 (written out here: the
 # schemas never import torch). A parameter that does not fit turns into inf there, and inf arithmetic
@@ -65,6 +66,13 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool = True
+    # Structured output (at most one): the output must match a JSON schema (a dict, or its JSON text), a
+    # regular expression, one of a list of strings, or an EBNF grammar (xgrammar's dialect). The engine
+    # compiles the constraint when the request is added and refuses one it cannot compile.
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)
 
     @field_validator("min_tokens")
     @classmethod
@@ -74,6 +82,21 @@ class SamplingParams(BaseModel):
         if max_tokens is not None and value > max_tokens:
             raise ValueError(f"min_tokens ({value}) must be <= max_tokens ({max_tokens})")
         return value
+
+    @field_validator("choice")
+    @classmethod
+    def _no_empty_choice(cls, value: list[str] | None) -> list[str] | None:
+        # An empty alternative would let the grammar end before the first token: an empty answer.
+        if value is not None and any(c == "" for c in value):
+            raise ValueError("choice strings must be non-empty")
+        return value
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingParams:
+        given = [f for f in STRUCTURED_FIELDS if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of {', '.join(STRUCTURED_FIELDS)} may be given, got {', '.join(given)}")
+        return self
 
     @field_validator("temperature")
     @classmethod
@@ -109,6 +132,11 @@ class SamplingParams(BaseModel):
         noise draw.
         """
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    @property
+    def structured(self) -> bool:
+        """Whether the output is constrained (json_schema, regex, choice or grammar)."""
+        return any(getattr(self, f) is not None for f in STRUCTURED_FIELDS)
 
     @property
     def has_penalties(self) -> bool:

@@ -174,6 +174,11 @@ def test_chat_and_completion_lines_map_to_jobs() -> None:
     assert job.stream is False and job.id.startswith("batch-")
     assert _parse(chat("a", "Hi", logprobs=False)).job.logprobs is None
     assert _parse(chat("a", "Hi")).job.max_tokens == 99  # the default when the request gives none
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    job = _parse(chat("a", "Hi", response_format=fmt)).job
+    assert job.response_format is not None and job.sampling_params().json_schema == schema
+    assert _parse(chat("a", "Hi", guided_choice=["x", "y"])).job.sampling_params().choice == ["x", "y"]
 
     job = _parse(completion("b", [[5, 6, 7]], max_tokens=None, logprobs=2, frequency_penalty=0.5)).job
     assert job.prompt_token_ids == [5, 6, 7] and job.max_tokens == 99 and job.logprobs == 2
@@ -198,7 +203,8 @@ def test_chat_and_completion_lines_map_to_jobs() -> None:
         (completion("x", "p", echo=True), "echo", "x"),
         (completion("x", ["a", "b"]), "one prompt per line", "x"),
         (completion("x", 5), "body.prompt", "x"),
-        (chat("x", "hi", response_format={"type": "json_object"}), "response_format", "x"),
+        (chat("x", "hi", response_format={"type": "xml"}), "response_format", "x"),
+        (chat("x", "hi", tools=[]), "unsupported body field(s): tools", "x"),
         (chat("x", "hi", top_logprobs=2), "requires body.logprobs", "x"),
         (chat("x", [{"type": "image_url"}]), "only text parts", "x"),
         (chat("x", "hi", temperature="hot"), "temperature", "x"),

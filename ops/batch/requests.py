@@ -3,7 +3,7 @@
 An input line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url`` ``/v1/chat/completions``
 (``messages``) or ``/v1/completions`` (``prompt``).
 
-The mapping is strict: body fields pagedq cannot honour (``tools``, ``response_format``, ``echo``...) make
+The mapping is strict: body fields pagedq cannot honour (``tools``, ``echo``...) make
 the line an error rather than being silently ignored, so a batch never quietly gets answers to a different
 question than it asked; ``user``, ``store``, ``metadata`` and ``service_tier`` are accepted and ignored
 (they change nothing about the answer). So is ``model``: the queue's workers serve the model they serve, and
@@ -25,6 +25,7 @@ URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 SAMPLING_BODY_FIELDS = (
     "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+    "response_format", "guided_regex", "guided_choice",
 )  # fmt: skip
 """Body fields passed to the job as they are (OpenAI's, plus vLLM's extensions)."""
 IGNORED_BODY_FIELDS = frozenset({"model", "user", "store", "metadata", "service_tier", "stream"})

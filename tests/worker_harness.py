@@ -124,6 +124,9 @@ def inprocess_worker(
     thread = threading.Thread(target=worker.run, name="worker", daemon=True)
     thread.start()
     try:
+        # Joined (the group exists and the first status is out) before the test adds entries or reads the
+        # group: an XPENDING before the worker's XGROUP CREATE would fail with NOGROUP.
+        wait_for(lambda: worker.status or not thread.is_alive(), timeout=60, what="the worker to join its group")
         yield worker
     finally:
         worker.request_stop()

@@ -308,11 +308,16 @@ def parse_job(raw: str | bytes, max_bytes: int) -> JobRequest:
     if "id" not in data:
         raise InvalidJob("job has no id")
     try:
-        return JobRequest.model_validate(data)
+        request = JobRequest.model_validate(data)
     except ValidationError as exc:
         raise InvalidJob(describe_validation_error(exc)) from exc
     except RecursionError as exc:  # absurdly nested JSON
         raise InvalidJob("job is nested too deeply") from exc
+    # The engine's own invariants (min_tokens <= max_tokens...) are checked here too, so that a payload is
+    # either runnable or unusable when it is read: an unusable one is dead-lettered even when its id is
+    # already taken, instead of passing as a "duplicate" because the check came after the id lookup.
+    request.sampling_params()
+    return request
 
 
 def salvage_reply_target(raw: str | bytes, max_bytes: int) -> tuple[str, str | None] | None:

@@ -255,6 +255,22 @@ def test_poison_payloads_fail_alone_and_the_worker_goes_on(ctx: Ctx, engine: Eng
         assert worker.errors == 0
 
 
+def test_an_unusable_payload_reusing_a_finished_id_is_still_dead_lettered(ctx: Ctx, engine: EngineLike) -> None:
+    """Found by the fuzz campaign in CI: ``min_tokens`` over ``max_tokens`` was caught only when the job
+    started, after the duplicate-id check, so such a payload reusing a finished job's id was acked as a
+    duplicate with no dead letter. Every engine invariant is now checked when the entry is read."""
+    with inprocess_worker(ctx, engine):
+        ctx.redis.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": "taken", "prompt": "x", "max_tokens": 2})})
+        first = _await_result(ctx, "taken")
+        assert isinstance(first, FinalEvent)
+        bad = {"id": "taken", "prompt": "y", "max_tokens": 4, "min_tokens": 5}
+        entry = ctx.redis.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps(bad)})
+        wait_for(lambda: ctx.redis.xlen(ctx.keys.dead) == 1, what="the dead letter")
+    (letter,) = _dead_letters(ctx)
+    assert letter.entry_id == entry and letter.job_id == "taken" and "min_tokens" in letter.reason
+    assert parse_event(ctx.redis.get(ctx.keys.result("taken"))) == first  # the finished job's result stands
+
+
 def test_read_capacity_counts_choices_not_jobs(ctx: Ctx, engine: EngineLike) -> None:
     """Observation 4: a worker took 63 jobs of n: 64 at once. Once it has seen jobs' n, it holds at most
     max_num_seqs + prefetch choices (here 4 + 2) plus less than one job, reading more only as jobs end."""

@@ -11,8 +11,8 @@
 FROM python:3.11-slim
 
 # The C compiler (gcc, with OpenMP's libgomp and the libc headers): pagedq builds its CPU kernels
-# (kernels/csrc) at start, with -march=native for the CPU it runs on, and Triton builds its launcher on
-# CUDA; without one the CPU kernels fall back to torch's slower ops (the worker logs which path
+# (kernels/csrc) at start, for the best instruction set the CPU it runs on was probed to run (AVX2,
+# AVX-512), and Triton builds its launcher on CUDA; without one the CPU kernels fall back to torch's slower ops (the worker logs which path
 # runs: `worker.kernels`).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \

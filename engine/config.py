@@ -22,7 +22,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory given to the KV cache
     block_size: int = 16
     enable_prefix_caching: bool = True
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    # auto: bfloat16 on CUDA, and on CPUs that multiply bf16 in hardware (AMX, AVX512-bf16; probed by
+    # kernels/cpu_isa), else float32. bfloat16 on CPU means bf16 matmul weights under fp32 activations.
+    dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None -> the model's own context length
     attention_backend: str = "auto"  # auto | torch | triton
@@ -75,9 +77,34 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The dtype asked for, ``auto`` resolved: the one reported, and the matmuls' on CPU."""
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            if self.torch_device.type == "cuda":
+                return torch.bfloat16
+            from kernels import cpu_isa
+
+            return torch.bfloat16 if cpu_isa.current().bf16_matmul else torch.float32
         return _DTYPES[self.dtype]
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """What the model computes in between matmuls, and the KV cache's dtype. On CPU bf16 stays a
+        matmul-weight format: norms, rotary, attention and the cache run in fp32, on the fp32 C kernels
+        (kernels/cpu_*), and each matmul rounds its input to bf16 (kernels/cpu_linear). The bf16 weights
+        halve what a decode step streams; the fp32 activations cost little and keep more precision."""
+        dtype = self.torch_dtype
+        if self.torch_device.type == "cpu" and dtype == torch.bfloat16 and self.cpu_weight_prepack:
+            from kernels import cpu_isa
+
+            if cpu_isa.current().bf16_matmul:
+                return torch.float32
+        # Elsewhere CPU bf16 runs every op in bf16 through torch: slow, but what was asked for.
+        return dtype
+
+    @property
+    def matmul_weight_dtype(self) -> torch.dtype:
+        """The dtype matmul weights are stored and multiplied in."""
+        return self.torch_dtype
 
     @property
     def backend(self) -> str:

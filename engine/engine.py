@@ -85,11 +85,18 @@ class Engine:
         self.num_accepted_tokens = 0
         self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
         torch.manual_seed(config.seed)
+        self.kernel_variant: str | None = None
+        if config.torch_device.type == "cpu":
+            from kernels import cpu_isa
+
+            self.kernel_variant = cpu_isa.current().kernel_variant
         log.info(
             "engine ready",
             model=str(self.model_path),
             architecture=mc.architecture,
-            dtype=str(config.torch_dtype),
+            dtype=str(config.torch_dtype).removeprefix("torch."),
+            activations=str(config.activation_dtype).removeprefix("torch."),
+            kernel_variant=self.kernel_variant,
             device=config.device,
             backend=config.backend,
             kv_blocks=self.runner.num_blocks,
@@ -504,6 +511,8 @@ class Engine:
             num_total_blocks=kv.num_total_blocks,
             spec_draft_tokens=self.num_draft_tokens,
             spec_accepted_tokens=self.num_accepted_tokens,
+            kernel_variant=self.kernel_variant,
+            matmul_dtype=str(self.config.matmul_weight_dtype).removeprefix("torch."),
         )
 
 

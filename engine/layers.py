@@ -48,9 +48,10 @@ class Linear(nn.Module):
         self.bias: nn.Parameter | None = _empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.packed: cpu_linear.PackedWeight | None = None
 
-    def prepack(self) -> bool:
-        """Pack the loaded weight for the CPU kernel; False (and nothing changed) where unsupported."""
-        packed = cpu_linear.pack(self.weight)
+    def prepack(self, dtype: torch.dtype | None = None) -> bool:
+        """Pack the loaded weight for the CPU kernel (stored in ``dtype``, default its own); False (and
+        nothing changed) where unsupported."""
+        packed = cpu_linear.pack(self.weight, dtype=dtype)
         if packed is None:
             return False
         self.packed = packed

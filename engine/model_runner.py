@@ -28,10 +28,10 @@ class ModelRunner:
         self.config = config
         self.stats = stats if stats is not None else StepStats()
         self.device = config.torch_device
-        self.dtype = config.torch_dtype
+        self.dtype = config.activation_dtype  # the model's and the KV cache's (fp32 under CPU bf16 matmuls)
         self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.backend)
         if self.device.type == "cpu" and config.cpu_weight_prepack:
-            self.model.prepack_cpu_weights()
+            self.model.prepack_cpu_weights(config.matmul_weight_dtype)
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks(self.model_config)
         mc = self.model_config

@@ -82,3 +82,6 @@ class EngineStats:
     num_total_blocks: int
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified since start
     spec_accepted_tokens: int = 0  # ... and accepted (each one a decode step saved)
+    # CPU: the C-kernel build in use (generic, avx2, avx512; kernels/cpu_isa) and the matmul weight dtype
+    kernel_variant: str | None = None
+    matmul_dtype: str = ""

@@ -1,10 +1,13 @@
 """Building pagedq's C kernels (``kernels/csrc``) on first use with the system C compiler.
 
-Plain C with OpenMP keeps a build under a second and free of torch's C++ headers. Each shared
-object is cached per source hash (headers included) and machine, since ``-march=native`` ties it
-to this CPU; concurrent builders each install a complete file atomically. Without a compiler, or
-with ``PAGEDQ_DISABLE_C_KERNELS`` set, :func:`load` returns None and callers keep their torch path:
-nothing breaks, it is only slower.
+Plain C with OpenMP keeps a build under a second and free of torch's C++ headers. Each kernel is
+built per instruction-set variant (:data:`VARIANT_FLAGS`: baseline x86-64, AVX2/FMA, AVX-512), never
+for ``-march=native``, and the variant loaded is the best one this CPU was seen to run
+(:mod:`kernels.cpu_isa`), under the ``PAGEDQ_CPU_ISA`` cap: a kernel cache copied to, or shared with, an
+older CPU stays correct, and every slower path stays testable on a faster machine. Shared objects are
+cached per source hash (headers included), variant and flags; concurrent builders each install a
+complete file atomically. Without a compiler, or with ``PAGEDQ_DISABLE_C_KERNELS`` set, :func:`load`
+returns None and callers keep their torch path: nothing breaks, it is only slower.
 """
 
 from __future__ import annotations
@@ -20,10 +23,19 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from kernels import cpu_isa
+
 CSRC = Path(__file__).parent / "csrc"
+VARIANT_FLAGS: dict[cpu_isa.Variant, list[str]] = {
+    "generic": ["-march=x86-64", "-mtune=generic"],
+    "avx2": ["-march=x86-64-v3", "-mtune=generic"],  # AVX2, FMA, F16C, BMI2
+    # AVX-512 F/BW/CD/DQ/VL. 512-bit vectors in auto-vectorised loops too (gcc defaults to 256 for x86-64-v4).
+    "avx512": ["-march=x86-64-v4", "-mtune=generic", "-mprefer-vector-width=512"],
+    "native": ["-mcpu=native" if platform.machine().lower() in ("aarch64", "arm64") else "-march=native"],
+}
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
-_errors: dict[str, str] = {}
+_loaded: dict[tuple[str, str], ctypes.CDLL | None] = {}
+_errors: dict[tuple[str, str], str] = {}
 
 
 def cache_dir() -> Path:
@@ -31,49 +43,69 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDQ_KERNEL_CACHE", Path(base) / "pagedq" / "kernels"))
 
 
-def _build(name: str) -> ctypes.CDLL:
+def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) found")
+    return cc
+
+
+def _compile(name: str, flags: list[str], suffix: str) -> Path:
+    """``csrc/<name>.c`` compiled with ``flags`` into the cache (once per source, headers and flags)."""
+    cc = _compiler()
     source = CSRC / f"{name}.c"
     digest = hashlib.sha256(source.read_bytes())
     for header in sorted(CSRC.glob("*.h")):
         digest.update(header.read_bytes())
-    digest.update(platform.node().encode() + platform.machine().encode())
-    target = cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
+    digest.update(" ".join([cc, platform.machine(), *flags]).encode())
+    target = cache_dir() / f"{name}-{digest.hexdigest()[:16]}{suffix}"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{CSRC}"]
-            cmd = [cc, *flags, str(source), "-o", str(out), "-lm"]
+            cmd = [cc, *flags, f"-I{CSRC}", str(source), "-o", str(out), "-lm"]
             subprocess.run(cmd, check=True, capture_output=True)
             os.replace(out, target)
-    return ctypes.CDLL(str(target))
+    return target
+
+
+def build_executable(name: str) -> Path | None:
+    """A small baseline program (the ISA probe), or None without a compiler."""
+    try:
+        return _compile(name, ["-O1"], ".exe")
+    except (OSError, RuntimeError, subprocess.CalledProcessError):
+        return None
+
+
+def variant() -> cpu_isa.Variant:
+    """The kernel variant :func:`load` returns now (the probe under the ``PAGEDQ_CPU_ISA`` cap)."""
+    return cpu_isa.current().kernel_variant
 
 
 def load(name: str, bind: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
-    """The compiled ``csrc/<name>.c``, or None if unavailable.
+    """The compiled ``csrc/<name>.c`` for this CPU's best variant, or None if unavailable.
 
-    Built once per process (and cached on disk); ``bind`` declares its functions' ctypes signatures,
-    once, before any caller sees the library. Cheap enough to call per kernel launch.
+    Built once per process and variant (and cached on disk); ``bind`` declares its functions' ctypes
+    signatures, once, before any caller sees the library. Cheap enough to call per kernel launch.
     """
-    if name in _loaded:
-        return _loaded[name]
+    key = (name, variant())
+    if key in _loaded:
+        return _loaded[key]
     if os.environ.get("PAGEDQ_DISABLE_C_KERNELS"):
         return None
     with _lock:
-        if name not in _loaded:
+        if key not in _loaded:
             try:
-                lib = _build(name)
+                flags = ["-O3", *VARIANT_FLAGS[key[1]], "-fopenmp", "-shared", "-fPIC"]
+                lib = ctypes.CDLL(str(_compile(name, flags, ".so")))
                 bind(lib)
-                _loaded[name] = lib
+                _loaded[key] = lib
             except (OSError, RuntimeError, AttributeError, subprocess.CalledProcessError) as exc:
-                _errors[name] = str(getattr(exc, "stderr", b"") or exc)
-                _loaded[name] = None
-    return _loaded[name]
+                _errors[key] = str(getattr(exc, "stderr", b"") or exc)
+                _loaded[key] = None
+    return _loaded[key]
 
 
 def error(name: str) -> str | None:
-    """Why ``name`` could not be built, if it could not."""
-    return _errors.get(name)
+    """Why ``name`` could not be built for the current variant, if it could not."""
+    return _errors.get((name, variant()))

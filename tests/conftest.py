@@ -16,7 +16,13 @@ import torch
 # anything imports triton (transformers does, below), or triton's helpers are the compiled kind.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# dtype="auto" picks bf16 matmuls on CPUs with AMX or AVX512-bf16. The suite's exact-parity tests (against
+# transformers in fp32, and between engine features) need fp32 whatever CPU CI lands on: cap the
+# instruction set below bf16 for the whole run, worker subprocesses included. Tests of the bf16 path lift
+# the cap themselves (tests/test_bf16.py).
+os.environ.setdefault("PAGEDQ_CPU_ISA", "avx512")
 
+from kernels import c_build, cpu_isa
 from tests.tiny_models import make_tiny_checkpoint
 from tests.tiny_tokenizer import make_tokenizer
 
@@ -33,6 +39,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("realmodel") is not None:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(params=cpu_isa.current().runnable_variants)
+def isa_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each C-kernel build this machine can run (generic, avx2, avx512...), selected as an operator would,
+    through the ``PAGEDQ_CPU_ISA`` cap: a test using it runs once per variant against the torch reference."""
+    variant: str = request.param
+    if variant != "native":
+        monkeypatch.setenv(cpu_isa.ENV_CAP, variant)
+        assert c_build.variant() == variant
+    return variant
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,9 @@ from engine.attention_metadata import AttentionMetadata
 from kernels import cpu_attention
 from kernels.paged_attention import paged_attention_torch
 
+# Every test here runs once per C-kernel variant the machine can run (tests/conftest.py, isa_variant).
+pytestmark = pytest.mark.usefixtures("isa_variant")
+
 
 def random_batch(
     rng: random.Random, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, decode_only: bool
@@ -137,8 +140,9 @@ def test_decode_task_shapes_agree(num_heads: int, num_kv_heads: int, head_dim: i
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.skipif(not cpu_attention.prefill_supported(64), reason="no C compiler or no AVX2: torch's prefill runs")
 def test_prefill_kernel_long_chunks() -> None:
+    if not cpu_attention.prefill_supported(64):
+        pytest.skip("no C compiler, or a build without AVX2: torch's prefill runs")
     # Many 16-query tiles and 64-key chunks: a whole 300-token prompt, a 70-token chunk after 230
     # cached tokens, a chunk starting mid-block, next to decode tokens in the same step.
     torch.manual_seed(0)

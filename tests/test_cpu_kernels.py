@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,8 +15,25 @@ from kernels.activation import silu_and_mul_torch
 from kernels.rms_norm import rms_norm_torch
 from kernels.rotary import rotary_embedding_torch
 
-needs_c = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the torch references run here")
-KINDS = cpu_linear.available_kinds(torch.float32)
+# Every test here runs once per C-kernel variant the machine can run (tests/conftest.py, isa_variant).
+pytestmark = pytest.mark.usefixtures("isa_variant")
+KINDS: list[cpu_linear.Kind] = ["panels", "onednn"]
+
+
+def needs_c(fn: Any) -> Any:
+    """Skip where the C ops cannot be built (no compiler): the torch references run there instead."""
+
+    def check(*args: Any, **kwargs: Any) -> None:
+        if not cpu_ops.available():
+            pytest.skip("no C compiler: the torch references run here")
+        fn(*args, **kwargs)
+
+    return functools.wraps(fn)(check)
+
+
+def need_kind(kind: cpu_linear.Kind) -> None:
+    if kind not in cpu_linear.available_kinds(torch.float32):
+        pytest.skip(f"{kind} does not run in this variant (no compiler, or the generic build has no panel kernel)")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -21,6 +41,7 @@ KINDS = cpu_linear.available_kinds(torch.float32)
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(kind: cpu_linear.Kind, rows: int, bias: bool) -> None:
     # 200 outputs: a partial last panel; 400 rows: two row blocks of the panel kernel.
+    need_kind(kind)
     torch.manual_seed(rows)
     layer = Linear(96, 200, bias, torch.float32)
     with torch.no_grad():
@@ -35,7 +56,7 @@ def test_packed_linear_matches_f_linear(kind: cpu_linear.Kind, rows: int, bias: 
     torch.testing.assert_close(cpu_linear.linear(x, packed, layer.bias), ref, atol=1e-4, rtol=1e-5)
     assert layer.prepack()
     assert layer.weight.numel() == 0  # the dense copy is freed, not kept twice
-    assert layer.packed is not None and layer.packed.kind == KINDS[0]
+    assert layer.packed is not None and layer.packed.kind == cpu_linear.available_kinds(torch.float32)[0]
     torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(layer(x.view(1, rows, 96)), ref.view(1, rows, 200), atol=1e-4, rtol=1e-5)
     strided = torch.randn(rows, 150)[:, 10:106]  # a column slice, like the model's split views
@@ -43,23 +64,23 @@ def test_packed_linear_matches_f_linear(kind: cpu_linear.Kind, rows: int, bias: 
     assert layer(torch.empty(0, 96)).shape == (0, 200)
 
 
-@pytest.mark.skipif("panels" not in KINDS, reason="no C compiler or no AVX2: the panel kernel does not run here")
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (15, 3), (17, 33), (49, 1536)])
 def test_panel_kernel_odd_shapes(n: int, k: int) -> None:
+    need_kind("panels")
     torch.manual_seed(n * k)
     w, b = torch.randn(n, k), torch.randn(n)
     packed = cpu_linear.pack(w, "panels")
     assert packed is not None
-    for rows in (1, 6, 13):
+    for rows in (1, 5, 6, 11, 12, 13, 25):  # every tile height of both variants (6 rows AVX2, 12 AVX-512)
         x = torch.randn(rows, k)
         torch.testing.assert_close(cpu_linear.linear(x, packed, b), F.linear(x, w, b), atol=2e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="features"):
         cpu_linear.linear(torch.randn(2, k + 1), packed, None)
 
 
-@pytest.mark.skipif("panels" not in KINDS, reason="no C compiler or no AVX2: the panel kernel does not run here")
 @pytest.mark.parametrize(("inter", "rows"), [(1, 1), (7, 5), (40, 13), (64, 400)])
 def test_gated_panels_fuse_silu_and_mul(inter: int, rows: int) -> None:
+    need_kind("panels")
     # inter not a multiple of 8: a partial last panel of the gated layout.
     torch.manual_seed(inter)
     gate_up = torch.randn(2 * inter, 48)

@@ -79,21 +79,29 @@ def kernel_path(settings: Settings) -> tuple[bool, dict[str, Any]]:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         return True, {"path": "cuda", "device": device}
-    if settings.dtype not in ("auto", "float32"):
-        return False, {
-            "path": "torch",
-            "device": device,
-            "reason": f"the C kernels serve float32, not {settings.dtype}",
-        }
-    from kernels import c_build, cpu_attention, cpu_linear, cpu_ops
+    from engine.config import EngineConfig
+    from kernels import c_build, cpu_attention, cpu_isa, cpu_linear, cpu_ops
 
+    config = EngineConfig(dtype=settings.dtype, device=device)  # resolves auto as the engine will
+    dtype = config.torch_dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False, {"path": "torch", "device": device, "reason": f"the C kernels serve fp32 and bf16, not {dtype}"}
+    isa = cpu_isa.current()
+    if dtype == torch.bfloat16 and not isa.bf16_matmul:
+        reason = f"this CPU runs no bf16 products (probed: {', '.join(isa.levels) or 'baseline'}): use float32"
+        return False, {"path": "torch", "device": device, "dtype": "bfloat16", "reason": reason}
+    matmul = [*cpu_linear.available_kinds(dtype), "torch"][0]  # panels (C), onednn, torch
     fields: dict[str, Any] = {
         "device": device,
-        "matmul": [*cpu_linear.available_kinds(torch.float32), "torch"][0],  # panels (C), onednn, torch
+        "dtype": str(dtype).removeprefix("torch."),  # the choice auto made (bf16 where AMX/AVX512-bf16 run)
+        "kernel_variant": isa.kernel_variant,  # the C build in use: generic, avx2, avx512 (PAGEDQ_CPU_ISA caps)
+        "isa": isa.best,  # the best instruction set the probe ran, under the cap (amx, avx512_bf16...)
+        "matmul": matmul if dtype == torch.float32 else f"{matmul}-bf16",
         "attention": "c" if cpu_attention.available() else "torch",
         "fused_ops": "c" if cpu_ops.available() else "torch",
     }
-    on_c = [fields["matmul"] == "panels", fields["attention"] == "c", fields["fused_ops"] == "c"]
+    fast_matmul = matmul == "panels" or (dtype == torch.bfloat16 and matmul == "onednn")
+    on_c = [fast_matmul, fields["attention"] == "c", fields["fused_ops"] == "c"]
     fields["path"] = "c" if all(on_c) else "torch" if not any(on_c) else "mixed"
     if all(on_c):
         return True, fields

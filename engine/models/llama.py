@@ -89,8 +89,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device)
         self.gated: cpu_linear.PackedWeight | None = None  # CPU: gate_up with the SiLU-and-mul fused in
 
-    def prepack_gated(self) -> bool:
-        """Pack gate_up with its activation fused (``cpu_linear.pack_gated``); False where unsupported."""
+    def prepack_gated(self, dtype: torch.dtype | None = None) -> bool:
+        """Pack gate_up with its activation fused (``cpu_linear.pack_gated``); False where unsupported
+        (the fused kernel is fp32: a bf16 gate_up is packed as a plain linear)."""
+        if dtype not in (None, self.gate_up_proj.weight.dtype):
+            return False
         self.gated = cpu_linear.pack_gated(self.gate_up_proj.weight)
         if self.gated is None:
             return False
@@ -180,16 +183,17 @@ class LlamaForCausalLM(nn.Module):
         )
         self.lm_head_packed: cpu_linear.PackedWeight | None = None
 
-    def prepack_cpu_weights(self) -> int:
-        """Pack every matmul weight for the CPU kernels (after loading); returns how many were.
+    def prepack_cpu_weights(self, dtype: torch.dtype | None = None) -> int:
+        """Pack every matmul weight for the CPU kernels (after loading), stored in ``dtype`` (default:
+        the model's; bf16 for bf16 matmuls under fp32 activations); returns how many were.
 
         Each MLP's gate_up is packed with its SiLU-and-mul fused in where the panel kernel runs. The
         lm_head gets its own packed copy, since a tied embedding table must stay dense for the
         token lookups.
         """
-        count = sum(m.prepack_gated() for m in self.modules() if isinstance(m, LlamaMLP))
-        count += sum(m.prepack() for m in self.modules() if isinstance(m, Linear) and m.weight.numel())
-        self.lm_head_packed = cpu_linear.pack(self.lm_head_weight)
+        count = sum(m.prepack_gated(dtype) for m in self.modules() if isinstance(m, LlamaMLP))
+        count += sum(m.prepack(dtype) for m in self.modules() if isinstance(m, Linear) and m.weight.numel())
+        self.lm_head_packed = cpu_linear.pack(self.lm_head_weight, dtype=dtype)
         if self.lm_head_packed is not None and not self.config.tie_word_embeddings:
             self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
         return count + (self.lm_head_packed is not None)

@@ -1,7 +1,10 @@
 /* The register tile shared by the panel GEMM (cpu_gemm.c) and prefill attention (cpu_attention.c):
  * y[rows, 0:16] = x[rows, 0:k] @ panel[0:k, 0:16] with rows <= MR, x rows at stride ldx, panel rows at
  * stride ldw (16 for a packed weight panel). Epilogue: + bias, or with glu, silu(lanes 0-7) * lanes 8-15.
- * AVX2/FMA only: without them neither user runs (the callers keep oneDNN and torch's SDPA). */
+ * Two builds (kernels/c_build.py variants): AVX-512 when the compiler targets it, a 12x16 tile of one zmm
+ * accumulator per row; else AVX2/FMA, a 6x16 tile of two ymm per row. Without AVX2 neither user runs (the
+ * callers keep oneDNN and torch's SDPA). The panel layout (NR = 16 columns) is the same in both, so a
+ * weight packed by one variant runs on the other. */
 #ifndef PAGEDQ_GEMM_TILE_H
 #define PAGEDQ_GEMM_TILE_H
 
@@ -12,19 +15,84 @@
 #include "simd_math.h"
 
 #define NR 16
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define PAGEDQ_AVX512 1
+/* 12 rows: 12 accumulators + the weight vector + a broadcast use 14 of the 32 zmm registers. One weight
+ * load and 12 broadcasts feed 12 FMAs, so the loads (2-3 per cycle) keep both 512-bit FMA ports near full;
+ * more rows would leave the panel block (MB rows) too few row tiles at decode sizes. */
+#define MR 12
+#else
 #define MR 6
+#endif
 #ifndef PF
 #define PF 128 /* k-rows ahead to prefetch (8 KB): DRAM latency is ~300 cycles of a few FMAs each */
 #endif
 
 #ifdef PAGEDQ_AVX2
-
 static inline __m256 silu_mul8(__m256 g, __m256 u)
 {
     const __m256 one = _mm256_set1_ps(1.f);
     const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
     return _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
 }
+#endif
+
+#ifdef PAGEDQ_AVX512
+
+/* rows x 16 tile, one zmm accumulator per row; partial column counts use masked stores (no bounce). */
+static inline __attribute__((always_inline)) void tile(int rows, const float *x, int64_t ldx,
+                                                       const float *panel, int64_t ldw, int64_t k, float *y,
+                                                       int64_t ldy, const float *bias, int ncols, int glu)
+{
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
+    __m512 c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx,
+                *x5 = x + 5 * ldx, *x6 = x + 6 * ldx, *x7 = x + 7 * ldx, *x8 = x + 8 * ldx, *x9 = x + 9 * ldx,
+                *x10 = x + 10 * ldx, *x11 = x + 11 * ldx;
+#define ROW(r) \
+    if (rows > r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(x##r[kk]), w, c##r);
+    for (int64_t kk = 0; kk < k; kk++) {
+        const float *wp = panel + kk * ldw;
+        _mm_prefetch((const char *)(wp + PF * ldw), _MM_HINT_T0);
+        const __m512 w = _mm512_loadu_ps(wp);
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
+    }
+#undef ROW
+    const __m512 acc[MR] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+    const __mmask16 cols = (__mmask16)((1u << ncols) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; r++) {
+        if (r >= rows) break;
+        float *yr = y + r * ldy;
+        if (glu) { /* 8 outputs: silu(gate lanes 0-7) * up lanes 8-15; no bias */
+            const __m256 v = silu_mul8(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
+            _mm256_mask_storeu_ps(yr, (__mmask8)cols, v);
+            continue;
+        }
+        _mm512_mask_storeu_ps(yr, cols, _mm512_add_ps(acc[r], b));
+    }
+}
+
+static inline void tile_rows(int rows, const float *x, int64_t ldx, const float *panel, int64_t ldw, int64_t k, float *y,
+                      int64_t ldy, const float *bias, int ncols, int glu)
+{
+    switch (rows) { /* constant row counts let the compiler keep every accumulator in a register */
+    case 12: tile(12, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 11: tile(11, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 10: tile(10, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 9: tile(9, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 8: tile(8, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 7: tile(7, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 6: tile(6, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 5: tile(5, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 4: tile(4, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 3: tile(3, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    case 2: tile(2, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    default: tile(1, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    }
+}
+
+#elif defined(PAGEDQ_AVX2)
 
 /* rows x 16 tile: acc[r] += x[r, :] * panel[:, 0:16], then stored (+bias) into y (ncols valid). */
 static inline __attribute__((always_inline)) void tile(int rows, const float *x, int64_t ldx,

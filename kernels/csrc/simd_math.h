@@ -1,4 +1,5 @@
-/* Shared SIMD helpers of pagedq's C kernels: AVX2/FMA when the compiler targets them (-march=native). */
+/* Shared SIMD helpers of pagedq's C kernels: AVX2/FMA when the compiler targets them (the
+ * avx2 and avx512 builds of kernels/c_build.py). */
 #ifndef PAGEDQ_SIMD_MATH_H
 #define PAGEDQ_SIMD_MATH_H
 

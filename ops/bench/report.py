@@ -182,6 +182,9 @@ def format_table(report: dict[str, Any]) -> str:
         f"  omp={meta.get('omp_wait_policy')}  load avg {meta['loadavg_start']}"
         f" -> {meta['loadavg_end']}",
     ]
+    if isa := meta.get("cpu_isa"):
+        lines.append(f"kernels: {isa['kernel_variant']} build; instruction sets run by the probe: {isa['probed']}"
+                     + (f" (capped at {isa['cap']} by PAGEDQ_CPU_ISA)" if isa.get("cap") else ""))  # fmt: skip
     if meta.get("repeat", 1) > 1:
         rounds = meta["repeat"]
         lines.append(f"each system's fastest of {rounds} interleaved runs on mixed and prefix (all in the JSON)")

@@ -294,11 +294,14 @@ def run(args: argparse.Namespace) -> int:
             repeat=max(1, args.repeat),
             log=log,
         )
+        from kernels import cpu_isa
+
         meta = {
             "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "host": socket.gethostname(),
             "cpu": _cpu_name(),
             "cpu_count": os.cpu_count(),
+            **({"cpu_isa": cpu_isa.current().describe()} if not cuda else {}),
             "threads": threads,
             "device": args.device if not cuda else f"{args.device} ({torch.cuda.get_device_name()})",
             "dtype": dtype,

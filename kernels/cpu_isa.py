@@ -1,0 +1,118 @@
+"""Which SIMD instruction sets this process can run: probed by running them, then capped by the operator.
+
+The machines pagedq lands on change from day to day, as users' servers do: an AVX2-only AMD one day, an
+Intel with AVX-512, AVX512-bf16 and AMX the next. The C kernels are built once per instruction-set
+*variant* (``generic``, ``avx2``, ``avx512``; :mod:`kernels.c_build`) and the best variant this CPU runs
+is loaded, instead of compiling for ``-march=native`` and hoping the build machine is the run machine.
+
+Flags in ``/proc/cpuinfo`` are not proof: a KVM guest listed ``amx_tile`` and a llama.cpp built for AMX
+died with SIGILL on ``tilezero``. So each feature is probed by executing its instructions in a child
+process (``csrc/isa_probe.c``): a refused instruction kills only the child. AMX also needs the kernel's
+permission for tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``), which the probe asks for as a process
+using AMX must.
+
+``PAGEDQ_CPU_ISA`` caps the level (``generic`` < ``avx2`` < ``avx512`` < ``avx512_bf16`` < ``amx``), so
+that every slower path can run, and be tested, on a machine that has a faster one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+from typing import Literal
+
+ENV_CAP = "PAGEDQ_CPU_ISA"
+LEVELS: tuple[str, ...] = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+"""Ordered: each level is only claimed when every level before it runs too (a CPU with AMX and without
+AVX512-bf16 does not exist; requiring the chain keeps the cap a single number)."""
+
+Variant = Literal["generic", "avx2", "avx512", "native"]
+VARIANTS: tuple[Variant, ...] = ("generic", "avx2", "avx512")
+"""Kernel build variants on x86-64, slowest first; ``native`` is the one build on other architectures."""
+
+PROBE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class CpuIsa:
+    """The instruction-set levels this process may use: those probed runnable, up to the cap."""
+
+    probed: tuple[str, ...]  # runnable levels, in LEVELS order
+    cap: str | None  # PAGEDQ_CPU_ISA, if set
+
+    @property
+    def levels(self) -> tuple[str, ...]:
+        if self.cap is None:
+            return self.probed
+        return tuple(level for level in self.probed if LEVELS.index(level) <= LEVELS.index(self.cap))
+
+    @property
+    def best(self) -> str:
+        """The highest level in use (``generic`` when nothing beyond baseline runs)."""
+        return self.levels[-1] if self.levels else "generic"
+
+    @property
+    def kernel_variant(self) -> Variant:
+        """Which build of the C kernels to load."""
+        if not is_x86_64():
+            return "native"
+        if "avx512" in self.levels:
+            return "avx512"
+        return "avx2" if "avx2" in self.levels else "generic"
+
+    @property
+    def bf16_matmul(self) -> bool:
+        """bf16 products with fp32 accumulation in hardware (AMX tiles or AVX512-bf16 dot products)."""
+        return "avx512_bf16" in self.levels
+
+    @property
+    def runnable_variants(self) -> tuple[Variant, ...]:
+        """Every kernel variant this process can run (tests run each one)."""
+        if not is_x86_64():
+            return ("native",)
+        return tuple(v for v in VARIANTS if v == "generic" or v in self.probed)
+
+    def describe(self) -> dict[str, object]:
+        """For startup logs, stats and benchmark reports."""
+        return {"kernel_variant": self.kernel_variant, "isa": self.best, "probed": list(self.probed), "cap": self.cap}
+
+
+def is_x86_64() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def current() -> CpuIsa:
+    """What this process may use now: the probe (run once per process) under the cap read from the
+    environment each call, so a test can switch the cap without restarting."""
+    cap = os.environ.get(ENV_CAP) or None
+    if cap is not None:
+        cap = cap.strip().lower()
+        if cap not in LEVELS:
+            raise ValueError(f"{ENV_CAP}={cap!r} is not one of {', '.join(LEVELS)}")
+    return CpuIsa(probed=probe(), cap=cap)
+
+
+@functools.cache
+def probe() -> tuple[str, ...]:
+    """The levels whose instructions ran in a child process, in order, stopping at the first that failed.
+    Empty on other architectures, or when the probe cannot be built (no C compiler): baseline only."""
+    if not is_x86_64():
+        return ()
+    from kernels import c_build  # c_build imports this module: import here, not at the top
+
+    exe = c_build.build_executable("isa_probe")
+    if exe is None:
+        return ()
+    runnable: list[str] = []
+    for level in LEVELS[1:]:
+        try:
+            result = subprocess.run([str(exe), level], capture_output=True, timeout=PROBE_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            break
+        if result.returncode != 0:  # SIGILL shows as -4; 2: the kernel refused AMX tile state
+            break
+        runnable.append(level)
+    return tuple(runnable)

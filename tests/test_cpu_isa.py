@@ -1,0 +1,79 @@
+"""Run-time instruction-set dispatch (kernels/cpu_isa.py, kernels/c_build.py): what the probe finds, the
+``PAGEDQ_CPU_ISA`` cap, and that each kernel variant is a build of its own."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kernels import c_build, cpu_isa, cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_isa.is_x86_64(), reason="instruction-set variants are x86-64's")
+
+CPUINFO_FLAG = {"avx2": "avx2", "avx512": "avx512f", "avx512_bf16": "avx512_bf16", "amx": "amx_tile"}
+
+
+def _cpuinfo_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_the_probe_finds_an_ordered_chain_of_levels_the_cpu_claims() -> None:
+    probed = cpu_isa.probe()
+    assert probed == cpu_isa.LEVELS[1 : 1 + len(probed)]  # a prefix of the chain, in order
+    flags = _cpuinfo_flags()
+    for level in probed:  # running is stricter than the flags: the probe never finds more than they claim
+        assert CPUINFO_FLAG[level] in flags, level
+    if "avx2" in flags and "fma" in flags:
+        assert "avx2" in probed  # every AVX2 CPU of the last decade runs it; a failure here is the probe's
+
+
+def test_the_probe_program_runs_each_level_it_reports_and_refuses_unknown_names() -> None:
+    exe = c_build.build_executable("isa_probe")
+    assert exe is not None
+    for level in cpu_isa.probe():
+        assert subprocess.run([str(exe), level], timeout=10).returncode == 0
+    assert subprocess.run([str(exe), "sse9"], timeout=10).returncode == 64
+
+
+@pytest.mark.parametrize("cap", cpu_isa.LEVELS)
+def test_the_cap_limits_levels_and_the_kernel_variant(cap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_isa.ENV_CAP, cap.upper())  # case-insensitive, as an operator may type it
+    isa = cpu_isa.current()
+    assert isa.cap == cap
+    assert all(cpu_isa.LEVELS.index(level) <= cpu_isa.LEVELS.index(cap) for level in isa.levels)
+    assert set(isa.levels) <= set(cpu_isa.probe())
+    expected = "avx512" if "avx512" in isa.levels else "avx2" if "avx2" in isa.levels else "generic"
+    assert isa.kernel_variant == expected == c_build.variant()
+    assert isa.bf16_matmul == ("avx512_bf16" in isa.levels)
+    assert isa.describe()["kernel_variant"] == expected
+
+
+def test_an_unknown_cap_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_isa.ENV_CAP, "avx1024")
+    with pytest.raises(ValueError, match="PAGEDQ_CPU_ISA='avx1024' is not one of generic, avx2"):
+        cpu_isa.current()
+
+
+def test_each_variant_is_its_own_build(isa_variant: str) -> None:
+    """The variant loaded is the one the cap asks for, compiled for it (not -march=native): a generic build
+    has no AVX instruction in its code, so a kernel cache shared with an older CPU stays runnable."""
+    lib = cpu_ops._load()
+    assert lib is not None, c_build.error("cpu_ops")
+    key = ("cpu_ops", isa_variant)
+    assert c_build._loaded[key] is lib
+    path = Path(lib._name)
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True).stdout
+    if not text:
+        pytest.skip("objdump is not installed")
+    uses_zmm, uses_ymm = "%zmm" in text, "%ymm" in text
+    if isa_variant == "generic":
+        assert not uses_ymm and not uses_zmm
+    elif isa_variant == "avx2":
+        assert uses_ymm and not uses_zmm
+    else:
+        assert uses_zmm

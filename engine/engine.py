@@ -24,6 +24,7 @@ import structlog
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine import cpu_runtime
 from engine.block_pool import NoFreeBlocks
 from engine.checkpoint import checkpoint_folder
 from engine.config import EngineConfig
@@ -63,6 +64,12 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **kwargs: object) -> None:
         config = config or EngineConfig(**kwargs)  # type: ignore[arg-type]
         self.config = config
+        if config.torch_device.type == "cpu":
+            # OpenMP's default is a thread per CPU of the affinity mask, quota or not: cap it at what this
+            # process may run at once (engine/cpu_runtime.py). A lower count set by the caller stands.
+            threads = cpu_runtime.default_threads()
+            if torch.get_num_threads() > threads:
+                torch.set_num_threads(threads)
         self.model_path = checkpoint_folder(config.model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.model_path))
         self.step_stats = StepStats()  # every step's phases and batch sizes; reset() between measurements

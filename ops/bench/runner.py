@@ -49,8 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=None, help="online arrivals per second (1 CPU, 16 CUDA)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, ...")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (bfloat16 on CUDA and on CPUs with AMX or AVX512-bf16, else float32), ..."
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: the CPUs usable: affinity, cgroup quota)"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV budget (CPU default 2 GiB)")
@@ -247,12 +251,15 @@ def run(args: argparse.Namespace) -> int:
     if cuda and not torch.cuda.is_available():
         print("pagedq bench: --device cuda but torch sees no GPU", file=sys.stderr)
         return 2
-    threads = args.threads or os.cpu_count() or 1
+    from engine import cpu_runtime
+    from engine.config import EngineConfig
+
+    threads = args.threads or cpu_runtime.usable_cpus()
     torch.set_num_threads(threads)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cuda else "float32")
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
-    if dtype not in ("float32", "bfloat16", "float16"):
-        print(f"pagedq bench: --dtype must be auto, float32, bfloat16 or float16, got {dtype!r}", file=sys.stderr)
+    try:  # auto as the engine resolves it: bf16 on CUDA and on CPUs with AMX/AVX512-bf16, else fp32
+        dtype = str(EngineConfig(dtype=args.dtype, device=args.device).torch_dtype).removeprefix("torch.")
+    except ValueError:
+        print(f"pagedq bench: --dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}", file=sys.stderr)
         return 2
 
     own_work_dir = args.work_dir is None

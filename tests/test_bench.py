@@ -128,6 +128,15 @@ def test_ratios_and_targets() -> None:
     values = {t["target"]: t["value"] for t in rep.targets(report)}
     assert values["useful-FLOP utilisation >= 60% (pagedq, mixed)"] == 0.7
     assert values["prefix caching >= 3x without (prefix)"] is None
+    assert values["pagedq beside a busy process >= 40% of idle (contended)"] is None
+    contended = {
+        "pagedq": {"status": "ok", "output_tok_s": 50.0},
+        "pagedq-contended": {"status": "ok", "output_tok_s": 21.0},
+    }
+    report["workloads"]["contended"] = {"systems": contended, "ratios": rep.ratios(contended)}
+    assert report["workloads"]["contended"]["ratios"] == {"pagedq-contended/pagedq": 0.42}
+    (busy,) = [t for t in rep.targets(report) if "busy process" in t["target"]]
+    assert busy["met"] is True
 
     prefix = {
         "pagedq": {"status": "ok", "output_tok_s": 30.0, "matmul_gflop": 100.0},
@@ -191,7 +200,7 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
     assert {"meta", "matmul_peak", "model", "workloads", "targets"} <= report.keys()
     assert report["matmul_peak"]["gflop_s"] > 0
     assert report["meta"]["quick"] is True
-    assert set(report["workloads"]) == {"mixed", "prefix", "online"}
+    assert set(report["workloads"]) == {"mixed", "prefix", "online", "contended"}
 
     mixed = report["workloads"]["mixed"]
     assert set(mixed["systems"]) == set(SYSTEM_NAMES)
@@ -237,6 +246,12 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
     assert prefix["matmul_work_ratio"] == pytest.approx(off["matmul_gflop"] / on["matmul_gflop"], abs=1e-3)
     decoder_tokens = [r["processed_tokens"] - r["requests"] for r in (off, on)]
     assert 1 < prefix["matmul_work_ratio"] < decoder_tokens[0] / decoder_tokens[1]
+
+    contended = report["workloads"]["contended"]  # pagedq alone, then beside a pinned busy loop
+    assert set(contended["systems"]) == {"pagedq", "pagedq-contended"}
+    assert contended["ratios"]["pagedq-contended/pagedq"] > 0
+    (row,) = [t for t in report["targets"] if "busy process" in t["target"]]
+    assert row["value"] == contended["ratios"]["pagedq-contended/pagedq"]
 
     online = report["workloads"]["online"]["systems"]["pagedq-redis"]
     if redis_ran:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 # Kept in sync with registry.SYSTEM_NAMES (checked by the tests); listed here so that parsing arguments does
 # not import torch, which must not happen before the OpenMP wait policy is chosen (see ``run``).
 SYSTEM_NAMES: tuple[str, ...] = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm")
-WORKLOAD_NAMES = ("mixed", "prefix", "online")
+WORKLOAD_NAMES = ("mixed", "prefix", "online", "contended")
 QUICK_KV_BYTES = 64 << 20
 
 
@@ -42,10 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny random model, a few requests (< 1 min)")
     parser.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--systems", default=",".join(SYSTEM_NAMES), help=f"comma list of {', '.join(SYSTEM_NAMES)}")
-    parser.add_argument("--workloads", default=",".join(WORKLOAD_NAMES), help="comma list of mixed, prefix, online")
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOAD_NAMES), help="comma list of mixed, prefix, online, contended"
+    )
     parser.add_argument("-n", "--num-requests", type=int, default=None, help="mixed requests (128 CPU, 512 CUDA)")
     parser.add_argument("--prefix-docs", type=int, default=None, help="prefix workload documents (64)")
     parser.add_argument("--online-requests", type=int, default=None, help="online workload requests (32 CPU)")
+    parser.add_argument(
+        "--contended-requests", type=int, default=None, help="contended workload requests (32 CPU; run idle and busy)"
+    )
     parser.add_argument("--rate", type=float, default=None, help="online arrivals per second (1 CPU, 16 CUDA)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -233,6 +238,9 @@ def _make_workloads(names: list[str], args: argparse.Namespace, source: wl.TextS
             n = args.online_requests or (4 if quick else 256 if cuda else 32)
             rate = args.rate or (10.0 if quick else 16.0 if cuda else 1.0)
             out.append(wl.online(n, args.seed, source, rate, spec))
+        elif name == "contended":
+            n = args.contended_requests or (4 if quick else 32)
+            out.append(wl.contended(n, args.seed, source, spec))
     return out
 
 
@@ -408,6 +416,7 @@ def _run_workload(
     workload: wl.Workload, systems: list[System], unavailable: dict[str, str | None], ctx: BenchContext
 ) -> dict[str, SystemResult]:
     """Every selected system on one workload (plus pagedq without prefix caching on ``prefix``)."""
+    from ops.bench.contention import ContendedSystem
     from ops.bench.pagedq_redis_system import PagedqRedisSystem
     from ops.bench.pagedq_system import PagedqSystem
     from ops.bench.system import SystemResult
@@ -417,7 +426,11 @@ def _run_workload(
     for system in systems:
         if workload.name == "online" and not isinstance(system, PagedqRedisSystem):
             continue  # online is served through Redis only
+        if workload.name == "contended" and system.name != "pagedq":
+            continue  # pagedq idle against pagedq beside a busy process; peers have their own targets
         plan.append((system.name, system))
+        if workload.name == "contended":
+            plan.append((f"{system.name}-contended", ContendedSystem(system)))
         if workload.name == "prefix" and system.name == "pagedq":
             plan.append(("pagedq-nocache", PagedqSystem("pagedq-nocache", caching=False)))
     if workload.name == "online" and not plan:

@@ -131,6 +131,12 @@ def mixed(n: int, seed: int, source: TextSource, spec: MixedSpec = MixedSpec()) 
     return Workload("mixed", reqs, {"seed": seed, "real_text": source.real_text, "spec": vars(spec)})
 
 
+def contended(n: int, seed: int, source: TextSource, spec: MixedSpec = MixedSpec()) -> Workload:
+    """``mixed``'s requests under another name: run idle and beside a busy process (``bench/contention.py``)."""
+    work = mixed(n, seed, source, spec)
+    return Workload("contended", work.requests, work.params)
+
+
 def prefix(
     n: int,
     seed: int,

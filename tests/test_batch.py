@@ -450,6 +450,7 @@ def run_batch(ctx: Ctx, batch_file: BatchFile, out: Path, model_dir: Path, *extr
     )
 
 
+@pytest.mark.slow  # two worker processes on a shared backlog (~30 s on 2 busy cores); local batch stays default
 def test_two_workers_give_the_same_output_as_local(
     queue: Ctx, batch_file: BatchFile, local_output: Path, model_dir: Path, tmp_path: Path
 ) -> None:

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from ops.batch.command import LINES_FAILED
 from tests.worker_harness import REPO
 
@@ -32,6 +34,7 @@ def run_batch(inp: Path, out: Path, model: Path) -> subprocess.CompletedProcess[
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # the CLI in a subprocess (torch import, model load: ~11 s)
 def test_failed_lines_give_a_distinct_exit_code(tiny_model: Any, tmp_path: Path) -> None:
     model = Path(tiny_model("llama_gqa"))
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -365,6 +365,7 @@ def _get(url: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+@pytest.mark.slow  # waits out a stall timeout in a worker process (~13 s)
 @pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_a_wedged_loop_reports_unhealthy_and_the_process_exits_non_zero(
     ctx: Ctx, model_dir: Path, tmp_path: Path

@@ -159,6 +159,7 @@ def test_sigkill_one_of_two_workers_loses_and_duplicates_nothing(ctx: Ctx, worke
     assert b.terminate() == 0
 
 
+@pytest.mark.slow  # two workers, one drained mid-run (~18 s); SIGKILL and Redis restart stay default
 @pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_sigterm_drains_running_jobs_and_hands_back_the_rest(ctx: Ctx, workers: Workers) -> None:
     a = workers.start("draining", step_delay_s=0.02, shutdown_grace_s=60)
@@ -264,6 +265,7 @@ def test_backpressure_two_workers_share_a_backlog(ctx: Ctx, workers: Workers) ->
     assert a.terminate() == 0 and b.terminate() == 0
 
 
+@pytest.mark.slow  # a worker process with its own embedded server (~11 s); every other test starts one
 def test_worker_alone_starts_an_embedded_redis(model_dir: Path, tmp_path: Path) -> None:
     data = tmp_path / "data"
     log = tmp_path / "worker.log"

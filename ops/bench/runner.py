@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 
 # Kept in sync with registry.SYSTEM_NAMES (checked by the tests); listed here so that parsing arguments does
 # not import torch, which must not happen before the OpenMP wait policy is chosen (see ``run``).
-SYSTEM_NAMES: tuple[str, ...] = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm")
-WORKLOAD_NAMES = ("mixed", "prefix", "online", "contended")
+SYSTEM_NAMES: tuple[str, ...] = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm", "vllm-cpu")
+WORKLOAD_NAMES = ("mixed", "prefix", "online", "contended", "compass")
+DEFAULT_WORKLOADS = ("mixed", "prefix", "online", "contended")  # compass (issue 18's vLLM comparison) on request
 QUICK_KV_BYTES = 64 << 20
 
 
@@ -43,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--systems", default=",".join(SYSTEM_NAMES), help=f"comma list of {', '.join(SYSTEM_NAMES)}")
     parser.add_argument(
-        "--workloads", default=",".join(WORKLOAD_NAMES), help="comma list of mixed, prefix, online, contended"
+        "--workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help="comma list of mixed, prefix, online, contended, compass",
     )
     parser.add_argument("-n", "--num-requests", type=int, default=None, help="mixed requests (128 CPU, 512 CUDA)")
     parser.add_argument("--prefix-docs", type=int, default=None, help="prefix workload documents (64)")
@@ -241,6 +244,8 @@ def _make_workloads(names: list[str], args: argparse.Namespace, source: wl.TextS
         elif name == "contended":
             n = args.contended_requests or (4 if quick else 32)
             out.append(wl.contended(n, args.seed, source, spec))
+        elif name == "compass":
+            out.append(wl.compass(args.seed, source.vocab_size, wl.QUICK_COMPASS if quick else wl.CompassSpec()))
     return out
 
 
@@ -351,8 +356,9 @@ def run(args: argparse.Namespace) -> int:
         }
         pagedq_mixed: SystemResult | None = None
         all_results = []
+        announced: set[tuple[str, str]] = set()
         for workload in workloads:
-            results = _run_workload(workload, systems, unavailable, ctx)
+            results = _run_workload(workload, systems, unavailable, ctx, announced)
             all_results.append((workload, results))
             if workload.name == "mixed":
                 pagedq_mixed = results.get("pagedq")
@@ -413,9 +419,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_workload(
-    workload: wl.Workload, systems: list[System], unavailable: dict[str, str | None], ctx: BenchContext
+    workload: wl.Workload,
+    systems: list[System],
+    unavailable: dict[str, str | None],
+    ctx: BenchContext,
+    announced: set[tuple[str, str]] | None = None,
 ) -> dict[str, SystemResult]:
-    """Every selected system on one workload (plus pagedq without prefix caching on ``prefix``)."""
+    """Every selected system on one workload (plus pagedq without prefix caching on ``prefix``).
+
+    A system that cannot run is said so once per bench (``announced`` carries what was said), not once per
+    workload: a missing vLLM venv is one line, and the other systems go on.
+    """
+    announced = set() if announced is None else announced
     from ops.bench.contention import ContendedSystem
     from ops.bench.pagedq_redis_system import PagedqRedisSystem
     from ops.bench.pagedq_system import PagedqSystem
@@ -430,7 +445,9 @@ def _run_workload(
             continue  # pagedq idle against pagedq beside a busy process; peers have their own targets
         plan.append((system.name, system))
         if workload.name == "contended":
-            plan.append((f"{system.name}-contended", ContendedSystem(system)))
+            contended = ContendedSystem(system)
+            unavailable.setdefault(contended.name, contended.unavailable(ctx))
+            plan.append((contended.name, contended))
         if workload.name == "prefix" and system.name == "pagedq":
             plan.append(("pagedq-nocache", PagedqSystem("pagedq-nocache", caching=False)))
     if workload.name == "online" and not plan:
@@ -448,7 +465,9 @@ def _run_workload(
                 continue  # skipped or failed in an earlier round
             reason = unavailable.get(system.name)
             if reason:
-                ctx.log(f"  {name}: skipped ({reason})")
+                if (name, reason) not in announced:
+                    announced.add((name, reason))
+                    ctx.log(f"  {name}: skipped ({reason})")
                 results[name] = SystemResult(name, "skipped", reason)
                 continue
             ctx.log(f"  {name}: running" + (f" (round {rnd + 1} of {rounds})" if rounds > 1 else ""))

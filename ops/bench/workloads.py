@@ -170,3 +170,39 @@ def online(n: int, seed: int, source: TextSource, rate: float, spec: MixedSpec =
         reqs.append(BenchRequest(r.prompt_ids, r.max_tokens, arrival_s=t))
         t += rng.expovariate(rate)
     return Workload("online", reqs, {**base.params, "rate": rate})
+
+
+@dataclass(frozen=True)
+class CompassSpec:
+    """The ``compass`` workload of issue 18: the vLLM comparison's fixed point (64 requests, random-token
+    prompts of 32-512 tokens, 32-256 output tokens, uniform lengths)."""
+
+    requests: int = 64
+    prompt_lo: int = 32
+    prompt_hi: int = 512
+    output_lo: int = 32
+    output_hi: int = 256
+
+
+QUICK_COMPASS = CompassSpec(8, 16, 64, 32, 40)  # outputs >= 32: greedy agreement compares the first 32 tokens
+
+# Random prompt ids start here: tokenizers keep special and control tokens at the lowest ids (SmolLM2:
+# 0-16), and a prompt of them could end a sequence or switch a chat template on in one system only.
+RANDOM_ID_LOW = 256
+
+
+def compass(seed: int, vocab_size: int, spec: CompassSpec = CompassSpec()) -> Workload:
+    """``spec.requests`` prompts of uniformly random token ids and uniformly drawn lengths, from ``seed``.
+
+    Random ids rather than text, as in the issue's comparison with vLLM: no tokenizer, corpus or prefix
+    cache is involved, so every system does the same prefill and decode work from the same ids. Greedy
+    decoding of such prompts still falls into repetition, which prompt-lookup (n-gram) drafts then hit.
+    """
+    rng = random.Random(seed)
+    low = RANDOM_ID_LOW if vocab_size > 4 * RANDOM_ID_LOW else min(4, vocab_size - 1)
+    reqs = []
+    for _ in range(spec.requests):
+        plen = rng.randint(spec.prompt_lo, spec.prompt_hi)
+        olen = rng.randint(spec.output_lo, spec.output_hi)
+        reqs.append(BenchRequest([rng.randrange(low, vocab_size) for _ in range(plen)], olen))
+    return Workload("compass", reqs, {"seed": seed, "real_text": False, "spec": vars(spec)})

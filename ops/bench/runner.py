@@ -33,8 +33,10 @@ if TYPE_CHECKING:
 # Kept in sync with registry.SYSTEM_NAMES (checked by the tests); listed here so that parsing arguments does
 # not import torch, which must not happen before the OpenMP wait policy is chosen (see ``run``).
 SYSTEM_NAMES: tuple[str, ...] = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm")
-WORKLOAD_NAMES = ("mixed", "prefix", "online")
+WORKLOAD_NAMES = ("mixed", "prefix", "online", "structured")
 QUICK_KV_BYTES = 64 << 20
+PAGEDQ = "pagedq"
+STRUCTURED_CONSTRAINED = "pagedq-json"  # ops.bench.structured.CONSTRAINED (not imported here: it loads torch)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,10 +44,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny random model, a few requests (< 1 min)")
     parser.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--systems", default=",".join(SYSTEM_NAMES), help=f"comma list of {', '.join(SYSTEM_NAMES)}")
-    parser.add_argument("--workloads", default=",".join(WORKLOAD_NAMES), help="comma list of mixed, prefix, online")
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOAD_NAMES), help="comma list of mixed, prefix, online, structured"
+    )
     parser.add_argument("-n", "--num-requests", type=int, default=None, help="mixed requests (128 CPU, 512 CUDA)")
     parser.add_argument("--prefix-docs", type=int, default=None, help="prefix workload documents (64)")
     parser.add_argument("--online-requests", type=int, default=None, help="online workload requests (32 CPU)")
+    parser.add_argument(
+        "--structured-requests", type=int, default=None, help="structured workload requests (48 CPU, 128 CUDA)"
+    )
+    parser.add_argument(
+        "--structured-max-tokens", type=int, default=768, help="structured workload's output cap (above its grammars')"
+    )
     parser.add_argument("--rate", type=float, default=None, help="online arrivals per second (1 CPU, 16 CUDA)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -215,7 +225,9 @@ def measure_matmul_peak(mc: Any, device: str, dtype: torch.dtype, tokens: int = 
     return out
 
 
-def _make_workloads(names: list[str], args: argparse.Namespace, source: wl.TextSource, cuda: bool) -> list[wl.Workload]:
+def _make_workloads(
+    names: list[str], args: argparse.Namespace, source: wl.TextSource, tokenizer: Any, cuda: bool
+) -> list[wl.Workload]:
     quick = args.quick
     spec = wl.QUICK_MIXED if quick else wl.MixedSpec()
     out: list[wl.Workload] = []
@@ -233,6 +245,9 @@ def _make_workloads(names: list[str], args: argparse.Namespace, source: wl.TextS
             n = args.online_requests or (4 if quick else 256 if cuda else 32)
             rate = args.rate or (10.0 if quick else 16.0 if cuda else 1.0)
             out.append(wl.online(n, args.seed, source, rate, spec))
+        elif name == "structured":
+            n = args.structured_requests or (8 if quick else 128 if cuda else 48)
+            out.append(wl.structured(n, args.seed, tokenizer, source.vocab_size, args.structured_max_tokens))
     return out
 
 
@@ -334,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
 
         systems = [make_system(name) for name in system_names]
         unavailable = {s.name: s.unavailable(ctx) for s in systems}
-        workloads = _make_workloads(workload_names, args, source, cuda)
+        workloads = _make_workloads(workload_names, args, source, tokenizer, cuda)
         report: dict[str, Any] = {
             "meta": meta,
             "matmul_peak": peak,
@@ -344,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
         pagedq_mixed: SystemResult | None = None
         all_results = []
         for workload in workloads:
-            results = _run_workload(workload, systems, unavailable, ctx)
+            results, workload = _run_workload(workload, systems, unavailable, ctx)
             all_results.append((workload, results))
             if workload.name == "mixed":
                 pagedq_mixed = results.get("pagedq")
@@ -358,13 +373,17 @@ def run(args: argparse.Namespace) -> int:
             ref = results.get("pagedq")
             if ref is not None and ref.status == "ok":
                 for name, res in results.items():
-                    if name != "pagedq" and res.status == "ok" and workload.name != "online":
+                    # The constrained run's tokens differ by design: nothing to compare.
+                    comparable = name not in (PAGEDQ, STRUCTURED_CONSTRAINED) and workload.name != "online"
+                    if comparable and res.status == "ok":
                         records[name]["agreement_with_pagedq"] = rep.agreement(ref, res)
             report["workloads"][workload.name] = {
                 "workload": workload.summary(),
                 "systems": records,
-                "ratios": rep.ratios(records),
+                "ratios": rep.structured_ratios(records) if workload.name == "structured" else rep.ratios(records),
             }
+            if workload.name == "structured":
+                report["workloads"]["structured"]["grammar"] = records.get(STRUCTURED_CONSTRAINED, {}).get("grammar")
             if workload.name == "prefix":
                 report["workloads"]["prefix"]["matmul_work_ratio"] = rep.matmul_work_ratio(records)
         meta["loadavg_end"] = _loadavg()
@@ -406,15 +425,24 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_workload(
     workload: wl.Workload, systems: list[System], unavailable: dict[str, str | None], ctx: BenchContext
-) -> dict[str, SystemResult]:
-    """Every selected system on one workload (plus pagedq without prefix caching on ``prefix``)."""
+) -> tuple[dict[str, SystemResult], wl.Workload]:
+    """Every selected system on one workload (plus pagedq without prefix caching on ``prefix``); the
+    results, and the workload as run (``structured``: the lengths the constrained run produced)."""
+    from ops.bench import structured
     from ops.bench.pagedq_redis_system import PagedqRedisSystem
     from ops.bench.pagedq_system import PagedqSystem
     from ops.bench.system import SystemResult
 
     results: dict[str, SystemResult] = {}
     plan: list[tuple[str, System]] = []
-    for system in systems:
+    if workload.name == "structured":  # pagedq offline only, constrained first (see ops.bench.structured)
+        if any(s.name == "pagedq" for s in systems):
+            plan = [(s.name, s) for s in structured.plan(ctx.num_speculative_tokens)]
+        else:
+            results[STRUCTURED_CONSTRAINED] = SystemResult(
+                STRUCTURED_CONSTRAINED, "skipped", "structured needs the pagedq system"
+            )
+    for system in systems if workload.name != "structured" else []:
         if workload.name == "online" and not isinstance(system, PagedqRedisSystem):
             continue  # online is served through Redis only
         plan.append((system.name, system))
@@ -422,6 +450,7 @@ def _run_workload(
             plan.append(("pagedq-nocache", PagedqSystem("pagedq-nocache", caching=False)))
     if workload.name == "online" and not plan:
         results["pagedq-redis"] = SystemResult("pagedq-redis", "skipped", "online needs the pagedq-redis system")
+    exact: wl.Workload | None = None  # structured: the constrained run's lengths, for the other systems
     summary = workload.summary()
     ctx.log(
         f"workload {workload.name}: {summary['requests']} requests, {summary['prompt_tokens']} prompt + "
@@ -434,6 +463,8 @@ def _run_workload(
             if results.get(name) is not None and results[name].status != "ok":
                 continue  # skipped or failed in an earlier round
             reason = unavailable.get(system.name)
+            if workload.name == "structured" and name != STRUCTURED_CONSTRAINED and exact is None:
+                reason = "the constrained run failed: no lengths to match"
             if reason:
                 ctx.log(f"  {name}: skipped ({reason})")
                 results[name] = SystemResult(name, "skipped", reason)
@@ -444,7 +475,7 @@ def _run_workload(
                     assert isinstance(system, PagedqRedisSystem)
                     res = system.run_online(workload, ctx)
                 else:
-                    res = system.run(workload, ctx)
+                    res = system.run(exact if exact is not None else workload, ctx)
             except Exception as exc:
                 ctx.log(f"  {name}: FAILED {type(exc).__name__}: {exc}")
                 res = SystemResult(name, "failed", f"{type(exc).__name__}: {exc}")
@@ -457,6 +488,8 @@ def _run_workload(
                     + ("" if res.tokens_ok else f", {res.bad_requests} requests with wrong lengths")
                 )
             res.system = name
+            if name == STRUCTURED_CONSTRAINED and exact is None and res.status == "ok":
+                exact = structured.exact_lengths(workload, res.outputs)
             best = results.get(name)
             if res.status == "ok":
                 walls.setdefault(name, []).append(round(res.wall_s, 3))
@@ -466,7 +499,14 @@ def _run_workload(
         for name, res in results.items():
             if name in walls:
                 res.extra["walls_s"] = walls[name]
-    return results
+    if exact is not None:
+        constrained = results[STRUCTURED_CONSTRAINED]
+        if constrained.status == "ok":
+            constrained.check(exact)  # its own lengths: a later round's different ones show up here
+            checked = constrained.extra["structured"]
+            constrained.tokens_ok = constrained.tokens_ok and checked["valid_all"]
+            constrained.bad_requests = max(constrained.bad_requests, checked["bad_requests"])
+    return results, exact if exact is not None else workload
 
 
 def _version(package: str) -> str:

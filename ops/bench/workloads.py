@@ -282,10 +282,10 @@ _COMPANY = ["Northwind Traders", "Blue Harbor Logistics", "Acme Tooling", "Fernw
 _ITEMS = ["printer paper (500 sheets)", "toner cartridge", "desk lamp", "USB-C cable", "office chair", "whiteboard"]
 _SKILLS = ["contract law", "Python", "negotiation", "SQL", "logistics", "public speaking", "accounting", "Spanish"]
 _ISSUES = [
-    "was charged twice for the March subscription and wants the duplicate refunded",
-    "cannot log in since the password reset email never arrives",
-    "received a damaged package and asks for a replacement to be shipped",
-    "reports that the export to CSV fails with an error on large reports",
+    "I was charged twice for the March subscription and want the duplicate refunded",
+    "I cannot log in since the password reset email never arrives",
+    "my package arrived damaged and I need a replacement shipped",
+    "the export to CSV fails with an error on large reports",
 ]
 
 
@@ -318,7 +318,7 @@ def _ticket_text(rng: random.Random) -> str:
     plan = rng.choice(["free", "pro", "enterprise"])
     return (
         f"Support ticket from {first} {last} (account {rng.randint(1000, 999999)}, {plan} plan):\n"
-        f"Hello, I {rng.choice(_ISSUES)}. "
+        f"Hello, {rng.choice(_ISSUES)}. "
         + rng.choice(["This is the third time I write about it.", "No rush, whenever you can.", "Please help today."])
     )
 
@@ -373,10 +373,10 @@ def structured(n: int, seed: int, tokenizer: Any, vocab_size: int, max_tokens: i
     for i in range(n):
         name = names[i % len(names)]
         text = structured_prompt(name, _DOCUMENTS[name](rng))
-        if getattr(tokenizer, "chat_template", None):
-            ids = list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-        else:
-            ids = tokenizer.encode(text, add_special_tokens=False)
+        if getattr(tokenizer, "chat_template", None):  # as Engine.chat_prompt_ids: text, then its ids
+            messages = [{"role": "user", "content": text}]
+            text = str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        ids = tokenizer.encode(text, add_special_tokens=False)
         reqs.append(BenchRequest([t for t in ids if 0 <= t < vocab_size], max_tokens, schema=name))
     params = {"seed": seed, "max_tokens_cap": max_tokens, "schemas": names}
     return Workload("structured", reqs, params)

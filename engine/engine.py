@@ -355,7 +355,7 @@ class Engine:
         for j, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             if failed and (reason := failed.get(at + j)) is not None:
                 break
-            if seq.matcher is not None and not seq.matcher.accept_token(token):
+            if seq.matcher is not None and not self.grammars.accept(seq.matcher, token):
                 # The bitmask allowed only tokens the grammar accepts; reaching here is a bug, and the
                 # request cannot go on with a matcher out of step with its tokens.
                 reason = f"structured output: the grammar rejected token {token}"

@@ -106,6 +106,25 @@ class GrammarCache:
         self.grammars: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self.num_compiled = 0
         self.compile_s = 0.0
+        self.reset_timers()
+
+    def reset_timers(self) -> None:
+        """Zero the step-path counters (``pagedq bench`` reads them around a timed run)."""
+        self.fill_s = 0.0  # matchers writing their rows of the bitmask
+        self.apply_s = 0.0  # masking the logits (and moving the bitmask to their device)
+        self.accept_s = 0.0  # matchers advancing by accepted tokens
+        self.masked_rows = 0
+        self.mask_calls = 0
+
+    def timers(self) -> dict[str, float | int]:
+        """Where the constrained steps' own time went, in seconds (``reset_timers`` starts them again)."""
+        return {
+            "fill_s": round(self.fill_s, 4),
+            "apply_s": round(self.apply_s, 4),
+            "accept_s": round(self.accept_s, 4),
+            "masked_rows": self.masked_rows,
+            "mask_calls": self.mask_calls,
+        }
 
     def compile(self, params: SamplingParams) -> Any:
         """The compiled grammar of ``params``' constraint (None when it has none). Raises ValueError with
@@ -144,8 +163,21 @@ class GrammarCache:
     def apply_bitmasks(self, logits: torch.Tensor, matchers: list[tuple[int, Any]]) -> None:
         """Mask ``logits`` [R, V] in place: row ``i`` of each ``(i, matcher)`` keeps only the tokens its
         grammar allows next. One bitmask tensor, one batched apply; other rows are not touched."""
+        started = time.perf_counter()
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.info.vocab_size)
         for row, matcher in matchers:
             matcher.fill_next_token_bitmask(bitmask, row)
         rows = [row for row, _ in matchers]
+        filled = time.perf_counter()
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+        self.apply_s += time.perf_counter() - filled
+        self.fill_s += filled - started
+        self.masked_rows += len(matchers)
+        self.mask_calls += 1
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        """Advance ``matcher`` by an accepted token; False if its grammar does not allow it."""
+        started = time.perf_counter()
+        ok = bool(matcher.accept_token(token))
+        self.accept_s += time.perf_counter() - started
+        return ok

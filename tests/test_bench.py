@@ -83,6 +83,30 @@ def test_online_arrivals_increase() -> None:
     assert all(4 <= t < 300 for r in w.requests for t in r.prompt_ids)
 
 
+def test_structured_requests_cycle_the_schemas_behind_a_shared_instruction() -> None:
+    tok = _SplitTokenizer(1000)
+    a = wl.structured(8, 3, tok, 1000, max_tokens=100)
+    b = wl.structured(8, 3, tok, 1000, max_tokens=100)
+    assert [r.prompt_ids for r in a.requests] == [r.prompt_ids for r in b.requests]
+    names = list(wl.STRUCTURED_SCHEMAS)
+    assert [r.schema for r in a.requests] == names + names
+    assert all(r.max_tokens == 100 for r in a.requests)
+    # Requests on one schema share their instruction (the schema's text): a prefix the cache serves.
+    first, second = a.requests[0].prompt_ids, a.requests[4].prompt_ids
+    assert first != second and first[:14] == second[:14]  # 13 words and the schema (one "word" here)
+
+
+def test_structured_unconstrained_side_gets_the_constrained_lengths() -> None:
+    from ops.bench.structured import CONSTRAINED, UNCONSTRAINED_NOSPEC, exact_lengths, plan
+
+    w = wl.structured(4, 0, _SplitTokenizer(1000), 1000, max_tokens=100)
+    exact = exact_lengths(w, [[1] * 7, [2] * 30, [3] * 12, [4]])
+    assert [r.max_tokens for r in exact.requests] == [7, 30, 12, 1]
+    assert [r.prompt_ids for r in exact.requests] == [r.prompt_ids for r in w.requests]
+    assert [s.name for s in plan(None)] == [CONSTRAINED, "pagedq", UNCONSTRAINED_NOSPEC]
+    assert UNCONSTRAINED_NOSPEC not in [s.name for s in plan(0)]  # drafts already off: pagedq is that run
+
+
 # ------------------------------------------------------------------------------------- report
 
 
@@ -167,6 +191,20 @@ def test_ratios_and_targets() -> None:
     )
 
 
+def test_structured_ratios_and_targets() -> None:
+    records: dict[str, dict[str, Any]] = {
+        "pagedq-json": {"status": "ok", "output_tok_s": 90.0},
+        "pagedq": {"status": "ok", "output_tok_s": 120.0},
+        "pagedq-nospec": {"status": "ok", "output_tok_s": 100.0},
+    }
+    ratios = rep.structured_ratios(records)
+    assert ratios == {"pagedq-json/pagedq": 0.75, "pagedq-json/pagedq-nospec": 0.9}
+    rows = {t["target"]: t for t in rep.targets({"workloads": {"structured": {"ratios": ratios}}})}
+    assert rows["constrained >= 85% of unconstrained (structured, output tok/s)"]["met"] is False
+    assert rows["constrained >= 85% of unconstrained, speculation off (structured)"]["met"] is True
+    assert rep.structured_ratios({"pagedq": records["pagedq"]}) == {}
+
+
 def test_runner_lists_the_same_systems_without_importing_torch() -> None:
     from ops.bench import runner
 
@@ -201,7 +239,7 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
     assert {"meta", "matmul_peak", "model", "workloads", "targets"} <= report.keys()
     assert report["matmul_peak"]["gflop_s"] > 0
     assert report["meta"]["quick"] is True
-    assert set(report["workloads"]) == {"mixed", "prefix", "online", "contended"}
+    assert set(report["workloads"]) == {"mixed", "prefix", "online", "contended", "structured"}
 
     mixed = report["workloads"]["mixed"]
     assert set(mixed["systems"]) == set(SYSTEM_NAMES)
@@ -294,3 +332,38 @@ def test_quick_benchmark_repeat_reports_the_fastest_run(tmp_path: Path) -> None:
         # Each round on a cold worker: a rerun must not be served from the first round's prefix cache.
         assert len(redis_rec["walls_s"]) == 2
         assert redis_rec["cached_tokens"] == systems["pagedq"]["cached_tokens"], wname
+
+
+@pytest.mark.slow  # three pagedq runs of eight ~280-token JSON outputs on one thread (~25 s)
+def test_quick_structured_workload_outputs_validate(tmp_path: Path) -> None:
+    """``--workloads structured``: the constrained run, both unconstrained runs on its lengths, the
+    target rows and compile times; every constrained output parses and validates against its schema."""
+    import jsonschema
+
+    proc, report = _run_quick_bench(tmp_path, "--systems", "pagedq", "--workloads", "structured")
+    assert "pagedq-json grammars" in proc.stdout and "outputs valid JSON" in proc.stdout
+    w = report["workloads"]["structured"]
+    systems = w["systems"]
+    assert set(systems) == {"pagedq-json", "pagedq", "pagedq-nospec"}
+    for name, rec in systems.items():
+        assert rec["status"] == "ok" and rec["tokens_ok"] is True, name
+        assert rec["output_tokens"] == w["workload"]["output_tokens"], name  # the same work on every side
+    assert set(w["ratios"]) == {"pagedq-json/pagedq", "pagedq-json/pagedq-nospec"}
+    targets = {t["target"]: t for t in report["targets"]}
+    assert targets["constrained >= 85% of unconstrained (structured, output tok/s)"]["value"] is not None
+    assert targets["constrained >= 85% of unconstrained, speculation off (structured)"]["value"] is not None
+    assert systems["pagedq-json"]["speculative"]["draft_tokens"] == 0  # constrained sequences never draft
+    assert systems["pagedq-nospec"]["speculative"]["num_speculative_tokens"] == 0
+
+    grammar = w["grammar"]
+    assert grammar["tokenizer_info_ms"] > 0
+    assert set(grammar["schemas"]) == set(wl.STRUCTURED_SCHEMAS)
+    for times in grammar["schemas"].values():
+        assert times["first_compile_ms"] > 0 and times["cache_hit_ms"] >= 0
+
+    checked = systems["pagedq-json"]["structured"]
+    assert checked["invalid"] == [] and checked["finished_by_grammar"] == checked["requests"] == 8
+    assert checked["step_s"]["masked_rows"] == systems["pagedq-json"]["output_tokens"]
+    names = [name for _ in range(2) for name in wl.STRUCTURED_SCHEMAS]  # round-robin, as generated
+    for name, text in zip(names, checked["texts"], strict=True):
+        jsonschema.validate(json.loads(text), wl.STRUCTURED_SCHEMAS[name])

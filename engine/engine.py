@@ -272,14 +272,14 @@ class Engine:
         ]
         started = clock()
         if any(s.matcher is not None for s, _ in samplers):
-            # A constrained sequence never speculates, so it has one logits row; rows before it may
-            # belong to speculating neighbours (one per draft). In place: the sampled distribution
-            # and the logprobs are those of the allowed tokens.
+            # A constrained sequence has one logits row, or one per draft plus one when it
+            # speculates (each masked with the grammar's state after the drafts before it). In
+            # place: the sampled distribution and the logprobs are those of the allowed tokens.
             constrained = []
             row = 0
             for s, count in samplers:
                 if s.matcher is not None:
-                    constrained.append((row, s.matcher))
+                    constrained.append((row, s.matcher, s.spec_token_ids[: count - 1]))
                 row += count
             self.grammars.apply_bitmasks(logits, constrained)
         out = self._sample(logits, rows, [count for _, count in samplers])
@@ -393,16 +393,17 @@ class Engine:
         if not k_max or len(running) > config.speculative_disable_by_batch_size:
             return
         for seq in running:
-            # Constrained sequences do not speculate: their matcher would have to score each draft
-            # position and roll back rejected ones; one token a step is the simple, correct choice.
-            if not seq.params.greedy or not seq.is_decoding or seq.matcher is not None:
+            if not seq.params.greedy or not seq.is_decoding:
                 continue
             k = min(k_max, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
             if k <= 0:
                 continue
             if seq.ngram_index is None:
                 seq.ngram_index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
-            seq.spec_token_ids = seq.ngram_index.propose(seq.token_ids, k)
+            drafts = seq.ngram_index.propose(seq.token_ids, k)
+            if seq.matcher is not None:  # only drafts its grammar accepts, or its forced tokens
+                drafts = self.grammars.draft(seq.matcher, drafts, k)
+            seq.spec_token_ids = drafts
 
     def _fork(self, parent: Sequence, copies: list[tuple[int, int]]) -> list[Sequence]:
         """The other samples of an n > 1 request, sharing the parent's prompt blocks."""

@@ -172,13 +172,30 @@ def test_unconstrained_requests_are_untouched_by_constrained_neighbours(engine: 
     assert texts(mixed["choice"])[0][0] in CHOICES
 
 
-def test_constrained_sequences_do_not_speculate(wide_model: Path) -> None:
-    """Greedy constrained requests get no drafts (prompt lookup stays on for the rest)."""
-    eng = Engine(EngineConfig(model=str(wide_model), max_num_seqs=4, kv_cache_bytes=8 << 20, num_speculative_tokens=4))
-    out = run(eng, {"r": ("aaaa aaaa aaaa", SamplingParams(temperature=0, max_tokens=64, regex="(aa ){0,20}b"))})
-    ((text, _, reason),) = texts(out["r"]).values()
+def test_constrained_greedy_output_is_unchanged_by_speculation(wide_model: Path) -> None:
+    """Greedy constrained requests draft (prompt lookup cut to what the grammar accepts, or the
+    grammar's forced tokens), each draft position masked with the grammar's state after the drafts
+    before it: the output is token for token what it is without drafts, and valid."""
+    requests = {
+        "regex": ("aaaa aaaa aaaa", SamplingParams(temperature=0, max_tokens=64, regex="(aa ){0,20}b")),
+        "json": ("Invoice:", SamplingParams(temperature=0, max_tokens=256, json_schema=INVOICE_SCHEMA)),
+        "choice": ("Answer:", SamplingParams(temperature=0, choice=CHOICES)),
+    }
+    outs = {}
+    for k in (0, 4):
+        eng = Engine(
+            EngineConfig(model=str(wide_model), max_num_seqs=4, kv_cache_bytes=8 << 20, num_speculative_tokens=k)
+        )
+        outs[k] = {rid: texts(d) for rid, d in run(eng, requests).items()}
+        if k:
+            # The forced tokens (keys, quotes, the regex's second "a") are drafted and accepted.
+            assert eng.num_accepted_tokens > 0 and eng.grammars.draft_s > 0
+    assert outs[4] == outs[0]
+    ((text, _, reason),) = outs[4]["regex"].values()
     assert reason == "stop" and re.fullmatch("(aa ){0,20}b", text)
-    assert eng.num_draft_tokens == 0
+    ((json_text, _, json_reason),) = outs[4]["json"].values()
+    check_json(json_text, json_reason)
+    assert next(iter(outs[4]["choice"].values()))[0] in CHOICES
 
 
 def test_preemption_recompute_keeps_the_matcher_in_step(wide_model: Path) -> None:

@@ -4,11 +4,12 @@ Issue 21's target is that constraining every request costs at most 15 % of outpu
 must do the same work for that ratio to mean anything, and a constrained request stops where its
 grammar ends, not at ``max_tokens``. So the constrained side (``pagedq-json``) runs first, with
 ``max_tokens`` as a cap; the unconstrained sides then generate exactly the lengths it produced, EOS
-ignored, on the same prompts (``exact_lengths``). What differs is only the constraint's own cost (the
-bitmask fill, its application to the logits, the matcher's advance) and speculation: constrained
-sequences do not speculate, so ``pagedq`` (drafts on, the default) and ``pagedq-nospec`` (drafts off)
-are both measured, and the ratio against each is reported. ``pagedq-json`` with drafts off would run
-the very same steps as with them on, so it is not run twice.
+ignored, on the same prompts (``exact_lengths``). What differs is the constraint's own cost (the
+bitmask fill, its application to the logits, the matcher's advance) and what speculation gains on
+each side: constrained sequences draft only what their grammar accepts, or its forced tokens, while
+unconstrained ones draft whatever prompt lookup finds. So both sides run with drafts on (the default:
+``pagedq-json`` against ``pagedq``) and off (``pagedq-json-nospec`` against ``pagedq-nospec``), and
+both ratios are reported.
 
 Grammars are compiled before the clock starts, and their compile times are reported on their own
 (first compile, then a cache hit): a worker compiles a schema once in its lifetime, when the first job
@@ -28,6 +29,7 @@ from ops.bench.workloads import STRUCTURED_SCHEMAS, BenchRequest, Workload
 CONSTRAINED = "pagedq-json"
 UNCONSTRAINED = "pagedq"
 UNCONSTRAINED_NOSPEC = "pagedq-nospec"
+CONSTRAINED_NOSPEC = "pagedq-json-nospec"
 
 
 class StructuredPagedqSystem(PagedqSystem):
@@ -120,8 +122,10 @@ def exact_lengths(workload: Workload, outputs: list[list[int]]) -> Workload:
 
 
 def plan(num_speculative_tokens: int | None) -> list[StructuredPagedqSystem]:
-    """The constrained system first (the others need its lengths), then the unconstrained ones."""
+    """The constrained system first (the others need its lengths), then the unconstrained one; then
+    both with drafts off, unless drafts are off already."""
     systems = [StructuredPagedqSystem(CONSTRAINED, True), StructuredPagedqSystem(UNCONSTRAINED, False)]
-    if num_speculative_tokens != 0:  # with drafts off already, pagedq is the drafts-off run
+    if num_speculative_tokens != 0:
+        systems.append(StructuredPagedqSystem(CONSTRAINED_NOSPEC, True, num_speculative_tokens=0))
         systems.append(StructuredPagedqSystem(UNCONSTRAINED_NOSPEC, False, num_speculative_tokens=0))
     return systems

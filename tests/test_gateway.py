@@ -279,6 +279,39 @@ def test_client_disconnect_mid_stream_cancels_the_job(fleet: Fleet) -> None:
     assert len(event.choices[0].token_ids) < 600
 
 
+def test_client_gone_before_a_non_streamed_answer_cancels_the_job(fleet: Fleet) -> None:
+    impatient = openai.OpenAI(base_url=fleet.gateway.url + "/v1", api_key=API_KEY, max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(
+            model=fleet.model,
+            prompt="A long answer, please",
+            max_tokens=600,
+            temperature=1.0,
+            seed=5,
+            extra_body={"ignore_eos": True},
+            user="client-gone",
+        )
+
+    # The client hung up after a second; the gateway noticed and cancelled the job (found by its user).
+    def ended() -> list[Any]:
+        keys = fleet.ctx.redis.scan_iter(fleet.ctx.keys.result("cmpl-*"))
+        events = [fleet.ctx.result(k.rsplit(":", 1)[-1]) for k in keys]
+        return [e for e in events if e is not None and e.metadata == {"user": "client-gone"}]
+
+    (event,) = wait_for(ended, 30, what="the abandoned job's end")
+    if isinstance(event, ErrorEvent):  # cancelled before its first token (a very slow start)
+        assert event.code == "cancelled"
+    else:
+        assert event.choices[0].finish_reason == "cancelled" and len(event.choices[0].token_ids) < 600
+
+
+def test_guided_choice_passes_through(fleet: Fleet) -> None:
+    out = fleet.client.chat.completions.create(
+        model=fleet.model, messages=chat("yes or no?"), max_tokens=8, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert out.choices[0].message.content in ("yes", "no")
+
+
 def test_extra_body_fields_and_user_reach_the_job(fleet: Fleet) -> None:
     out = fleet.client.chat.completions.create(
         model=fleet.model,

@@ -474,3 +474,33 @@ def test_worker_sigkilled_mid_stream_the_client_gets_one_coherent_completion(
         for w in workers:
             w.close()
         ctx.close()
+
+
+# ------------------------------------------------------------------- request mapping (pure, no server)
+
+
+def test_request_mapping_refuses_by_name_and_accepts_neutral_values() -> None:
+    from ops.gateway.openai_api import ApiError, parse_request
+
+    def parse(**body: Any) -> dict[str, Any]:
+        base = {"model": "m", "messages": chat("hi")}
+        return parse_request("chat", {**base, **body}, default_max_tokens=32, timeout_s=60).fields
+
+    fields = parse(logit_bias={}, store=False, tool_choice="none", stop=["", "x"], user="u", max_completion_tokens=3)
+    assert fields["stop"] == ["x"] and fields["metadata"] == {"user": "u"} and fields["max_tokens"] == 3
+    assert 0 <= fields["seed"] < 2**63  # always seeded: a redelivered job reproduces the streamed text
+    assert parse(seed=4)["seed"] == 4 and parse()["max_tokens"] == 32
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    messages = parse(messages=[{"role": "developer", "content": parts}])["messages"]
+    assert messages == [{"role": "system", "content": "ab"}]
+    for body, param in (
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"n": 0}, "n"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ):
+        with pytest.raises(ApiError) as err:
+            parse(**body)
+        assert err.value.status == 400 and err.value.param == param, (body, err.value.body())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -164,15 +165,27 @@ class Dashboard:
     namespace: str
     dead_shown: int = 20
     _series: dict[str, _Series] = field(default_factory=dict)
+    _backlogs: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)  # queue -> (time, backlog)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def snapshot(self) -> dict[str, Any]:
-        """Blocking (sync Redis): the app runs it in a thread."""
+        """Blocking (sync Redis): the app runs it in a thread, one at a time (several open pages share the
+        history, which each refresh updates)."""
+        with self._lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
         now = time.time()
         queues = []
         for q in queue_names(self.redis, self.namespace):
             keys = Keys(self.namespace, q)
             status = queue_status(self.redis, keys)
             status["dead"] = self._dead(keys)
+            history = self._backlogs.setdefault(q, deque())
+            history.append((now, int(status["backlog"])))
+            while history and now - history[0][0] > HISTORY_S:
+                history.popleft()
+            status["backlog_history"] = [b for _, b in history][-60:]
             queues.append(status)
         beats = self._beats()
         live = set()

@@ -35,7 +35,8 @@ class GatewaySettings(BaseSettings):
     # NoDecode: a comma-separated variable, not JSON (a JSON list is accepted by the validator below).
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
-        description="accepted bearer keys (comma-separated); empty: no authentication",
+        description="accepted bearer keys (comma-separated; prefer the variable: flags show in `ps`); "
+        "empty: no authentication",
     )
     queue_timeout_s: float = Field(
         60.0, gt=0, description="a job no worker has picked up within this long is cancelled: 503"

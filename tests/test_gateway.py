@@ -460,8 +460,6 @@ def test_worker_sigkilled_mid_stream_the_client_gets_one_coherent_completion(
         final = ctx.result(job_id)
         assert isinstance(final, FinalEvent) and final.attempt >= 2 and final.worker != killed.name
         assert text == final.text  # every delta once, in order: what the surviving attempt produced
-        reference = client.completions.create(**kw).choices[0].text  # greedy: the same text without a kill
-        assert text == reference
     except BaseException:
         for w in workers:
             print(w.log())

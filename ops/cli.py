@@ -35,6 +35,12 @@ _COMMANDS: dict[str, tuple[str, str, str, str]] = {
     ),
     "dead": ("list or replay dead letters", "ops.queue_commands", "add_dead_arguments", "run_dead"),
     "bench": ("benchmark pagedq against its peers, side by side", "ops.bench", "add_arguments", "run"),
+    "serve": (
+        "the OpenAI-compatible HTTP gateway over the queue, and the fleet dashboard",
+        "ops.gateway.command",
+        "add_arguments",
+        "run",
+    ),
 }
 
 DEMO_PROMPTS = [

@@ -293,7 +293,7 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _queues(r: redis.Redis, namespace: str) -> list[str]:
+def queue_names(r: redis.Redis, namespace: str) -> list[str]:
     """Queue names that have a jobs stream, a dead-letter stream or a live worker in the namespace."""
     found: set[str] = set()
     for kind in ("jobs", "dead"):
@@ -420,7 +420,7 @@ def run_status(args: argparse.Namespace) -> int:
         return _fail("status", str(exc), 2)
     r = connect(url)
     try:
-        queues = [args.queue] if args.queue else _queues(r, settings.namespace)
+        queues = [args.queue] if args.queue else queue_names(r, settings.namespace)
         if args.prune:
             for q in queues:
                 pruned = prune_consumers(r, Keys(settings.namespace, q))
@@ -573,6 +573,26 @@ def _owned_by(r: redis.Redis, stream: str, entry_id: str) -> bool:
     return bool(first) and first[0][1].get(OWNER_FIELD) == entry_id
 
 
+def replay_dead_letter(r: redis.Redis, keys: Keys, entry_id: str, d: DeadLetter, *, keep: bool = False) -> str:
+    """Re-queue one dead letter (not a truncated one: the caller checks) and return its new jobs-stream entry id.
+
+    Shared by ``pagedq dead replay`` and the gateway's dashboard, so both clear the same keys the same way.
+    """
+    pipe = r.pipeline(transaction=True)
+    target = salvage_reply_target(d.job, 1 << 30)
+    if target is not None:
+        job_id, reply_to = target
+        # The dead-lettered error is stored as the job's result: left there, workers would treat the
+        # replay as a duplicate and skip it, and readers would see the old error in the reply stream.
+        pipe.delete(keys.result(job_id), keys.reply(job_id))
+        if reply_to is not None and _owned_by(r, reply_to, d.entry_id):
+            pipe.delete(reply_to)  # the old attempt's stream: the replay (a new entry) could not write it
+    pipe.xadd(keys.jobs, {JOB_FIELD: d.job})
+    if not keep:
+        pipe.xdel(keys.dead, entry_id)
+    return str(pipe.execute()[-2 if not keep else -1])
+
+
 def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
     if bool(args.entries) == bool(args.all):
         return _fail("dead replay", "name dead-letter entry ids, or pass --all", 2)
@@ -594,23 +614,11 @@ def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             continue
-        pipe = r.pipeline(transaction=True)
-        target = salvage_reply_target(d.job, 1 << 30)
-        if target is None:
+        if salvage_reply_target(d.job, 1 << 30) is None:
             print(
                 f"warning: {entry_id} has no valid job id; it will be dead-lettered again unless fixed", file=sys.stderr
             )
-        else:
-            job_id, reply_to = target
-            # The dead-lettered error is stored as the job's result: left there, workers would treat the
-            # replay as a duplicate and skip it, and readers would see the old error in the reply stream.
-            pipe.delete(keys.result(job_id), keys.reply(job_id))
-            if reply_to is not None and _owned_by(r, reply_to, d.entry_id):
-                pipe.delete(reply_to)  # the old attempt's stream: the replay (a new entry) could not write it
-        pipe.xadd(keys.jobs, {JOB_FIELD: d.job})
-        if not args.keep:
-            pipe.xdel(keys.dead, entry_id)
-        new_id = pipe.execute()[-2 if not args.keep else -1]
+        new_id = replay_dead_letter(r, keys, entry_id, d, keep=args.keep)
         print(f"{entry_id} -> {keys.jobs} {new_id}" + (f" (job {d.job_id})" if d.job_id else ""))
         replayed += 1
     print(f"replayed {replayed} dead letter(s)", file=sys.stderr)

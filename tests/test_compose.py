@@ -86,6 +86,10 @@ def test_compose_shape() -> None:
     assert gpu["profiles"] == ["gpu"]
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert "producer" in services
+    gateway = services["gateway"]  # scalable too: no container name, a host port range (one port per replica)
+    assert "container_name" not in gateway and gateway["command"] == ["serve"]
+    assert gateway["ports"][0] == "${PAGEDQ_GATEWAY_PORTS:-8000-8009}:8000"
+    assert "${REDIS_PASSWORD" in gateway["environment"]["PAGEDQ_REDIS_URL"]
 
 
 def test_dockerfile_installs_cpu_torch_first() -> None:

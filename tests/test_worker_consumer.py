@@ -340,14 +340,14 @@ def test_redelivered_job_with_a_result_is_acked_without_rerun_and_attempts_are_c
 def test_heartbeat_reports_idle_without_leaked_blocks(ctx: Ctx, engine: EngineLike) -> None:
     with inprocess_worker(ctx, engine) as worker:
         ids = ctx.client.submit_many([f"p{i}" for i in range(6)], max_tokens=5)
-        for j in ids:
-            ctx.client.result(j, timeout=60)
+        produced = sum(ctx.client.result(j, timeout=60).usage.completion_tokens for j in ids)
         beat = wait_for(
             lambda: (b := ctx.heartbeats().get(worker.name)) and b["idle"] and b["jobs_final"] == 6 and b,
             what="idle heartbeat after the jobs",
         )
         assert beat["num_free_blocks"] == beat["num_total_blocks"] > 0
         assert beat["running"] == beat["waiting"] == beat["in_flight"] == 0
+        assert beat["tokens_generated"] == produced > 0  # output tokens, counted as the engine made them
         loop = beat["loop"]  # cumulative: the steps of 6 jobs of 5 tokens, Redis round trips, idle reads, the rest
         assert loop["ticks"] >= 5 and loop["engine_step_s"] > 0 and loop["redis_s"] > 0
         assert loop["idle_s"] > 0 and loop["other_s"] >= 0

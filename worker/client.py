@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -418,8 +418,13 @@ class AsyncPagedqClient(_Base):
         await pipe.execute()
 
     async def events(
-        self, job_id: str, *, timeout: float | None = None, reply_to: str | None = None
-    ) -> AsyncIterator[Event]:
+        self, job_id: str, *, timeout: float | None = None, reply_to: str | None = None,
+        on_idle: Callable[[], Awaitable[None]] | None = None,
+    ) -> AsyncIterator[Event]:  # fmt: skip
+        """As :meth:`PagedqClient.events`. ``on_idle`` is awaited after every read that found nothing new
+        (at most ``block_ms`` apart while the job is silent): a server following many jobs at once checks
+        there what the reply stream cannot say (the job still not picked up, its HTTP client gone) and
+        raises to stop following."""
         key = self.reply_key(job_id, reply_to)
         deadline = None if timeout is None else time.monotonic() + timeout
         last = "0"
@@ -428,6 +433,8 @@ class AsyncPagedqClient(_Base):
             if block is None:
                 raise TimeoutError(f"job {job_id}: no terminal event within {timeout}s")
             events, new_last = _events(await self.redis.xread({key: last}, count=1000, block=block), job_id)
+            if new_last is None and on_idle is not None:
+                await on_idle()
             last = new_last or last
             unconfirmed = False
             for event in events:

@@ -474,4 +474,5 @@ class Worker:
             load=load,
             counts=self._counters(),
             loop=self.loop_times,
+            tokens_generated=self.ledger.tokens_generated,
         )

@@ -174,6 +174,8 @@ class HeldJobs:
         except Exception as exc:
             self.step_failed(exc)
             return
+        # Output tokens of every held job, however it ends: the heartbeat's tokens/s (a dashboard sparkline).
+        self.ledger.tokens_generated += sum(len(out.token_ids) for delta in deltas for out in delta.outputs)
         for job, delta in apply_deltas(deltas, self.by_request, self.clock()):
             if delta.error is not None:  # this job's own input broke its sampling: it alone fails
                 job.log.warning("job.failed_in_engine", error=delta.error)

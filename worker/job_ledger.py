@@ -27,6 +27,7 @@ class JobLedger:
     def __init__(self, *, log_prompts: bool) -> None:
         self.log_prompts = log_prompts
         self.counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.tokens_generated = 0  # output tokens the engine produced for this worker's jobs, since start
         self.metrics: WorkerMetrics | None = None  # set when the metrics port is on
 
     def delivery(self, attempt: int) -> None:

@@ -75,6 +75,7 @@ def heartbeat_snapshot(
     load: dict[str, Any],
     counts: dict[str, int],
     loop: LoopTimes,
+    tokens_generated: int = 0,
 ) -> dict[str, Any]:
     """The heartbeat JSON (README, "Workers"): identity, state, load, job counters and the loop's times."""
     return {
@@ -93,5 +94,6 @@ def heartbeat_snapshot(
         "ts": round(time.time(), 3),
         **load,
         **{f"jobs_{k}": v for k, v in counts.items()},
+        "tokens_generated": tokens_generated,  # a counter: readers take its rate (tokens/s)
         "loop": loop.snapshot(),
     }

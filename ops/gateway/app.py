@@ -1,0 +1,413 @@
+"""The gateway's FastAPI app: OpenAI's endpoints over the queue, ``/healthz``, and the dashboard.
+
+One request is one job. The job is added to the jobs stream of a queue whose live workers serve the requested
+model, and its reply stream is followed with the producer client (:class:`worker.client.AsyncPagedqClient`),
+which already skips events of other jobs, believes a terminal event only with its result key behind it, and
+lets the per-choice :class:`worker.client.StreamState` follow ``attempt`` across a redelivery without
+repeating text. What the client does not know, this module checks while the reply stream is silent:
+
+* whether a worker has picked the job up (its entry is pending in the consumer group, or already gone);
+  not within ``queue_timeout_s`` means 503 and a cancelled job, so that no worker spends time on an answer
+  nobody waits for;
+* whether the HTTP client is still there; gone means the job is cancelled.
+
+A streaming response starts only once the job's first event has arrived, so that errors that come before
+any text (a prompt too long for the model, a queue nobody serves) get their own status code and not a 200
+followed by an error chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import redis
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ops.gateway.fleet import Dashboard, Router
+from ops.gateway.openai_api import (
+    ApiError,
+    Kind,
+    chunk,
+    completion_body,
+    delta_choice,
+    error_for_event,
+    finish_choice,
+    parse_request,
+    usage,
+)
+from ops.gateway.openai_api import Request as JobSpec
+from ops.gateway.settings import GatewaySettings
+from ops.queue_commands import replay_dead_letter
+from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, TokenEvent
+from schemas.keys import GROUP, JOB_FIELD, Keys
+from worker.client import AsyncPagedqClient, JobFailed, Restart, StreamState, build_job
+
+DASHBOARD_HTML = Path(__file__).with_name("dashboard.html")
+POLL_MS = 250
+"""Longest blocking read of a reply stream: how often a silent job's pickup and its client are checked."""
+
+
+class QueueTimeout(Exception):
+    """No worker picked the job up within ``queue_timeout_s``."""
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected."""
+
+
+@dataclass
+class Gateway:
+    """What every request shares: settings, the Redis clients, the router and the dashboard's history."""
+
+    settings: GatewaySettings
+    redis_url: str
+    redis: aioredis.Redis = field(init=False)
+    client: AsyncPagedqClient = field(init=False)
+    router: Router = field(init=False)
+    dashboard: Dashboard = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.redis = aioredis.Redis.from_url(self.redis_url, decode_responses=True)
+        s = self.settings
+        self.client = AsyncPagedqClient(self.redis, namespace=s.namespace, queue=s.queue, block_ms=POLL_MS)
+        self.router = Router(self.redis, s.namespace, s.queue)
+        sync = redis.Redis.from_url(self.redis_url, decode_responses=True, encoding_errors="surrogateescape")
+        self.dashboard = Dashboard(sync, s.namespace)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+        self.dashboard.redis.close()
+
+
+@dataclass
+class Job:
+    """One request's job in flight: submitted, followed, cancelled when nobody waits for it any more."""
+
+    gw: Gateway
+    spec: JobSpec
+    queue: str
+    http: Request
+    entry_id: str = ""
+    submitted: float = 0.0
+    picked_up: bool = False
+    ended: bool = False
+    watch_client: bool = True  # off once a streaming response runs (Starlette then watches the client)
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.gw.settings.namespace, self.queue)
+
+    async def submit(self) -> None:
+        job = build_job(**self.spec.fields)
+        self.entry_id = str(await self.gw.redis.xadd(self.keys.jobs, {JOB_FIELD: job.to_json()}))
+        self.submitted = time.monotonic()
+
+    async def _is_picked_up(self) -> bool:
+        """Delivered to a worker (pending in the group) or already ended (workers delete ended entries)."""
+        pipe = self.gw.redis.pipeline(transaction=False)
+        pipe.xpending_range(self.keys.jobs, GROUP, min=self.entry_id, max=self.entry_id, count=1)
+        pipe.xrange(self.keys.jobs, min=self.entry_id, max=self.entry_id)
+        try:
+            pending, present = await pipe.execute()
+        except redis.ResponseError as exc:  # NOGROUP: no worker ever joined this queue
+            if "NOGROUP" in str(exc):
+                return False
+            raise
+        return bool(pending) or not present
+
+    async def _on_idle(self) -> None:
+        if self.watch_client and await self.http.is_disconnected():
+            raise ClientGone
+        if not self.picked_up:
+            self.picked_up = await self._is_picked_up()
+            if not self.picked_up and time.monotonic() - self.submitted > self.gw.settings.queue_timeout_s:
+                raise QueueTimeout
+
+    def events(self) -> AsyncIterator[TokenEvent | FinalEvent | ErrorEvent]:
+        return self.gw.client.events(
+            self.spec.job_id, timeout=self.gw.settings.request_timeout_s, on_idle=self._on_idle
+        )
+
+    async def cancel(self) -> None:
+        """Cancel the job unless it ended; shielded, so it also runs while the request's task is cancelled."""
+        if self.ended:
+            return
+        self.ended = True
+        with anyio.CancelScope(shield=True):
+            await self.gw.client.cancel(self.spec.job_id)
+
+    async def first_event(self, events: AsyncIterator[Any]) -> Any:
+        """The job's first event; every way of never getting one becomes its HTTP error (and a cancel)."""
+        try:
+            event = await anext(events)
+        except QueueTimeout:
+            await self.cancel()
+            raise ApiError(
+                503,
+                f"no worker picked the job up within {self.gw.settings.queue_timeout_s:g} s; it was cancelled",
+                type="server_error",
+                code="queue_timeout",
+            ) from None
+        except TimeoutError:
+            await self.cancel()
+            raise ApiError(504, "the request timed out", type="server_error", code="timeout") from None
+        except BaseException:
+            await self.cancel()
+            raise
+        self.picked_up = True
+        if isinstance(event, ErrorEvent):
+            self.ended = True
+            raise error_for_event(event, self.spec.kind)
+        if isinstance(event, FinalEvent):
+            self.ended = True
+        return event
+
+
+class JobStreamingResponse(StreamingResponse):
+    """A streaming response that runs ``on_close`` however it ends: finished, failed, or cut off by the
+    client (Starlette then cancels the stream's task, and only a finally of the response itself still runs)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.on_close()
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def _sse_stream(job: Job, first: Any, events: AsyncIterator[Any]) -> AsyncIterator[str]:
+    """SSE chunks: each choice's deltas (across redeliveries, never repeated), its finish, usage, ``[DONE]``."""
+    spec = job.spec
+    n = int(spec.fields.get("n") or 1)
+    states = [StreamState(index=i, job_id=spec.job_id) for i in range(n)]
+    started: set[int] = set()
+
+    def feed(event: Any) -> tuple[list[str], FinalEvent | None]:
+        out: list[str] = []
+        final = event if isinstance(event, FinalEvent) else None
+        for i, state in enumerate(states):
+            items = state.feed(event)  # JobFailed on an error event
+            if any(isinstance(item, Restart) for item in items):
+                raise _Diverged
+            text = "".join(item for item in items if isinstance(item, str))
+            if final is not None:
+                choice = next((c for c in final.choices if c.index == i), None)
+                if choice is not None:
+                    out.append(_sse(chunk(spec, [finish_choice(spec, choice, text, first=i not in started)])))
+                    started.add(i)
+            elif text:
+                out.append(_sse(chunk(spec, [delta_choice(spec, i, text, first=i not in started)])))
+                started.add(i)
+        return out, final
+
+    try:
+        event = first
+        while True:
+            lines, final = feed(event)
+            for line in lines:
+                yield line
+            if final is not None:
+                job.ended = True
+                if spec.include_usage:
+                    yield _sse(chunk(spec, [], usage(final.usage)))
+                break
+            event = await anext(events)
+    except JobFailed as exc:
+        job.ended = True
+        yield _sse(error_for_event(exc.event, spec.kind).body())
+    except _Diverged:
+        yield _sse(
+            ApiError(
+                500,
+                "the job's worker was lost and its rerun produced different text; retry the request",
+                type="server_error",
+                code="diverged",
+            ).body()
+        )
+    except TimeoutError:
+        yield _sse(ApiError(504, "the request timed out", type="server_error", code="timeout").body())
+    yield "data: [DONE]\n\n"
+
+
+class _Diverged(Exception):
+    """A redelivered attempt's text differs from what was already streamed (sampling without a seed)."""
+
+
+def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
+    """The app; ``redis_url`` is the resolved one (``settings.redis_url``, or the embedded Redis's socket)."""
+    state: dict[str, Gateway] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state["gw"] = Gateway(settings, redis_url)
+        try:
+            yield
+        finally:
+            await state["gw"].close()
+
+    app = FastAPI(title="pagedq gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+        if exc.job_id:
+            headers["x-request-id"] = exc.job_id
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    def check_key(request: Request) -> None:
+        if not settings.api_keys:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not settings.key_ok(given.strip()):
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
+
+    async def body_of(request: Request) -> Any:
+        try:
+            return json.loads(await request.body())
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON") from None
+
+    async def complete(request: Request, kind: Kind) -> Response:
+        check_key(request)
+        gw = state["gw"]
+        spec = parse_request(
+            kind,
+            await body_of(request),
+            default_max_tokens=settings.default_max_tokens if kind == "chat" else 16,
+            timeout_s=settings.request_timeout_s,
+        )
+        try:
+            queue = await gw.router.route(spec.model)
+        except LookupError:
+            raise ApiError(
+                404, f"the model {spec.model!r} does not exist (GET /v1/models)", param="model", code="model_not_found"
+            ) from None
+        if queue is None:
+            raise ApiError(
+                503, f"no live worker serves the model {spec.model!r}", type="server_error", code="no_live_worker"
+            )
+        job = Job(gw, spec, queue, request)
+        try:
+            return await run_job(job)
+        except ApiError as exc:
+            exc.job_id = spec.job_id
+            raise
+
+    async def run_job(job: Job) -> Response:
+        spec, kind = job.spec, job.spec.kind
+        await job.submit()
+        events = job.events()
+        try:
+            first = await job.first_event(events)
+        except ClientGone:
+            return Response(status_code=499)
+        if not spec.stream:
+            try:
+                event = first
+                while not isinstance(event, FinalEvent):  # token events only if a worker sent them anyway
+                    event = await anext(events)
+                    if isinstance(event, ErrorEvent):
+                        job.ended = True
+                        raise error_for_event(event, kind)
+            except ClientGone:
+                await job.cancel()
+                return Response(status_code=499)
+            except (QueueTimeout, TimeoutError):
+                await job.cancel()
+                raise ApiError(504, "the request timed out", type="server_error", code="timeout") from None
+            job.ended = True
+            return JSONResponse(completion_body(spec, event), headers={"x-request-id": spec.job_id})
+        job.watch_client = False
+
+        async def on_close() -> None:
+            await job.cancel()
+            await events.aclose()  # type: ignore[attr-defined]
+
+        response = JobStreamingResponse(_sse_stream(job, first, events), on_close)
+        response.headers["x-request-id"] = spec.job_id
+        return response
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await complete(request, "completion")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        check_key(request)
+        found = await state["gw"].router.models()
+        return {
+            "object": "list",
+            "data": [
+                {"id": mid, "object": "model", "created": int(created), "owned_by": "pagedq"}
+                for mid, created in sorted(found.items())
+            ],
+        }
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        gw = state["gw"]
+        try:
+            await gw.redis.ping()
+            workers = await gw.router.workers()
+        except redis.RedisError as exc:
+            return JSONResponse({"status": "unhealthy", "redis": type(exc).__name__}, status_code=503)
+        return JSONResponse({"status": "ok", "redis": "ok", "live_workers": len(workers)})
+
+    @app.get("/dashboard")
+    async def dashboard() -> HTMLResponse:
+        html = DASHBOARD_HTML.read_text().replace("__REFRESH_MS__", str(int(settings.dashboard_refresh_s * 1000)))
+        return HTMLResponse(html)
+
+    @app.get("/dashboard/data")
+    async def dashboard_data() -> dict[str, Any]:
+        return await asyncio.to_thread(state["gw"].dashboard.snapshot)
+
+    @app.post("/dashboard/replay/{queue}/{entry_id}")
+    async def replay(request: Request, queue: str, entry_id: str) -> dict[str, Any]:
+        check_key(request)
+        try:
+            keys = Keys(settings.namespace, queue)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="queue") from None
+        gw = state["gw"]
+
+        def run() -> str:
+            r = gw.dashboard.redis
+            found: Any = r.xrange(keys.dead, min=entry_id, max=entry_id)
+            if not found:
+                raise ApiError(404, f"no dead letter {entry_id} in {keys.dead}", code="not_found")
+            letter = DeadLetter.from_fields(found[0][1])
+            if letter.truncated:
+                raise ApiError(409, "this dead letter keeps only the start of its job: it cannot be replayed")
+            return replay_dead_letter(r, keys, entry_id, letter)
+
+        try:
+            new_id = await asyncio.to_thread(run)
+        except redis.ResponseError as exc:
+            raise ApiError(400, f"bad entry id: {exc}", param="entry_id") from None
+        return {"replayed": entry_id, "entry": new_id, "stream": keys.jobs}
+
+    return app

@@ -1,0 +1,504 @@
+"""``pagedq serve`` end to end: the official ``openai`` SDK against the gateway as a subprocess, a real
+Redis (Debian's ``redis-server``) and real worker processes on the tiny model.
+
+One Redis, one worker and the gateways are shared by the module (each costs seconds of start-up on two
+cores); every test uses its own job ids, so they do not disturb each other. The worker runs with a small
+step delay so that a long job is still running when a test acts on it (a disconnect, a SIGKILL, a full
+worker that reads no new job).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from schemas.jobs import ErrorEvent, FinalEvent
+from tests.redis_servers import RedisServer, free_port, make_server
+from tests.worker_harness import REPO, Ctx, WorkerProcess, wait_for
+
+API_KEY = "sk-test-" + "k" * 24
+
+
+class GatewayProcess:
+    """``python -m ops.cli serve`` as a child process on a free port, its log in a file."""
+
+    def __init__(self, server: RedisServer, namespace: str, log_dir: Path, name: str, **settings: Any) -> None:
+        self.port = free_port()
+        self.log_path = log_dir / f"gateway-{name}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDQ_")}
+        env["PYTHONPATH"] = str(REPO)
+        args = {"redis_url": server.url, "namespace": namespace, "port": self.port, **settings}
+        cmd = [sys.executable, "-m", "ops.cli", "serve"]
+        for key, value in args.items():
+            cmd += ["--" + key.replace("_", "-"), str(value)]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+        def healthy() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"gateway {name} exited:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/healthz", timeout=2) as response:
+                    return bool(response.status == 200)
+            except (urllib.error.URLError, OSError):
+                return False
+
+        wait_for(healthy, 30, 0.05, f"gateway {name} /healthz")
+
+    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
+        # No retries: a 503 must reach the test as it was sent, not be retried by the SDK.
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@dataclass
+class Fleet:
+    ctx: Ctx
+    worker: WorkerProcess
+    gateway: GatewayProcess
+    model: str
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return self.gateway.client()
+
+
+@pytest.fixture(scope="module")
+def redis_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = make_server("debian", tmp_path_factory.mktemp("gw-redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_srv: RedisServer, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    logs = tmp_path_factory.mktemp("gw-logs")
+    ctx = Ctx(redis_srv)
+    worker = WorkerProcess(ctx, model_dir, logs, "gw-w1", step_delay_s=0.01, heartbeat_interval_s=1)
+    gateway: GatewayProcess | None = None
+    try:
+        worker.wait_ready()
+        gateway = GatewayProcess(redis_srv, ctx.ns, logs, "main", api_keys=API_KEY, dashboard_refresh_s=0.5)
+        yield Fleet(ctx, worker, gateway, model_dir.name)
+    except BaseException:
+        print(worker.log())
+        if gateway is not None:
+            print(gateway.log())
+        raise
+    finally:
+        if gateway is not None:
+            gateway.close()
+        worker.close()
+        ctx.close()
+
+
+def chat(text: str) -> list[Any]:
+    return [{"role": "user", "content": text}]
+
+
+def test_models_lists_what_live_workers_serve(fleet: Fleet) -> None:
+    models = fleet.client.models.list()
+    assert [m.id for m in models.data] == [fleet.model]
+    assert models.data[0].owned_by == "pagedq"
+
+
+def test_chat_streamed_deltas_concatenate_to_the_non_streamed_greedy_text(fleet: Fleet) -> None:
+    kw: dict[str, Any] = {"model": fleet.model, "messages": chat("Tell me about queues."), "max_tokens": 12}
+    whole = fleet.client.chat.completions.create(temperature=0, **kw)
+    assert whole.object == "chat.completion"
+    assert whole.id.startswith("chatcmpl-")
+    (choice,) = whole.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert whole.usage is not None and whole.usage.completion_tokens > 0 and whole.usage.prompt_tokens > 0
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    # The id is the job id: its result is in Redis under that name.
+    stored = fleet.ctx.result(whole.id)
+    assert isinstance(stored, FinalEvent) and stored.text == choice.message.content
+
+    chunks = list(
+        fleet.client.chat.completions.create(temperature=0, stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    assert len({c.id for c in chunks}) == 1
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [choice.finish_reason]
+    last = chunks[-1]  # include_usage: a last chunk without choices carries the usage
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_n2_streamed_and_not(fleet: Fleet) -> None:
+    kw: dict[str, Any] = {"model": fleet.model, "prompt": "The capital of France is", "max_tokens": 8, "n": 2}
+    whole = fleet.client.completions.create(temperature=0.8, seed=7, **kw)
+    assert whole.object == "text_completion" and whole.id.startswith("cmpl-")
+    assert sorted(c.index for c in whole.choices) == [0, 1]
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == sum(len(fleet.ctx.result(whole.id).choices[i].token_ids) for i in (0, 1))
+
+    texts = ["", ""]
+    reasons: dict[int, str] = {}
+    usage = None
+    for c in fleet.client.completions.create(
+        temperature=0.8, seed=7, stream=True, stream_options={"include_usage": True}, **kw
+    ):
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+        usage = c.usage or usage
+    # Same seed, same job: the same two samples, streamed or not.
+    assert texts == [whole.choices[0].text, whole.choices[1].text]
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_strings_cut_the_text(fleet: Fleet) -> None:
+    kw: dict[str, Any] = {"model": fleet.model, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+    full = fleet.client.completions.create(**kw).choices[0].text
+    assert len(full) > 6, full
+    stop = full[3:6]  # a piece from the middle of the greedy text: the text ends just before its first occurrence
+    cut = full[: full.index(stop)]
+    for stream in (False, True):
+        if stream:
+            chunks = list(fleet.client.completions.create(stop=[stop], stream=True, **kw))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            choice = fleet.client.completions.create(stop=[stop], **kw).choices[0]
+            text, reason = choice.text, [choice.finish_reason]
+        assert text == cut and reason == ["stop"], (stream, stop, full)
+
+
+def test_sdk_error_types(fleet: Fleet) -> None:
+    client = fleet.client
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=fleet.model,
+            messages=chat("hi"),
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
+    assert bad.value.status_code == 400 and "tools" in bad.value.message
+    assert bad.value.body is not None and bad.value.body["param"] == "tools"  # type: ignore[index]
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=fleet.model, messages=chat("hi"), temperature=-1)
+    assert bad.value.body["param"] == "temperature"  # type: ignore[index]
+
+    with pytest.raises(openai.BadRequestError) as too_long:  # the worker knows the model's context (1024)
+        client.completions.create(model=fleet.model, prompt=[5] * 1200, max_tokens=4)
+    assert too_long.value.code == "context_length_exceeded"
+
+    with pytest.raises(openai.AuthenticationError):
+        fleet.gateway.client(api_key="sk-wrong").models.list()
+    with pytest.raises(openai.AuthenticationError):
+        fleet.gateway.client(api_key=API_KEY + "x").chat.completions.create(model=fleet.model, messages=chat("hi"))
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="no-such-model", messages=chat("hi"))
+    assert missing.value.code == "model_not_found"
+
+
+def test_no_live_worker_is_503(fleet: Fleet, redis_srv: RedisServer, tmp_path: Path) -> None:
+    empty = GatewayProcess(redis_srv, "tempty" + fleet.ctx.ns, tmp_path, "empty")
+    try:
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            empty.client().chat.completions.create(model=fleet.model, messages=chat("hi"))
+        assert unavailable.value.status_code == 503 and unavailable.value.code == "no_live_worker"
+        assert empty.client().models.list().data == []
+    finally:
+        empty.close()
+
+
+def test_job_not_picked_up_in_time_is_503_and_cancelled(fleet: Fleet, tmp_path: Path) -> None:
+    ctx = fleet.ctx
+    impatient = GatewayProcess(ctx.server, ctx.ns, tmp_path, "impatient", queue_timeout_s=0.5)
+    # A live worker with no room: 4 running + 2 prefetched long jobs, so it reads nothing more for seconds.
+    busy = ctx.client.submit_many(["busy"] * 6, max_tokens=600, ignore_eos=True, temperature=1.0, seed=2)
+    try:
+        wait_for(lambda: ctx.pending() == 6, 30, what="the worker holding six jobs")
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            impatient.client().chat.completions.create(model=fleet.model, messages=chat("hi"), max_tokens=4)
+        assert unavailable.value.status_code == 503 and unavailable.value.code == "queue_timeout"
+        job_id = unavailable.value.response.headers["x-request-id"]
+        assert ctx.redis.exists(ctx.keys.cancel(job_id))
+    finally:
+        for busy_id in busy:
+            ctx.client.cancel(busy_id)
+        impatient.close()
+    # With room again, the worker reads the job and finds it cancelled: it never runs.
+    event = wait_for(lambda: ctx.result(job_id), 30, what="the cancelled job's terminal event")
+    assert isinstance(event, ErrorEvent) and event.code == "cancelled"
+    wait_for(lambda: all(ctx.result(busy_id) for busy_id in busy), 30, what="the busy jobs to end")
+
+
+def test_client_disconnect_mid_stream_cancels_the_job(fleet: Fleet) -> None:
+    stream = fleet.client.chat.completions.create(
+        model=fleet.model,
+        messages=chat("Write a very long story."),
+        max_tokens=600,
+        extra_body={"ignore_eos": True},
+        temperature=1.0,
+        seed=1,
+        stream=True,
+    )
+    first = next(iter(stream))
+    job_id = first.id
+    stream.close()  # the HTTP connection goes away mid-stream
+    event = wait_for(lambda: fleet.ctx.result(job_id), 30, what="the disconnected job's terminal event")
+    assert isinstance(event, FinalEvent), event
+    assert event.choices[0].finish_reason == "cancelled"
+    assert len(event.choices[0].token_ids) < 600
+
+
+def test_client_gone_before_a_non_streamed_answer_cancels_the_job(fleet: Fleet) -> None:
+    impatient = openai.OpenAI(base_url=fleet.gateway.url + "/v1", api_key=API_KEY, max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(
+            model=fleet.model,
+            prompt="A long answer, please",
+            max_tokens=600,
+            temperature=1.0,
+            seed=5,
+            extra_body={"ignore_eos": True},
+            user="client-gone",
+        )
+
+    # The client hung up after a second; the gateway noticed and cancelled the job (found by its user).
+    def ended() -> list[Any]:
+        keys = fleet.ctx.redis.scan_iter(fleet.ctx.keys.result("cmpl-*"))
+        events = [fleet.ctx.result(k.rsplit(":", 1)[-1]) for k in keys]
+        return [e for e in events if e is not None and e.metadata == {"user": "client-gone"}]
+
+    (event,) = wait_for(ended, 30, what="the abandoned job's end")
+    if isinstance(event, ErrorEvent):  # cancelled before its first token (a very slow start)
+        assert event.code == "cancelled"
+    else:
+        assert event.choices[0].finish_reason == "cancelled" and len(event.choices[0].token_ids) < 600
+
+
+def test_guided_choice_passes_through(fleet: Fleet) -> None:
+    out = fleet.client.chat.completions.create(
+        model=fleet.model, messages=chat("yes or no?"), max_tokens=8, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert out.choices[0].message.content in ("yes", "no")
+
+
+def test_extra_body_fields_and_user_reach_the_job(fleet: Fleet) -> None:
+    out = fleet.client.chat.completions.create(
+        model=fleet.model,
+        messages=[{"role": "developer", "content": "Be brief."}, *chat("hi")],
+        max_completion_tokens=5,
+        user="alice",
+        extra_body={"top_k": 5, "min_tokens": 5, "repetition_penalty": 1.1, "priority": 3},
+        temperature=0.5,
+        seed=3,
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 5
+    stored = fleet.ctx.result(out.id)
+    assert isinstance(stored, FinalEvent) and stored.metadata == {"user": "alice"}
+
+
+def test_logprobs(fleet: Fleet) -> None:
+    out = fleet.client.chat.completions.create(
+        model=fleet.model, messages=chat("hi"), max_tokens=3, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 3
+    assert all(entry.token.startswith("token_id:") and len(entry.top_logprobs) == 2 for entry in content)
+
+
+def test_print_config_masks_keys_and_password() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ops.cli", "serve", "--print-config", "--api-keys", "sk-one,sk-two"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "PAGEDQ_REDIS_URL": "redis://:hunter2@localhost:6379/0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "sk-one" not in out.stdout and "sk-two" not in out.stdout and "hunter2" not in out.stdout
+    assert '"***"' in out.stdout
+
+
+def test_serve_loads_no_torch() -> None:
+    code = (
+        "import sys\nimport ops.gateway.app, ops.gateway.command\n"
+        "print(','.join(m for m in ('torch', 'transformers', 'engine') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_dashboard_in_a_real_browser(fleet: Fleet, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    ctx = fleet.ctx
+    # A dead letter, made the real way: a worker refuses an invalid job.
+    ctx.redis.xadd(ctx.keys.jobs, {"job": json.dumps({"id": "gw-dead-1", "prompt": "hi", "temperature": "hot"})})
+    ((dead_entry, _),) = wait_for(
+        lambda: [(e, f) for e, f in ctx.redis.xrange(ctx.keys.dead) if f["job_id"] == "gw-dead-1"],
+        what="the dead letter",
+    )
+    # Jobs running while the page is open: long ones that keep the worker busy (tokens/s), short ones that end.
+    long_ids = ctx.client.submit_many(["a long story"] * 3, max_tokens=400, ignore_eos=True, temperature=1.0, seed=1)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(fleet.gateway.url + "/dashboard")
+            row = page.locator(f"#workers tbody tr[data-worker='{fleet.worker.name}']")
+            row.wait_for(timeout=30_000)
+            assert page.locator("#n-workers").inner_text() == "1"
+            assert page.locator("#queues tbody tr").count() == 1
+            done_before = int(row.locator("td").nth(10).inner_text())
+            short_ids = ctx.client.submit_many(["hi"] * 3, max_tokens=4)
+            # The page refreshes itself: the worker's finished-jobs count goes up as the short jobs end, and
+            # its tokens/s sparkline gets a line once the heartbeat's token counter has moved twice.
+            page.wait_for_function(
+                "([name, before]) => { const r = document.querySelector(`#workers tr[data-worker='${name}']`);"
+                " return r && Number(r.children[10].textContent) >= before + 3; }",
+                arg=[fleet.worker.name, done_before],
+                timeout=60_000,
+            )
+            row.locator("svg.spark polyline").wait_for(timeout=60_000)
+            assert float(page.locator("#tokens-per-s").inner_text()) >= 0
+            for job_id in short_ids:
+                assert isinstance(ctx.result(job_id), FinalEvent)
+
+            # Replay needs the key: without it the gateway refuses (401), with it the letter is re-queued.
+            dead_row = page.locator(f"#dead tbody tr[data-entry='{dead_entry}']")
+            dead_row.wait_for(timeout=30_000)
+            dead_row.locator("button").click()
+            page.locator("#replay-status", has_text="401").wait_for(timeout=30_000)
+            page.fill("#key", API_KEY)
+            dead_row.locator("button").click()
+            page.locator("#replay-status", has_text="re-queued as").wait_for(timeout=30_000)
+            new_entry = page.locator("#replay-status").inner_text().rsplit(" ", 1)[-1]
+            dead_row.wait_for(state="detached", timeout=30_000)
+            # Re-queued for real: a worker read the new entry (and, the job being invalid, dead-lettered it again).
+            ((again_entry, again),) = wait_for(
+                lambda: [(e, f) for e, f in ctx.redis.xrange(ctx.keys.dead) if f["entry_id"] == new_entry],
+                what="the replayed job read by the worker",
+            )
+            assert again["job_id"] == "gw-dead-1"
+            page.locator(f"#dead tbody tr[data-entry='{again_entry}']").wait_for(timeout=30_000)
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            browser.close()
+        assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    finally:
+        for job_id in long_ids:
+            ctx.client.cancel(job_id)
+        wait_for(lambda: all(ctx.result(job_id) for job_id in long_ids), 30, what="the long jobs to end")
+
+
+@pytest.mark.slow  # two more worker processes and a 3 s reclaim: the default tier keeps its budget
+def test_worker_sigkilled_mid_stream_the_client_gets_one_coherent_completion(
+    redis_srv: RedisServer, model_dir: Path, tmp_path: Path
+) -> None:
+    ctx = Ctx(redis_srv)  # a namespace of its own: two workers, a gateway
+    workers = [WorkerProcess(ctx, model_dir, tmp_path, f"k{i}", step_delay_s=0.02) for i in (1, 2)]
+    gateway: GatewayProcess | None = None
+    try:
+        for w in workers:
+            w.wait_ready()
+        gateway = GatewayProcess(redis_srv, ctx.ns, tmp_path, "kill")
+        client = gateway.client()
+        kw: dict[str, Any] = {
+            "model": model_dir.name,
+            "prompt": "Tell me a story about a worker",
+            "max_tokens": 160,
+            "temperature": 0,
+            "extra_body": {"ignore_eos": True},
+        }
+        text = ""
+        job_id = ""
+        killed = None
+        for c in client.completions.create(stream=True, **kw):
+            job_id = c.id
+            text += "".join(choice.text for choice in c.choices)
+            if killed is None and text:
+                # The worker holding the job dies mid-stream; the other one takes the entry over.
+                (holder,) = [e["consumer"] for e in ctx.redis.xpending_range(ctx.keys.jobs, "workers", "-", "+", 10)]
+                killed = next(w for w in workers if w.name == holder)
+                killed.kill()
+        assert killed is not None
+        final = ctx.result(job_id)
+        assert isinstance(final, FinalEvent) and final.attempt >= 2 and final.worker != killed.name
+        assert text == final.text  # every delta once, in order: what the surviving attempt produced
+    except BaseException:
+        for w in workers:
+            print(w.log())
+        if gateway is not None:
+            print(gateway.log())
+        raise
+    finally:
+        if gateway is not None:
+            gateway.close()
+        for w in workers:
+            w.close()
+        ctx.close()
+
+
+# ------------------------------------------------------------------- request mapping (pure, no server)
+
+
+def test_request_mapping_refuses_by_name_and_accepts_neutral_values() -> None:
+    from ops.gateway.openai_api import ApiError, parse_request
+
+    def parse(**body: Any) -> dict[str, Any]:
+        base = {"model": "m", "messages": chat("hi")}
+        return parse_request("chat", {**base, **body}, default_max_tokens=32, timeout_s=60).fields
+
+    fields = parse(logit_bias={}, store=False, tool_choice="none", stop=["", "x"], user="u", max_completion_tokens=3)
+    assert fields["stop"] == ["x"] and fields["metadata"] == {"user": "u"} and fields["max_tokens"] == 3
+    assert 0 <= fields["seed"] < 2**63  # always seeded: a redelivered job reproduces the streamed text
+    assert parse(seed=4)["seed"] == 4 and parse()["max_tokens"] == 32
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    messages = parse(messages=[{"role": "developer", "content": parts}])["messages"]
+    assert messages == [{"role": "system", "content": "ab"}]
+    for body, param in (
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"n": 0}, "n"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ):
+        with pytest.raises(ApiError) as err:
+            parse(**body)
+        assert err.value.status == 400 and err.value.param == param, (body, err.value.body())

@@ -79,6 +79,7 @@ def run_vllm(req: dict[str, Any]) -> dict[str, Any]:
     spec = req.get("speculative")
     if spec:
         kwargs["speculative_config"] = spec
+        kwargs["disable_log_stats"] = False  # the draft/accepted counters (get_metrics) need stats on
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

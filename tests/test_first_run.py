@@ -118,6 +118,7 @@ def test_print_config_names_the_default_model(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------- prepare-model
 
 
+@pytest.mark.slow  # the CLI in a subprocess up to its slow imports (~6 s)
 def test_prepare_model_speaks_before_its_slow_imports(tmp_path: Path) -> None:
     """The first line comes before torch is imported (``-X importtime`` logs each import as it happens, on
     the same pipe), not after the seconds those imports take. The model is already prepared here: the

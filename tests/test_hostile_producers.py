@@ -386,6 +386,7 @@ def test_a_wedged_loop_reports_unhealthy_and_the_process_exits_non_zero(
         assert any(line.get("event") == "worker.watchdog_exit" for line in proc.log_lines())
 
 
+@pytest.mark.slow  # waits out a wedged loop's grace period (~11 s)
 @pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_sigterm_is_honoured_within_the_grace_period_even_when_wedged(
     ctx: Ctx, model_dir: Path, tmp_path: Path

@@ -106,6 +106,7 @@ def refuse_engine(settings: Settings) -> None:
     raise RuntimeError("no engine in this test")
 
 
+@pytest.mark.slow  # a worker process start (~6 s); --print-config's masking stays default
 def test_the_worker_config_log_line_masks_the_password() -> None:
     url = f"redis://pagedq:{SECRET}@127.0.0.1:{free_port()}/0?ssl_password={SECRET}"
     proc = _run(

@@ -147,6 +147,7 @@ def test_greedy_output_is_unchanged_by_speculation(tiny_model: Callable[[str], P
     assert stats.num_free_blocks == stats.num_total_blocks  # rejected drafts' blocks went back too
 
 
+@pytest.mark.slow  # long greedy runs with and without drafts (~9 s)
 def test_stop_token_inside_accepted_drafts(tiny_model: Callable[[str], Path]) -> None:
     """A stop token among the tokens of one verified run ends the output there, as it would have
     one step at a time."""

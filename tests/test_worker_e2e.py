@@ -193,6 +193,7 @@ def test_sigterm_drains_running_jobs_and_hands_back_the_rest(ctx: Ctx, workers: 
     assert b.terminate() == 0
 
 
+@pytest.mark.slow  # a Redis restart under a running worker (~12 s); SIGKILL stays default
 @pytest.mark.parametrize("fresh_redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_redis_restart_mid_run(fresh_redis_server: RedisServer, model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     ctx = Ctx(fresh_redis_server)

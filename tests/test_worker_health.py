@@ -58,6 +58,7 @@ def ctx(redis_server: RedisServer) -> Iterator[Ctx]:  # noqa: F811
     c.close()
 
 
+@pytest.mark.slow  # a worker process through a Redis stop and restart (~13 s)
 @pytest.mark.parametrize("fresh_redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_ready_after_load_and_health_follows_redis(
     fresh_ctx: Ctx, model_dir: Path, tmp_path: Path, monkeypatch: Any
@@ -105,6 +106,7 @@ def test_ready_after_load_and_health_follows_redis(
         assert proc.terminate() == 0
 
 
+@pytest.mark.slow  # a worker process scraped after a run (~9 s); the outcome counts stay default
 @pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_metrics_and_canonical_log_lines(ctx: Ctx, model_dir: Path, tmp_path: Path) -> None:
     proc, port = _start(ctx, model_dir, tmp_path, "w-logs")
@@ -221,6 +223,7 @@ ENGINE_METRICS = (
 )
 
 
+@pytest.mark.slow  # a worker process scraped right after a batch (~8 s)
 @pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_metrics_conventions_and_gauges_current_right_after_the_work(ctx: Ctx, model_dir: Path, tmp_path: Path) -> None:
     proc, port = _start(ctx, model_dir, tmp_path, "w-conventions")

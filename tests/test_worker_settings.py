@@ -47,6 +47,7 @@ def test_flag_overrides_env_and_errors_name_the_flag_setting() -> None:
     assert proc.returncode != 0 and "max_num_seqs" in proc.stderr
 
 
+@pytest.mark.slow  # the CLI in a subprocess (~5 s); test_secrets covers the query form by default
 def test_print_config_masks_the_redis_password() -> None:
     proc = _worker(
         "--print-config",

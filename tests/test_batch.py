@@ -473,6 +473,7 @@ def test_two_workers_give_the_same_output_as_local(
     assert workers == {"bw0", "bw1"}
 
 
+@pytest.mark.slow  # a batch process killed and resumed (~12 s); local resume from a partial output stays default
 def test_killed_run_resumes_with_each_custom_id_exactly_once(
     queue: Ctx, batch_file: BatchFile, local_output: Path, model_dir: Path, tmp_path: Path
 ) -> None:

@@ -61,7 +61,8 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("arch", ARCHS)
+# Mistral differs from Llama by its sliding window only, which these prompts never reach: slow tier (~12 s).
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a == "mistral" else a for a in ARCHS])
 def test_greedy_parity(tiny_model: Callable[[str], Path], arch: str, variant: str) -> None:
     path = tiny_model(arch)
     prompts, max_new = make_workload()

@@ -58,7 +58,10 @@ def ctx(redis_server: RedisServer) -> Iterator[Ctx]:  # noqa: F811
 
 
 @DEBIAN
-@pytest.mark.parametrize("command", ["worker --print-config", "status --json", "dead list --json"])
+@pytest.mark.parametrize(
+    "command",
+    [pytest.param("worker --print-config", marks=pytest.mark.slow), "status --json", "dead list --json"],
+)  # the worker's --print-config imports the engine (~7 s a server variant): slow tier
 def test_output_into_a_reader_that_left_ends_quietly(ctx: Ctx, command: str) -> None:
     """``... | head`` closes the pipe early; the command must not end in a BrokenPipeError traceback. The
     reader here has left before the first write, so the broken pipe is certain, not a race with ``head``."""

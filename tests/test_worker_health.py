@@ -161,6 +161,7 @@ def test_metrics_and_canonical_log_lines(ctx: Ctx, model_dir: Path, tmp_path: Pa
         assert line["completion_tokens"] == 4 and line["finish_reason"] == "length" and line["attempt"] == 1
 
 
+@pytest.mark.slow  # a worker process through valid, invalid and dead-lettered jobs, then scraped (~9 s)
 @pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_every_terminal_outcome_and_dead_letter_is_counted(ctx: Ctx, model_dir: Path, tmp_path: Path) -> None:
     proc, port = _start(ctx, model_dir, tmp_path, "w-outcomes")

@@ -500,6 +500,7 @@ def test_killed_run_resumes_with_each_custom_id_exactly_once(
     assert queue.redis.xlen(queue.keys.jobs) == 0  # nothing left behind in the queue
 
 
+@pytest.mark.slow  # a worker process serving a queue batch (~9 s); the local batch checks the served model by default
 def test_queue_answers_name_the_served_model_and_use_the_workers_token_texts(
     queue: Ctx, model_dir: Path, tmp_path: Path
 ) -> None:

@@ -134,6 +134,7 @@ def expected_finals(model_dir: Path) -> list[dict[str, Any]]:
         return [h.result(120).model_dump() for h in handles]
 
 
+@pytest.mark.slow  # twenty tasks through a Celery worker (~9 s); the result-backend test stays default
 def test_twenty_concurrent_tasks_run_batched_with_correct_results(celery_worker: CeleryWorker, model_dir: Path) -> None:
     app = celery_worker.client
     results = [

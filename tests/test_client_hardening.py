@@ -313,6 +313,7 @@ def pair(tmp_path: Path) -> Iterator[_Pair]:
         p.close()
 
 
+@pytest.mark.slow  # starts a replica and waits for its sync (~6 s); the lone-server refusal stays default
 def test_wait_replicas_returns_once_the_replica_has_the_job(pair: _Pair) -> None:
     url = f"redis://127.0.0.1:{pair.primary_port}/0"
     with PagedqClient(url, namespace="dur", wait_replicas=1, wait_timeout_ms=10_000) as client:

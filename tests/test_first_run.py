@@ -109,6 +109,7 @@ def test_demo_and_generate_flags_say_what_they_do_and_their_defaults() -> None:
                 assert "default" in action.help, f"pagedq {name} {action.option_strings} hides its default"
 
 
+@pytest.mark.slow  # the CLI in a subprocess (~6 s); test_secrets runs --print-config in the default tier
 def test_print_config_names_the_default_model(tmp_path: Path) -> None:
     proc = subprocess.run(pagedq("worker", "--print-config"), cwd=REPO, env=env(PAGEDQ_MODEL_DIR=str(tmp_path)),
                           capture_output=True, text=True, timeout=120)  # fmt: skip

@@ -490,7 +490,7 @@ def test_request_mapping_refuses_by_name_and_accepts_neutral_values() -> None:
     assert parse(seed=4)["seed"] == 4 and parse()["max_tokens"] == 32
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     messages = parse(messages=[{"role": "developer", "content": parts}])["messages"]
-    assert messages == [{"role": "system", "content": "ab"}]
+    assert messages == [{"role": "system", "content": "a\nb"}]
     for body, param in (
         ({"logit_bias": {"5": 1}}, "logit_bias"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),

@@ -14,24 +14,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
+from ops.openai_request import (
+    PASSTHROUGH_FIELDS,
+    RequestFieldError,
+    chat_messages,
+    completion_prompt,
+    passthrough_fields,
+)
 from schemas.jobs import JobRequest, describe_validation_error, loads_strict
 
+T = TypeVar("T")
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-SAMPLING_BODY_FIELDS = (
-    "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
-    "response_format", "guided_regex", "guided_choice",
-)  # fmt: skip
-"""Body fields passed to the job as they are (OpenAI's, plus vLLM's extensions)."""
 IGNORED_BODY_FIELDS = frozenset({"model", "user", "store", "metadata", "service_tier", "stream"})
 CHAT_BODY_FIELDS = frozenset({"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"})
 COMPLETION_BODY_FIELDS = frozenset({"prompt", "max_tokens", "logprobs", "echo", "suffix", "best_of"})
-IGNORED_MESSAGE_FIELDS = frozenset({"name"})
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -57,49 +59,12 @@ class BatchLine:
     job: JobRequest
 
 
-def _text_content(content: Any, where: str) -> str:
-    """A message's content: a string, or OpenAI content parts of type ``text`` (joined by newlines)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise LineError(f"{where}.content: only text parts are supported, got {kind!r}")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise LineError(f"{where}.content must be a string or a list of text parts")
-
-
-def _messages(raw: Any) -> list[dict[str, str]]:
-    if not isinstance(raw, list) or not raw:
-        raise LineError("body.messages must be a non-empty list")
-    out = []
-    for i, m in enumerate(raw):
-        where = f"body.messages[{i}]"
-        if not isinstance(m, dict):
-            raise LineError(f"{where} must be an object")
-        extra = set(m) - {"role", "content"} - IGNORED_MESSAGE_FIELDS
-        if extra:
-            raise LineError(f"{where}: unsupported field(s) {', '.join(sorted(extra))}")
-        if not isinstance(m.get("role"), str):
-            raise LineError(f"{where}.role must be a string")
-        out.append({"role": m["role"], "content": _text_content(m.get("content"), where)})
-    return out
-
-
-def _prompt(raw: Any) -> dict[str, Any]:
-    """A completions prompt: a string or token ids, or a one-element list of either (one prompt per line)."""
-    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
-        raw = raw[0]
-    if isinstance(raw, str):
-        return {"prompt": raw}
-    if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
-        return {"prompt_token_ids": raw}
-    if isinstance(raw, list) and len(raw) > 1 and all(isinstance(p, (str, list)) for p in raw):
-        raise LineError("body.prompt: one prompt per line (split multi-prompt requests into several lines)")
-    raise LineError("body.prompt must be a string or a list of token ids")
+def _field(parse: Callable[[Any, str], T], raw: Any, where: str) -> T:
+    """Runs one of :mod:`ops.openai_request`'s readers, its error made this line's."""
+    try:
+        return parse(raw, where)
+    except RequestFieldError as exc:
+        raise LineError(exc.message) from None
 
 
 def body_to_fields(kind: str, body: dict[str, Any], default_max_tokens: int) -> dict[str, Any]:
@@ -107,14 +72,14 @@ def body_to_fields(kind: str, body: dict[str, Any], default_max_tokens: int) -> 
     honoured. JSON ``null`` means "not given", as in OpenAI's API."""
     body = {k: v for k, v in body.items() if v is not None}
     allowed = CHAT_BODY_FIELDS if kind == "chat" else COMPLETION_BODY_FIELDS
-    unknown = set(body) - allowed - IGNORED_BODY_FIELDS - set(SAMPLING_BODY_FIELDS)
+    unknown = set(body) - allowed - IGNORED_BODY_FIELDS - set(PASSTHROUGH_FIELDS)
     if unknown:
         raise LineError(f"unsupported body field(s): {', '.join(sorted(unknown))}")
     if body.get("stream") is not False and "stream" in body:
         raise LineError("body.stream: streaming is not available in a batch")
     fields: dict[str, Any] = {}
     if kind == "chat":
-        fields["messages"] = _messages(body.get("messages"))
+        fields["messages"] = _field(chat_messages, body.get("messages"), "body.messages")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         logprobs, top = body.get("logprobs", False), body.get("top_logprobs")
         if not isinstance(logprobs, bool):
@@ -126,7 +91,7 @@ def body_to_fields(kind: str, body: dict[str, Any], default_max_tokens: int) -> 
     else:
         if "prompt" not in body:
             raise LineError("body.prompt is required for /v1/completions")
-        fields.update(_prompt(body["prompt"]))
+        fields.update(_field(completion_prompt, body["prompt"], "body.prompt"))
         max_tokens = body.get("max_tokens")
         if body.get("echo"):
             raise LineError("body.echo is not supported")
@@ -137,9 +102,7 @@ def body_to_fields(kind: str, body: dict[str, Any], default_max_tokens: int) -> 
         if "logprobs" in body:
             fields["logprobs"] = body["logprobs"]
     fields["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
-    for name in SAMPLING_BODY_FIELDS:
-        if name in body:
-            fields[name] = body[name]
+    fields.update(passthrough_fields(body))
     return fields
 
 

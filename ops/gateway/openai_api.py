@@ -14,44 +14,25 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import ValidationError
 
+from ops.openai_request import (
+    PASSTHROUGH_FIELDS,
+    RequestFieldError,
+    chat_messages,
+    completion_prompt,
+    passthrough_fields,
+)
 from schemas.jobs import Choice, ErrorEvent, FinalEvent, JobRequest, Logprob, Usage
 
 Kind = Literal["chat", "completion"]
+T = TypeVar("T")
 
-COMMON_FIELDS = frozenset(
-    {
-        "model",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "n",
-        "stop",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "logprobs",
-        "stream",
-        "stream_options",
-        "user",
-        # vLLM's extras that pagedq's engine has
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "min_tokens",
-        "ignore_eos",
-        "priority",
-        "stop_token_ids",
-        "skip_special_tokens",
-        "response_format",
-        "guided_regex",
-        "guided_choice",
-    }
-)
+COMMON_FIELDS = frozenset({"model", "max_tokens", "logprobs", "stream", "stream_options", "user", *PASSTHROUGH_FIELDS})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 
@@ -139,55 +120,12 @@ def _check_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
         )
 
 
-def _chat_content(content: Any, where: str) -> str:
-    """A message's ``content``: a string, or a list of text parts (joined); images and audio are refused."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad_request(f"{where}: pagedq supports text content parts only, got {kind!r}", where)
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad_request(f"{where}: must be a string or a list of text parts", where)
-
-
-def _messages(raw: Any) -> list[dict[str, str]]:
-    if not isinstance(raw, list) or not raw:
-        raise bad_request("messages: a non-empty list of messages is required", "messages")
-    out = []
-    for i, message in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise bad_request(f"{where}: must be an object", where)
-        for key in message:
-            if key not in ("role", "content", "name"):
-                raise bad_request(f"pagedq does not support the field {key!r} in messages", f"{where}.{key}")
-        role = message.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise bad_request(f"{where}.role: pagedq supports system, developer, user, assistant; got {role!r}", where)
-        # The chat templates of open models know "system", not OpenAI's newer "developer" for the same thing.
-        out.append(
-            {
-                "role": "system" if role == "developer" else role,
-                "content": _chat_content(message.get("content"), f"{where}.content"),
-            }
-        )
-    return out
-
-
-def _prompt(raw: Any) -> dict[str, Any]:
-    if isinstance(raw, str):
-        return {"prompt": raw}
-    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-        return {"prompt": raw[0]}
-    if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
-        return {"prompt_token_ids": raw}
-    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], list):
-        return _prompt(raw[0])
-    raise bad_request("prompt: one string or one list of token ids (pagedq takes one prompt per request)", "prompt")
+def _field(parse: Callable[[Any, str], T], raw: Any, where: str) -> T:
+    """Runs one of :mod:`ops.openai_request`'s readers, its error answered as a 400 naming the field."""
+    try:
+        return parse(raw, where)
+    except RequestFieldError as exc:
+        raise bad_request(exc.message, exc.param) from None
 
 
 def parse_request(
@@ -203,7 +141,7 @@ def parse_request(
     fields: dict[str, Any] = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"}
     chat_logprobs = False
     if kind == "chat":
-        fields["messages"] = _messages(body.get("messages"))
+        fields["messages"] = _field(chat_messages, body.get("messages"), "messages")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         logprobs, top = body.get("logprobs"), body.get("top_logprobs")
         if logprobs not in (None, True, False):
@@ -216,33 +154,12 @@ def parse_request(
     else:
         if "prompt" not in body:
             raise bad_request("prompt: required", "prompt")
-        fields.update(_prompt(body["prompt"]))
+        fields.update(_field(completion_prompt, body["prompt"], "prompt"))
         max_tokens = body.get("max_tokens")
         if body.get("logprobs") is not None:
             fields["logprobs"] = body["logprobs"]
     fields["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
-    for name in (
-        "temperature",
-        "top_p",
-        "n",
-        "stop",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "min_tokens",
-        "ignore_eos",
-        "priority",
-        "stop_token_ids",
-        "skip_special_tokens",
-        "response_format",
-        "guided_regex",
-        "guided_choice",
-    ):
-        if body.get(name) is not None:
-            fields[name] = body[name]
+    fields.update(passthrough_fields(body))
     if isinstance(fields.get("stop"), list):
         fields["stop"] = [s for s in fields["stop"] if s != ""] or None  # OpenAI ignores empty stop strings
         if fields["stop"] is None:

@@ -1,0 +1,88 @@
+"""The parts of an OpenAI request body that ``pagedq serve`` and ``pagedq batch`` read the same way.
+
+Both front ends turn OpenAI's chat and completions bodies into job fields; they differ in what surrounds
+that (the gateway answers HTTP errors and streams, a batch line has a ``custom_id`` and a stable job id), not
+in what a message, a prompt or a sampling field means. Keeping those here means a field cannot be accepted
+by one and silently dropped by the other. Pure functions over JSON values: no torch, no Redis (the gateway
+must not load torch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PASSTHROUGH_FIELDS = (
+    "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
+    # vLLM's extras that pagedq's engine has
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "priority", "stop_token_ids",
+    "skip_special_tokens", "response_format", "guided_regex", "guided_choice",
+)  # fmt: skip
+"""Body fields copied onto the job as they are; the job's own validation (``schemas.jobs``) checks values."""
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+
+
+class RequestFieldError(ValueError):
+    """A body value that cannot become a job field; ``param`` is where it is (``messages[0].content``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def text_content(content: Any, where: str) -> str:
+    """A message's ``content``: a string, or a list of text parts joined by newlines (as vLLM joins them);
+    images and audio are refused, not dropped."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestFieldError(f"{where}: pagedq supports text content parts only, got {kind!r}", where)
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise RequestFieldError(f"{where}: must be a string or a list of text parts", where)
+
+
+def chat_messages(raw: Any, where: str = "messages") -> list[dict[str, str]]:
+    """The job's ``messages``; OpenAI's newer ``developer`` role becomes ``system``, the role open models'
+    chat templates know for the same thing. ``name`` is accepted and dropped: templates have no place for it."""
+    if not isinstance(raw, list) or not raw:
+        raise RequestFieldError(f"{where}: a non-empty list of messages is required", where)
+    out = []
+    for i, message in enumerate(raw):
+        at = f"{where}[{i}]"
+        if not isinstance(message, dict):
+            raise RequestFieldError(f"{at}: must be an object", at)
+        for key in message:
+            if key not in MESSAGE_FIELDS:
+                raise RequestFieldError(f"pagedq does not support the field {key!r} in messages", f"{at}.{key}")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise RequestFieldError(f"{at}.role: pagedq supports {', '.join(CHAT_ROLES)}; got {role!r}", at)
+        content = text_content(message.get("content"), f"{at}.content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def completion_prompt(raw: Any, where: str = "prompt") -> dict[str, Any]:
+    """A completions prompt as job fields: ``prompt`` (a string) or ``prompt_token_ids``, also given as a
+    one-element list of either. Several prompts in one request are refused: one request is one job."""
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
+        raw = raw[0]
+    if isinstance(raw, str):
+        return {"prompt": raw}
+    if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        return {"prompt_token_ids": raw}
+    if isinstance(raw, list) and len(raw) > 1 and all(isinstance(p, (str, list)) for p in raw):
+        raise RequestFieldError(f"{where}: one prompt per request (send several prompts as several requests)", where)
+    raise RequestFieldError(f"{where}: one string or one list of token ids", where)
+
+
+def passthrough_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`PASSTHROUGH_FIELDS` the body sets (JSON ``null`` means "not given", as in OpenAI's API)."""
+    return {name: body[name] for name in PASSTHROUGH_FIELDS if body.get(name) is not None}

@@ -390,7 +390,7 @@ class Engine:
         config = self.config
         k_max = config.num_speculative_tokens
         running = self.scheduler.running
-        if not k_max or len(running) > config.speculative_disable_by_batch_size:
+        if not k_max or len(running) > config.draft_batch_limit:
             return
         for seq in running:
             if not seq.params.greedy or not seq.is_decoding:

@@ -68,8 +68,11 @@ class Settings(BaseSettings):
     )
     prompt_lookup_min: int = Field(2, ge=1, le=16, description="shortest context suffix matched for drafts")
     prompt_lookup_max: int = Field(4, ge=1, le=16, description="longest context suffix matched for drafts")
-    speculative_disable_by_batch_size: int = Field(
-        32, ge=1, description="no drafts while more sequences than this run (the step is compute-bound)"
+    speculative_disable_by_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="no drafts while more sequences than this run (the step is compute-bound); "
+        "unset: 32 with fp32 matmuls, 128 with bf16/fp16 ones",
     )
     max_model_len: int | None = Field(None, gt=0, description="context cap; unset: the model's own")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="CUDA: share of free memory for KV")

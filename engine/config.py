@@ -30,6 +30,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     cuda_graphs: bool = True
     cpu_weight_prepack: bool = True  # CPU: matmul weights packed once (kernels/cpu_linear)
+    # CPU: fewer threads while other processes take some of our cores, back when they leave
+    # (engine/cpu_runtime.CoreShare); off keeps the start-up count.
+    adapt_cpu_threads: bool = True
     seed: int = 0  # seeds the generator shared by unseeded sampling requests
     # Speculative decoding by prompt lookup (engine/ngram_proposer.py), greedy requests only:
     # up to this many draft tokens per decode step; 0 turns it off.

@@ -18,6 +18,14 @@ and two defaults of the OpenMP runtime under torch and pagedq's C kernels turn i
   the bench measured a futex wake-up before every region at 8-13 % of a quiet run's time) keeps both.
   libgomp reads these when it loads, with torch: :func:`configure_openmp_waiting` runs when ``engine``
   is imported, before torch, and an operator's own values win.
+- **Cores another process takes.** Passive waiting makes a descheduled thread cheap, not free: a team of
+  two on two cores beside one busy process still ran each region at the pace of the thread that shared
+  its core, and every region's wake-up waited for that core's next slice. On a 2-vCPU Xeon (family 6
+  model 167, bf16 on AMX) the contended bench ran at 0.24 of its idle rate, where one thread alone on
+  the free core ran at 0.77. :class:`CoreShare` measures, about once a second, how many of our CPUs'
+  worth of time other processes used (``/proc/stat`` busy and steal time, less this process's own CPU
+  time) and fits the team to the cores they leave: ``torch.set_num_threads``, which the C kernels and
+  oneDNN follow.
 """
 
 from __future__ import annotations
@@ -25,10 +33,13 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 WAIT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_STAT = Path("/proc/stat")
 
 
 def configure_openmp_waiting() -> bool:
@@ -77,6 +88,90 @@ def default_threads() -> int:
     if explicit.isdigit() and int(explicit) > 0:
         return int(explicit)
     return usable_cpus()
+
+
+def busy_cpu_seconds(cpus: set[int], stat_text: str) -> float:
+    """Seconds the given CPUs were not idle since boot, from ``/proc/stat``'s ``cpuN`` lines: user, nice,
+    system, irq, softirq, and steal (time the hypervisor gave this vCPU to another guest is time this
+    process could not have had either)."""
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    ticks = 0
+    for line in stat_text.splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cpus:
+            continue
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in rest.split()[:8])
+        ticks += user + nice + system + irq + softirq + steal
+    return ticks / ticks_per_s
+
+
+class CoreShare:
+    """Fits the engine's thread count to the cores other processes leave free, re-measured every
+    ``interval_s`` and changed only after two readings agree (one burst of a neighbour, a compile or a
+    cron job, does not halve the team).
+
+    Others' load is ``busy(our CPUs) - our CPU time`` over the interval, in cores; a neighbour using at
+    least half a core takes that core (a thread that gets half its core makes a barrier-bound team no
+    faster than one thread fewer). Off where it cannot judge: one thread, no ``/proc/stat``, or a cgroup
+    quota below the affinity mask (the quota is the limit there, and other tenants' use of the host's
+    CPUs says nothing about it)."""
+
+    def __init__(
+        self,
+        max_threads: int,
+        *,
+        interval_s: float = 1.0,
+        read_busy: Callable[[], float] | None = None,
+        read_own: Callable[[], float] = time.process_time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_threads = max_threads
+        self.threads = max_threads
+        self.interval_s = interval_s
+        self.others_cores = 0.0  # the last reading: other processes' load on our CPUs, in cores
+        self._read_own, self._clock = read_own, clock
+        try:
+            cpus = os.sched_getaffinity(0)
+        except (AttributeError, OSError):
+            cpus = set(range(os.cpu_count() or 1))
+        self._num_cpus = len(cpus)
+        if read_busy is None:
+            read_busy = lambda: busy_cpu_seconds(cpus, PROC_STAT.read_text())
+        self._read_busy = read_busy
+        self.enabled = max_threads > 1 and usable_cpus() == self._num_cpus
+        self._pending: int | None = None
+        self._last: tuple[float, float, float] | None = None
+        if self.enabled:
+            try:
+                self._last = (clock(), read_busy(), read_own())
+            except (OSError, ValueError):
+                self.enabled = False
+
+    def poll(self) -> int | None:
+        """The thread count to switch to, when it should change now; else None. Cheap between readings."""
+        if not self.enabled or self._last is None:
+            return None
+        now = self._clock()
+        then, busy0, own0 = self._last
+        if now - then < self.interval_s:
+            return None
+        try:
+            busy, own = self._read_busy(), self._read_own()
+        except (OSError, ValueError):
+            self.enabled = False
+            return None
+        self._last = (now, busy, own)
+        self.others_cores = max(0.0, ((busy - busy0) - (own - own0)) / (now - then))
+        free = self._num_cpus - math.floor(self.others_cores + 0.5)
+        target = max(1, min(self.max_threads, free))
+        if target == self.threads:
+            self._pending = None
+            return None
+        if self._pending != target:
+            self._pending = target
+            return None
+        self.threads, self._pending = target, None
+        return target
 
 
 configure_openmp_waiting()  # at import: engine/__init__.py imports this module before anything loads torch

@@ -70,6 +70,10 @@ class Engine:
             threads = cpu_runtime.default_threads()
             if torch.get_num_threads() > threads:
                 torch.set_num_threads(threads)
+        # ...and fit it, while running, to the cores other processes leave free (cpu_runtime.CoreShare).
+        self.core_share: cpu_runtime.CoreShare | None = None
+        if config.torch_device.type == "cpu" and config.adapt_cpu_threads:
+            self.core_share = cpu_runtime.CoreShare(torch.get_num_threads())
         self.model_path = checkpoint_folder(config.model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.model_path))
         self.step_stats = StepStats()  # every step's phases and batch sizes; reset() between measurements
@@ -217,6 +221,9 @@ class Engine:
 
         The time of the step and of each phase goes to ``step_stats``, then the KV usage after it."""
         started = time.perf_counter()
+        if self.core_share is not None and (threads := self.core_share.poll()) is not None:
+            torch.set_num_threads(threads)
+            log.info("cpu threads", threads=threads, others_cores=round(self.core_share.others_cores, 2))
         deltas = self._run_step()
         self.step_stats.step_s += time.perf_counter() - started
         self._record_kv_usage()

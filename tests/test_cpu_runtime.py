@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,65 @@ def test_the_engine_caps_torch_threads_at_the_usable_cpus(model_dir: Path) -> No
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_busy_cpu_seconds_reads_proc_stat_lines_of_the_given_cpus() -> None:
+    text = (
+        "cpu  900 0 900 9000 0 0 0 0 0 0\n"  # the all-CPU line is not a CPU
+        "cpu0 100 10 50 1000 5 1 2 7 0 0\n"
+        "cpu1 200 0 100 900 0 0 0 300 0 0\n"
+        "intr 12345\n"
+    )
+    hz = os.sysconf("SC_CLK_TCK")
+    assert cpu_runtime.busy_cpu_seconds({0}, text) == pytest.approx(170 / hz)  # idle and iowait left out
+    assert cpu_runtime.busy_cpu_seconds({0, 1}, text) == pytest.approx((170 + 600) / hz)  # steal counts
+
+
+def test_core_share_follows_a_neighbour_after_two_agreeing_readings() -> None:
+    """Readings fed in: each interval of 1 s, how busy our CPUs were and how much of that was us."""
+    if len(os.sched_getaffinity(0)) < 2 or cpu_runtime.usable_cpus() != len(os.sched_getaffinity(0)):
+        pytest.skip("needs two CPUs without a quota below them")
+    cpus = len(os.sched_getaffinity(0))
+    now, busy, own = [0.0], [0.0], [0.0]
+
+    def interval(ours: float, others: float) -> int | None:
+        now[0] += 1.0
+        own[0] += ours
+        busy[0] += ours + others
+        return share.poll()
+
+    share = cpu_runtime.CoreShare(cpus, read_busy=lambda: busy[0], read_own=lambda: own[0], clock=lambda: now[0])
+    assert share.enabled and share.poll() is None  # no interval has passed yet
+    assert interval(cpus, 0.1) is None  # quiet
+    assert interval(cpus - 1, 1.0) is None  # a neighbour takes a core: one reading is not enough
+    assert interval(cpus - 1, 1.0) == cpus - 1 and share.threads == cpus - 1
+    assert share.others_cores == pytest.approx(1.0)
+    assert interval(cpus - 1, 0.4) is None  # under half a core: the core is ours again, after one more
+    assert interval(cpus - 1, 0.0) == cpus
+    assert interval(cpus, 1.0) is None and interval(cpus, 0.0) is None  # a one-reading burst changes nothing
+    assert share.threads == cpus
+
+
+def test_core_share_measures_a_real_busy_process_on_one_of_our_cpus() -> None:
+    """The real readings (/proc/stat, this process's CPU time): a busy loop pinned to our last CPU takes
+    one thread away, and its end gives it back."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or cpu_runtime.usable_cpus() != len(cpus) or not cpu_runtime.PROC_STAT.exists():
+        pytest.skip("needs two CPUs without a quota below them, and /proc/stat")
+    share = cpu_runtime.CoreShare(len(cpus), interval_s=0.2)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(busy.pid, {cpus[-1]})
+        deadline = time.monotonic() + 20
+        while share.threads == len(cpus) and time.monotonic() < deadline:
+            share.poll()
+            time.sleep(0.05)  # this process idles: the readings see the neighbour, not us
+        assert share.threads == len(cpus) - 1, f"others' load read as {share.others_cores:.2f} cores"
+    finally:
+        busy.kill()
+        busy.wait()
+    deadline = time.monotonic() + 20
+    while share.threads < len(cpus) and time.monotonic() < deadline:
+        share.poll()
+        time.sleep(0.05)
+    assert share.threads == len(cpus), f"others' load read as {share.others_cores:.2f} cores"

@@ -74,6 +74,7 @@ def build_engine(settings: Settings) -> EngineLike:
             speculative_disable_by_batch_size=settings.speculative_disable_by_batch_size,
             max_model_len=settings.max_model_len,
             gpu_memory_utilization=settings.gpu_memory_utilization,
+            tensor_parallel_size=settings.tensor_parallel_size,
             dtype=settings.dtype,
             device=device,
         )

@@ -144,6 +144,7 @@ class DistributedModelRunner:
             tensor_parallel_size=size,
             backend=backend,
             threads_per_rank=threads,
+            rank_pids=[os.getpid(), *(p.pid for p in self.processes)],
             rank_weight_bytes=self.rank_weight_bytes,
             rank_kv_bytes=self.rank_kv_bytes,
         )

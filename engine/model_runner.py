@@ -232,15 +232,17 @@ class ModelRunner:
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights this process holds: parameters, and the CPU kernels' packed copies (a tied
-    embedding counts once, its packed lm_head copy once more)."""
+    """Bytes of the weights this process holds: parameters (a tied embedding once), and the CPU kernels'
+    packed copies (a tied lm_head's packed copy once more). oneDNN's packed tensors are opaque (no
+    storage to point at), so they are counted by size, each once: every module packs its own."""
     seen: set[int] = set()
     total = 0
-    tensors = [p.data for p in model.parameters()]
+    for param in model.parameters():
+        if param.numel() and param.data_ptr() not in seen:
+            seen.add(param.data_ptr())
+            total += param.numel() * param.element_size()
     for module in model.modules():
-        tensors += [v.data for v in vars(module).values() if isinstance(v, cpu_linear.PackedWeight)]
-    for tensor in tensors:
-        if tensor.numel() and tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            total += tensor.numel() * tensor.element_size()
+        for value in vars(module).values():
+            if isinstance(value, cpu_linear.PackedWeight):
+                total += value.data.numel() * value.data.element_size()
     return total

@@ -206,6 +206,14 @@ class DistributedModelRunner:
         """Rank -> exit code of every rank process that has ended."""
         return {rank: p.exitcode for rank, p in enumerate(self.processes, start=1) if p.exitcode is not None}
 
+    def rank_failure(self) -> str | None:
+        """Why the ranks can no longer step (a rank process has ended, or a step broke), else None.
+        Cheap (a non-blocking wait per rank): callers poll it while the engine is idle."""
+        if self.failure is None and (dead := self.dead_ranks()):
+            self.failure = f"tensor-parallel rank(s) died: {_describe(dead)}"
+            log.error("distributed.rank_died", ranks=dead)
+        return self.failure
+
     def _check_ranks(self) -> None:
         if self.failure is None and (dead := self.dead_ranks()):
             self.failure = f"tensor-parallel rank(s) died: {_describe(dead)}"

@@ -220,6 +220,12 @@ class Engine:
         """Release what outlives the engine object: under tensor parallelism, its rank processes."""
         self.runner.close()
 
+    def rank_failure(self) -> str | None:
+        """Under tensor parallelism, why the engine can no longer step (a rank died), else None; always
+        None on one rank. Lets an idle caller notice a lost rank without waiting for the next step."""
+        check = getattr(self.runner, "rank_failure", None)
+        return None if check is None else check()
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

@@ -111,6 +111,23 @@ def test_rank_killed_mid_generation_hands_jobs_back_and_exits(ctx: Ctx, workers:
         stream_text_matches(ctx, job_id, finals[job_id])
 
 
+def test_rank_killed_while_idle_the_worker_exits_before_taking_jobs(ctx: Ctx, workers: Workers) -> None:
+    """An idle worker notices a dead rank between steps (rank 0 polls its ranks' processes) and exits,
+    rather than reading a job it cannot run; a job submitted afterwards goes to another worker."""
+    idle = workers.start("idle", tensor_parallel_size=2)
+    idle.wait_ready(180)
+    os.kill(rank_pids(idle)[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert idle.proc.wait(60) == EXIT_ENGINE_LOST
+    assert time.monotonic() - killed_at < 30
+    lost = [line for line in idle.log_lines() if line.get("event") == "worker.engine_lost"]
+    assert lost and lost[0]["handed_back"] == [] and "rank 1" in lost[0]["error"], lost
+    (job_id,) = ctx.client.submit_many(["after the loss"], max_tokens=8, temperature=0)
+    workers.start("successor").wait_ready()
+    ctx.client.result(job_id, timeout=120)
+    assert assert_exactly_once(ctx, [job_id])[job_id].worker == "successor"
+
+
 def _zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:

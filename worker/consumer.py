@@ -164,6 +164,11 @@ class Worker:
             self.shutdown()
         return self.exit_code
 
+    def _rank_failure(self) -> str | None:
+        """The engine's own word that it can no longer step (a tensor-parallel rank died), if it has one."""
+        check = getattr(self.engine, "rank_failure", None)
+        return None if check is None else check()
+
     def _engine_lost(self, exc: BaseException) -> None:
         """The engine can never step again (a rank died): hand every job back and stop at once."""
         handed_back = self.held_jobs.hand_back_all()
@@ -248,7 +253,9 @@ class Worker:
                 redis_s += time.perf_counter() - t
         self.held_jobs.expire_deadlines()
         self.held_jobs.start_backlog()
-        if self.engine.has_unfinished():
+        if not self._draining and (failure := self._rank_failure()) is not None:
+            self._engine_lost(RuntimeError(failure))  # noticed between steps (the worker may be idle)
+        elif self.engine.has_unfinished():
             t = time.perf_counter()
             self.held_jobs.step()
             step_s = time.perf_counter() - t

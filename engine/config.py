@@ -42,6 +42,12 @@ class EngineConfig:
     # No drafts while more sequences than this run: a big batch is compute-bound, and every rejected
     # draft would cost as much as a generated token. None: by the matmul dtype (draft_batch_limit).
     speculative_disable_by_batch_size: int | None = None
+    # Tensor parallelism (engine/distributed.py): the model split across this many ranks (processes),
+    # one per device on CUDA; 1 runs in this process, as without it.
+    tensor_parallel_size: int = 1
+    # A collective of the model's (all-reduce, gather) that waits longer than this has lost a rank:
+    # the step fails instead of hanging (gloo and NCCL time out).
+    distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
@@ -61,6 +67,10 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_disable_by_batch_size must be >= 1, got {self.speculative_disable_by_batch_size}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

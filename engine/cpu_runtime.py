@@ -174,4 +174,10 @@ class CoreShare:
         return target
 
 
+def threads_per_rank(ranks: int) -> int:
+    """Threads for each of ``ranks`` tensor-parallel ranks on this CPU: :func:`default_threads` shared out
+    (at least one each), so N ranks together run as many threads as one engine would."""
+    return max(1, default_threads() // max(1, ranks))
+
+
 configure_openmp_waiting()  # at import: engine/__init__.py imports this module before anything loads torch

@@ -18,7 +18,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -40,6 +40,9 @@ from engine.sequence import Sequence
 from engine.step_stats import BLOCK_FILL_EVERY_STEPS, StepStats
 from engine.structured import GrammarCache
 from schemas.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.distributed import DistributedModelRunner
 
 log = structlog.get_logger("pagedq.engine")
 
@@ -67,17 +70,24 @@ class Engine:
         if config.torch_device.type == "cpu":
             # OpenMP's default is a thread per CPU of the affinity mask, quota or not: cap it at what this
             # process may run at once (engine/cpu_runtime.py). A lower count set by the caller stands.
-            threads = cpu_runtime.default_threads()
+            threads = cpu_runtime.threads_per_rank(config.tensor_parallel_size)
             if torch.get_num_threads() > threads:
                 torch.set_num_threads(threads)
         # ...and fit it, while running, to the cores other processes leave free (cpu_runtime.CoreShare).
         self.core_share: cpu_runtime.CoreShare | None = None
-        if config.torch_device.type == "cpu" and config.adapt_cpu_threads:
+        # Not under tensor parallelism: the other ranks' CPU time would read as a neighbour's.
+        if config.torch_device.type == "cpu" and config.adapt_cpu_threads and config.tensor_parallel_size == 1:
             self.core_share = cpu_runtime.CoreShare(torch.get_num_threads())
         self.model_path = checkpoint_folder(config.model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.model_path))
         self.step_stats = StepStats()  # every step's phases and batch sizes; reset() between measurements
-        self.runner = ModelRunner(config, str(self.model_path), self.step_stats)
+        self.runner: ModelRunner | DistributedModelRunner
+        if config.tensor_parallel_size > 1:
+            from engine.distributed import DistributedModelRunner
+
+            self.runner = DistributedModelRunner(config, str(self.model_path), self.step_stats)
+        else:
+            self.runner = ModelRunner(config, str(self.model_path), self.step_stats)
         mc = self.model_config = self.runner.model_config
         capacity = self.runner.num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len, capacity)
@@ -95,6 +105,11 @@ class Engine:
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted, since start
         self.num_accepted_tokens = 0
         self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
+        runner = self.runner
+        # Memory per rank (one entry without tensor parallelism): weights as held (packed copies
+        # included), and the KV cache of the rank's heads.
+        self.rank_weight_bytes = getattr(runner, "rank_weight_bytes", None) or [runner.weight_bytes]
+        self.rank_kv_bytes = getattr(runner, "rank_kv_bytes", None) or [runner.kv_bytes]
         torch.manual_seed(config.seed)
         self.kernel_variant: str | None = None
         if config.torch_device.type == "cpu":
@@ -111,6 +126,7 @@ class Engine:
             device=config.device,
             backend=config.backend,
             kv_blocks=self.runner.num_blocks,
+            tensor_parallel_size=config.tensor_parallel_size,
             block_size=config.block_size,
             max_model_len=self.max_model_len,
         )
@@ -204,6 +220,16 @@ class Engine:
                 self.scheduler.remove(seq)
                 seq.finish_reason = "abort"
         return True
+
+    def close(self) -> None:
+        """Release what outlives the engine object: under tensor parallelism, its rank processes."""
+        self.runner.close()
+
+    def rank_failure(self) -> str | None:
+        """Under tensor parallelism, why the engine can no longer step (a rank died), else None; always
+        None on one rank. Lets an idle caller notice a lost rank without waiting for the next step."""
+        check = getattr(self.runner, "rank_failure", None)
+        return None if check is None else check()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -528,6 +554,9 @@ class Engine:
             spec_accepted_tokens=self.num_accepted_tokens,
             kernel_variant=self.kernel_variant,
             matmul_dtype=str(self.config.matmul_weight_dtype).removeprefix("torch."),
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            rank_weight_bytes=self.rank_weight_bytes,
+            rank_kv_bytes=self.rank_kv_bytes,
         )
 
 

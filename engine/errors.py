@@ -13,3 +13,15 @@ class PromptTooLongError(ValueError):
         )
         self.prompt_len = prompt_len
         self.max_model_len = max_model_len
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot step again.
+
+    ``engine_fatal`` tells its caller (the worker) that no job is to blame and none can run here any more:
+    hand every job back to the queue and exit, so that the supervisor restarts the whole process."""
+
+    engine_fatal = True
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)

@@ -115,6 +115,16 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks, if any (a no-op on one rank)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         self = cls.__new__(cls)

@@ -6,14 +6,19 @@ by name onto its slot in pagedq's modules (``q_proj``/``k_proj``/``v_proj`` beco
 merged ``qkv_proj``, ``gate_proj``/``up_proj`` of ``gate_up_proj``), read once and cast on copy.
 Every checkpoint tensor must land somewhere and every slot must be filled; anything else is an error
 naming the offending tensors, because a half-loaded model produces plausible-looking garbage.
+
+Under tensor parallelism (:mod:`engine.parallel_layers`) each rank reads only its band of each sharded
+tensor, through safetensors' ``get_slice``: a rank never holds, or even reads into memory, the whole
+model. The checkpoint tensor's full shape is still checked against the model's before slicing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -21,19 +26,39 @@ from safetensors import safe_open
 from engine.kernel_dispatch import get_ops
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from engine.parallel_layers import SINGLE, TensorParallel
 
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint's tensors do not match the model: missing, unexpected or mis-shaped ones."""
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: ``dest`` (a view of a model parameter) receives rows (``dim`` 0)
+    or columns (``dim`` 1) ``[start, stop)`` of the checkpoint tensor, whose full shape is ``shape``.
+    ``dim`` None: the whole tensor. A band shorter than ``dest`` (the last vocabulary band) leaves the
+    rest of ``dest`` zero."""
+
+    dest: torch.Tensor
+    shape: tuple[int, ...]
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+
 def load_model(
-    path: str | os.PathLike[str], dtype: torch.dtype, device: torch.device, ops_name: str
+    path: str | os.PathLike[str],
+    dtype: torch.dtype,
+    device: torch.device,
+    ops_name: str,
+    tp: TensorParallel = SINGLE,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model for the checkpoint folder ``path`` and fill it with its weights in ``dtype``."""
+    """Build the model (this rank's shard of it, under tensor parallelism) for the checkpoint folder
+    ``path`` and fill it with its weights in ``dtype``."""
     folder = Path(path)
     config = ModelConfig.from_pretrained(folder)
-    model = LlamaForCausalLM(config, get_ops(ops_name), dtype=dtype, device=device)
+    model = LlamaForCausalLM(config, get_ops(ops_name), dtype=dtype, device=device, tp=tp)
     targets = weight_targets(model)
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -46,12 +71,7 @@ def load_model(
                         if not _ignorable(name, config):
                             unexpected.append(name)
                         continue
-                    tensor = f.get_tensor(name)
-                    if tensor.shape != dest.shape:
-                        raise CheckpointMismatchError(
-                            f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
-                        )
-                    dest.copy_(tensor)  # casts to the model dtype and moves to its device
+                    _copy_into(dest, f, name)
                     loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing or unexpected:
@@ -64,6 +84,26 @@ def load_model(
             f"checkpoint {folder} does not match {config.architecture}: " + "; ".join(problems)
         )
     return model.eval(), config
+
+
+def _copy_into(target: Target, f: Any, name: str) -> None:
+    """Read ``name`` (only ``target``'s band of it when sharded) and copy it into ``target.dest``, which
+    casts to the model dtype and moves to its device."""
+    if target.dim is None:
+        tensor = f.get_tensor(name)
+        if tuple(tensor.shape) != target.shape:
+            raise CheckpointMismatchError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {target.shape}")
+        target.dest.copy_(tensor)
+        return
+    piece = f.get_slice(name)
+    shape = tuple(piece.get_shape())
+    if shape != target.shape:
+        raise CheckpointMismatchError(f"{name}: checkpoint shape {shape} != expected {target.shape}")
+    band = piece[target.start : target.stop] if target.dim == 0 else piece[:, target.start : target.stop]
+    length = target.stop - target.start
+    target.dest.narrow(target.dim, 0, length).copy_(band)
+    if length < target.dest.shape[target.dim]:  # vocabulary padding: rows no token id reaches
+        target.dest.narrow(target.dim, length, target.dest.shape[target.dim] - length).zero_()
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -81,44 +121,69 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def weight_targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """HF tensor name -> the view of pagedq's parameter it is copied into.
+def weight_targets(model: LlamaForCausalLM) -> dict[str, Target]:
+    """HF tensor name -> the :class:`Target` (view of pagedq's parameter, and band of the tensor) it is
+    copied into.
 
     Views of merged parameters are row slices (``Linear`` weights are ``[out, in]``), so the q, k and
-    v tensors land side by side in ``qkv_proj`` in exactly the order the model splits them.
+    v tensors land side by side in ``qkv_proj`` in exactly the order the model splits them. With one
+    rank every band is the whole tensor and is read whole, as before tensor parallelism.
     """
     config = model.config
-    targets: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": model.embed_tokens.weight.detach(),
-        "model.norm.weight": model.norm.weight.detach(),
+    sharded = model.tp.size > 1
+    hidden, inter_total = config.hidden_size, config.intermediate_size
+
+    def whole(dest: torch.Tensor) -> Target:
+        return Target(dest.detach(), tuple(dest.shape))
+
+    def band(dest: torch.Tensor, shape: tuple[int, ...], dim: int, rows: tuple[int, int]) -> Target:
+        if not sharded:
+            return whole(dest)
+        return Target(dest.detach(), shape, dim, *rows)
+
+    embed = model.embed_tokens
+    vocab_shape = (config.vocab_size, hidden)
+    targets: dict[str, Target] = {
+        "model.embed_tokens.weight": band(embed.weight, vocab_shape, 0, embed.vocab_rows()),
+        "model.norm.weight": whole(model.norm.weight),
     }
     if not config.tie_word_embeddings:
-        targets["lm_head.weight"] = model.lm_head_weight.detach()
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
-    qkv_rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+        targets["lm_head.weight"] = band(model.lm_head_weight, vocab_shape, 0, embed.vocab_rows())
     for i, module in enumerate(model.layers):
         layer = cast(LlamaDecoderLayer, module)
         prefix = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        for proj, (start, stop) in qkv_rows.items():
-            targets[f"{prefix}self_attn.{proj}.weight"] = attn.qkv_proj.weight.detach()[start:stop]
+        shards = attn.shards
+        q, kv, inter = shards.q_size, shards.kv_size, mlp.intermediate_size
+        q_rows, kv_rows = shards.q_rows(), shards.kv_rows()
+        qkv = {
+            "q_proj": ((0, q), q_rows, config.q_size),
+            "k_proj": ((q, q + kv), kv_rows, config.kv_size),
+            "v_proj": ((q + kv, q + 2 * kv), kv_rows, config.kv_size),
+        }
+        for proj, ((start, stop), rows, total) in qkv.items():
+            weight = attn.qkv_proj.weight[start:stop]
+            targets[f"{prefix}self_attn.{proj}.weight"] = band(weight, (total, hidden), 0, rows)
             if attn.qkv_proj.bias is not None:
-                targets[f"{prefix}self_attn.{proj}.bias"] = attn.qkv_proj.bias.detach()[start:stop]
-        targets[f"{prefix}self_attn.o_proj.weight"] = attn.o_proj.weight.detach()
+                bias = attn.qkv_proj.bias[start:stop]
+                targets[f"{prefix}self_attn.{proj}.bias"] = band(bias, (total,), 0, rows)
+        targets[f"{prefix}self_attn.o_proj.weight"] = band(attn.o_proj.weight, (hidden, config.q_size), 1, q_rows)
         if attn.o_proj.bias is not None:
-            targets[f"{prefix}self_attn.o_proj.bias"] = attn.o_proj.bias.detach()
+            targets[f"{prefix}self_attn.o_proj.bias"] = whole(attn.o_proj.bias)
         if attn.q_norm is not None and attn.k_norm is not None:
-            targets[f"{prefix}self_attn.q_norm.weight"] = attn.q_norm.weight.detach()
-            targets[f"{prefix}self_attn.k_norm.weight"] = attn.k_norm.weight.detach()
-        targets[f"{prefix}mlp.gate_proj.weight"] = mlp.gate_up_proj.weight.detach()[:inter]
-        targets[f"{prefix}mlp.up_proj.weight"] = mlp.gate_up_proj.weight.detach()[inter:]
-        targets[f"{prefix}mlp.down_proj.weight"] = mlp.down_proj.weight.detach()
-        targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm.weight.detach()
-        targets[f"{prefix}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.detach()
+            targets[f"{prefix}self_attn.q_norm.weight"] = whole(attn.q_norm.weight)
+            targets[f"{prefix}self_attn.k_norm.weight"] = whole(attn.k_norm.weight)
+        inter_rows = model.tp.band(inter_total, "intermediate_size")
+        gate_up = mlp.gate_up_proj.weight
+        targets[f"{prefix}mlp.gate_proj.weight"] = band(gate_up[:inter], (inter_total, hidden), 0, inter_rows)
+        targets[f"{prefix}mlp.up_proj.weight"] = band(gate_up[inter:], (inter_total, hidden), 0, inter_rows)
+        targets[f"{prefix}mlp.down_proj.weight"] = band(mlp.down_proj.weight, (hidden, inter_total), 1, inter_rows)
+        targets[f"{prefix}input_layernorm.weight"] = whole(layer.input_layernorm.weight)
+        targets[f"{prefix}post_attention_layernorm.weight"] = whole(layer.post_attention_layernorm.weight)
 
     # Guard against a parameter added to the model without a mapping here: it would stay
     # uninitialised (torch.empty) and no missing-tensor check could notice.
-    mapped = sum(t.numel() for t in targets.values())
+    mapped = sum(t.dest.numel() for t in targets.values())
     total = sum(p.numel() for p in model.parameters())
     if mapped != total:
         raise AssertionError(f"weight_targets covers {mapped} of {total} model parameters")

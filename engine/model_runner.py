@@ -3,12 +3,18 @@
 Inputs are built with a handful of tensor ops (no Python loop over tokens): token ids are sliced
 per sequence, positions and slot mappings come from cumulative query lengths and block tables.
 Logits are computed only for the rows that will be sampled.
+
+Under tensor parallelism every rank has a ModelRunner over its shard of the model (``tp``): its KV cache
+holds only its own KV heads, with the same number of blocks on every rank (the smallest any rank can
+afford), so the block tables rank 0's block manager hands out mean the same slots everywhere.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -17,29 +23,70 @@ from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.loader import load_model
 from engine.model_config import ModelConfig
+from engine.parallel_layers import SINGLE, AttentionShards, TensorParallel
 from engine.scheduler import ScheduledBatch
 from engine.step_stats import StepStats
-from kernels import host_memory
+from kernels import cpu_linear, host_memory
+
+
+@dataclass
+class HostInputs:
+    """One step's flattened batch on the host: what the forward needs, and all that tensor-parallel
+    rank 0 sends the other ranks each step (``engine/distributed.py``)."""
+
+    input_ids: torch.Tensor  # int64 [N]
+    positions: torch.Tensor  # int64 [N]
+    query_start_loc: torch.Tensor  # int32 [S + 1]
+    seq_lens: torch.Tensor  # int32 [S]
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [N]
+    query_lens_cpu: list[int]  # the same lengths as Python ints, for the attention backends' planning
+    seq_lens_cpu: list[int]
+
+
+def logit_rows(batch: ScheduledBatch, sample_rows: list[int], num_logits: list[int] | None) -> list[int]:
+    """Rows of the flattened batch that get logits: each sampled sequence's last ``num_logits[i]``."""
+    if not sample_rows:
+        return []
+    ends = list(itertools.accumulate(batch.num_new_tokens))  # one past each sequence's last row
+    counts = num_logits or [1] * len(sample_rows)
+    return [r for i, c in zip(sample_rows, counts, strict=True) for r in range(ends[i] - c, ends[i])]
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str, stats: StepStats | None = None) -> None:
-        """``stats``: where :meth:`execute` adds its input-preparation and forward times (the engine's own)."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        stats: StepStats | None = None,
+        tp: TensorParallel = SINGLE,
+        device: torch.device | None = None,
+        agree: Callable[[int], int] | None = None,
+    ) -> None:
+        """``stats``: where :meth:`execute` adds its input-preparation and forward times (the engine's own).
+        ``tp``: this rank's place under tensor parallelism; ``device``: its device (default the config's);
+        ``agree``: turns this rank's affordable KV block count into the one every rank uses."""
         self.config = config
+        self.tp = tp
         self.stats = stats if stats is not None else StepStats()
-        self.device = config.torch_device
+        self.device = device if device is not None else config.torch_device
         self.dtype = config.activation_dtype  # the model's and the KV cache's (fp32 under CPU bf16 matmuls)
-        self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.backend)
+        self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.backend, tp)
         if self.device.type == "cpu" and config.cpu_weight_prepack:
             self.model.prepack_cpu_weights(config.matmul_weight_dtype)
+        self.weight_bytes = model_weight_bytes(self.model)
         self.block_size = config.block_size
-        self.num_blocks = self._num_kv_blocks(self.model_config)
         mc = self.model_config
-        shape = (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.num_kv_heads = AttentionShards.of(mc, tp).num_kv_heads  # this rank's (all of them on one rank)
+        self.num_blocks = self._num_kv_blocks(mc)
+        if agree is not None:
+            self.num_blocks = agree(self.num_blocks)
+        shape = (mc.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         if self.device.type == "cpu":
             self.kv_cache = host_memory.zeros(shape, self.dtype)
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         self.graphs: DecodeGraphs | None = None
 
@@ -57,7 +104,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self, mc: ModelConfig) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
 
     def _num_kv_blocks(self, mc: ModelConfig) -> int:
         if self.config.num_kv_blocks is not None:
@@ -88,26 +135,35 @@ class ModelRunner:
         t0 = time.perf_counter()
         input_ids, positions, meta = self.prepare_inputs(batch)
         t1 = time.perf_counter()
+        logits = self.run(input_ids, positions, meta, logit_rows(batch, sample_rows, num_logits))
+        t2 = time.perf_counter()
+        self.stats.phase_s["prepare_inputs"] += t1 - t0
+        self.stats.phase_s["forward"] += t2 - t1
+        return logits
+
+    @torch.inference_mode()
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows: list[int]
+    ) -> torch.Tensor | None:
+        """The forward over prepared inputs; float32 logits of ``rows`` (None when there are none)."""
         if self.graphs is not None and self.graphs.can_run(meta.num_seqs, meta.max_query_len):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             self.model.ops.attention.prepare(meta)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = None
-        if sample_rows:
-            ends = list(itertools.accumulate(batch.num_new_tokens))  # one past each sequence's last row
-            counts = num_logits or [1] * len(sample_rows)
-            rows = [r for i, c in zip(sample_rows, counts, strict=True) for r in range(ends[i] - c, ends[i])]
+        if rows:
             index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, index))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        t2 = time.perf_counter()
-        self.stats.phase_s["prepare_inputs"] += t1 - t0
-        self.stats.phase_s["forward"] += t2 - t1
         return logits
 
     def prepare_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        return self.device_inputs(self.host_inputs(batch))
+
+    def host_inputs(self, batch: ScheduledBatch) -> HostInputs:
+        """The batch flattened into host tensors (token ids, positions, slots, block tables)."""
         seqs, q_lens = batch.seqs, batch.num_new_tokens
         token_ids: list[int] = []
         computed: list[int] = []
@@ -136,19 +192,32 @@ class ModelRunner:
         bs = self.block_size
         slots = block_tables[seq_index, positions // bs].long() * bs + positions % bs
 
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=cu.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            block_tables=block_tables.to(dev),
-            slot_mapping=slots.to(dev),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
+        return HostInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.long),
+            positions=positions,
+            query_start_loc=cu,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=block_tables,
+            slot_mapping=slots,
             query_lens_cpu=list(q_lens),
             seq_lens_cpu=seq_lens,
         )
-        input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev)
-        return input_ids, positions.to(dev), meta
+
+    def device_inputs(self, host: HostInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``host`` moved to this runner's device, with the attention metadata."""
+        dev = self.device
+        q_lens, seq_lens = host.query_lens_cpu, host.seq_lens_cpu
+        meta = AttentionMetadata(
+            query_start_loc=host.query_start_loc.to(dev),
+            seq_lens=host.seq_lens.to(dev),
+            block_tables=host.block_tables.to(dev),
+            slot_mapping=host.slot_mapping.to(dev),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=q_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return host.input_ids.to(dev), host.positions.to(dev), meta
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (every layer) for forked samples that will write into their own copy."""
@@ -157,3 +226,23 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def close(self) -> None:
+        """Nothing to release on one device (the multi-rank runner stops its ranks here)."""
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights this process holds: parameters (a tied embedding once), and the CPU kernels'
+    packed copies (a tied lm_head's packed copy once more). oneDNN's packed tensors are opaque (no
+    storage to point at), so they are counted by size, each once: every module packs its own."""
+    seen: set[int] = set()
+    total = 0
+    for param in model.parameters():
+        if param.numel() and param.data_ptr() not in seen:
+            seen.add(param.data_ptr())
+            total += param.numel() * param.element_size()
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, cpu_linear.PackedWeight):
+                total += value.data.numel() * value.data.element_size()
+    return total

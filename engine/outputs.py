@@ -85,3 +85,7 @@ class EngineStats:
     # CPU: the C-kernel build in use (generic, avx2, avx512; kernels/cpu_isa) and the matmul weight dtype
     kernel_variant: str | None = None
     matmul_dtype: str = ""
+    # Tensor parallelism: the rank count, and each rank's weight and KV cache bytes (one entry on one rank)
+    tensor_parallel_size: int = 1
+    rank_weight_bytes: list[int] = field(default_factory=list)
+    rank_kv_bytes: list[int] = field(default_factory=list)

@@ -2,7 +2,9 @@
 
 Run as ``bash ops/gpu_check.sh OUT_DIR`` (or ``python -m ops.gpu_check OUT_DIR``) on a machine with
 CUDA. Steps: the kernel tests natively; greedy parity against transformers for a bf16 model with CUDA
-graphs on and off; the benchmark harness's quick GPU workload. Each step's outcome and timings go to
+graphs on and off; tensor parallelism over 2 GPUs (NCCL) against one GPU, when the machine has 2 or more
+(skipped with a message otherwise); the benchmark harness's quick GPU workload. Each step's outcome and
+timings go to
 ``OUT_DIR/gpu_check.json``; the exit status is non-zero if any step failed.
 """
 
@@ -116,11 +118,68 @@ def _parity(out: Path) -> dict[str, Any]:
     return results
 
 
+def _tensor_parallel(out: Path) -> dict[str, Any]:
+    """TP=2 (NCCL, two GPUs) against TP=1 on the parity model in bf16: the same agreement bar as the
+    parity step (an all-reduce of bf16 partial sums rounds differently from one matmul), no KV leak, and
+    each rank holding under two thirds of the whole model's weights. Skipped below 2 GPUs."""
+    import torch
+
+    from engine import LLM, SamplingParams
+    from tests.tiny_models import make_tiny_checkpoint
+    from tests.tiny_tokenizer import make_tokenizer
+
+    del out
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        message = f"skipped: tensor parallelism needs 2 or more GPUs, this machine has {gpus}"
+        print(f"tensor_parallel {message}", flush=True)
+        return {"ok": True, "skipped": message}
+    results: dict[str, Any] = {"gpus": gpus}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        make_tiny_checkpoint(path, "llama_gqa", **CHECK_MODEL_SHAPE)
+        make_tokenizer(path)
+        gen = torch.Generator().manual_seed(1)
+        prompts = [
+            torch.randint(1, 500, (int(n),), generator=gen).tolist()
+            for n in torch.randint(5, 300, (24,), generator=gen)
+        ]
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        outputs: dict[int, list[list[int]]] = {}
+        for size in (1, 2):
+            t0 = time.perf_counter()
+            with LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=32, tensor_parallel_size=size) as llm:
+                outputs[size] = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+                stats = llm.stats()
+            results[f"tp{size}"] = {
+                "seconds": round(time.perf_counter() - t0, 2),
+                "rank_weight_bytes": stats.rank_weight_bytes,
+                "rank_kv_bytes": stats.rank_kv_bytes,
+                "no_leak": stats.num_free_blocks == stats.num_total_blocks,
+            }
+            torch.cuda.empty_cache()
+    pairs = list(zip(outputs[2], outputs[1], strict=True))
+    results["identical_to_tp1"] = sum(a == b for a, b in pairs)
+    results["first_8_identical"] = sum(a[:8] == b[:8] for a, b in pairs)
+    whole = results["tp1"]["rank_weight_bytes"][0]
+    results["ok"] = bool(
+        results["first_8_identical"] == len(prompts)
+        and results["identical_to_tp1"] >= 0.75 * len(prompts)
+        and results["tp1"]["no_leak"]
+        and results["tp2"]["no_leak"]
+        and all(w < 2 * whole / 3 for w in results["tp2"]["rank_weight_bytes"])
+    )
+    return results
+
+
 def _bench(out: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "ops.bench", "--quick", "--device", "cuda", "--json", str(out / "bench.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-30:]
     return {"ok": proc.returncode == 0, "returncode": proc.returncode, "tail": tail}
+
+
+STEPS = (("kernels", _kernel_tests), ("parity", _parity), ("tensor_parallel", _tensor_parallel), ("bench", _bench))
 
 
 def main(argv: list[str]) -> int:
@@ -136,7 +195,7 @@ def main(argv: list[str]) -> int:
         report["error"] = "no CUDA device"
     else:
         report["device"] = torch.cuda.get_device_name(0)
-        for name, step in (("kernels", _kernel_tests), ("parity", _parity), ("bench", _bench)):
+        for name, step in STEPS:
             t0 = time.perf_counter()
             try:
                 report[name] = step(out)
@@ -144,7 +203,7 @@ def main(argv: list[str]) -> int:
                 report[name] = {"ok": False, "error": traceback.format_exc(limit=5)}
             report[name]["seconds"] = round(time.perf_counter() - t0, 1)
             print(name, json.dumps(report[name])[:2000], flush=True)
-    ok = report.get("cuda", False) and all(report[k]["ok"] for k in ("kernels", "parity", "bench"))
+    ok = report.get("cuda", False) and all(report[name]["ok"] for name, _ in STEPS)
     report["ok"] = bool(ok)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print(f"gpu check {'passed' if ok else 'FAILED'}: {out / 'gpu_check.json'}")

@@ -70,6 +70,19 @@ _ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str,
     ),
     # Mistral: the sliding window caps pagedq's max_model_len.
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 256}),
+    # Tensor parallelism over 2 or 3 ranks: 6 heads and 6 KV heads split evenly both ways, and a vocabulary
+    # of 511 that neither divides (the vocab-parallel embedding and lm_head are padded).
+    "llama_tp_odd_vocab": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {
+            "hidden_size": 96,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 6,
+            "intermediate_size": 96,
+            "vocab_size": 511,
+        },
+    ),
     # Llama 3.1-style rope scaling; original context 256 puts frequencies in all three bands.
     "llama3_scaled": (
         LlamaConfig,

@@ -15,6 +15,9 @@ Failure model:
   one job runs, fails that job's attempt only. Any other step exception makes every running job a suspect:
   they are aborted and rerun one at a time, so the culprit is found (and retried, then dead-lettered) while
   the others finish.
+* An exception from ``engine.step()`` marked ``engine_fatal`` (a tensor-parallel rank died: the engine can
+  never step again) blames no job: every held job is handed back to the group at once, the loop drains
+  and :meth:`Worker.run` returns :data:`EXIT_ENGINE_LOST`, so the supervisor restarts the process.
 * SIGTERM: stop reading, hand unstarted jobs back at once, finish running ones within ``shutdown_grace_s``
   (less the time kept for the last writes), hand back the rest, exit 0. :mod:`worker.watchdog` ends the
   process with a non-zero code if that has not happened by the end of the grace period, whatever the loop
@@ -46,6 +49,8 @@ from worker.settings import Settings
 from worker.status import LoopTimes, WorkerIdentity, engine_load, heartbeat_snapshot
 
 log = structlog.get_logger("pagedq.worker")
+
+EXIT_ENGINE_LOST = 70  # EX_SOFTWARE, as the watchdog's exit: supervisors restart on any non-zero code
 
 FINAL_FLUSH_RESERVE_S = 2.0
 """Of the shutdown grace period, the end kept for the last writes (at most a quarter of it)."""
@@ -94,6 +99,8 @@ class Worker:
         self.held_jobs = HeldJobs(
             engine, settings, self.keys, self.redis, self.sender, self.ledger, self.link.now, self.log
         )
+        self.held_jobs.engine_lost = self._engine_lost
+        self.exit_code = 0  # what run() returns: non-zero once the engine is lost
         self.status: dict[str, Any] = {}
         self.identity = WorkerIdentity(self.name, settings.queue, self.model_name)
 
@@ -155,7 +162,24 @@ class Worker:
                 pass
         finally:
             self.shutdown()
-        return 0
+        return self.exit_code
+
+    def _rank_failure(self) -> str | None:
+        """The engine's own word that it can no longer step (a tensor-parallel rank died), if it has one."""
+        check = getattr(self.engine, "rank_failure", None)
+        return None if check is None else check()
+
+    def _engine_lost(self, exc: BaseException) -> None:
+        """The engine can never step again (a rank died): hand every job back and stop at once."""
+        handed_back = self.held_jobs.hand_back_all()
+        self.log.error(
+            "worker.engine_lost",
+            error=str(exc),
+            handed_back=[job.id for job in handed_back],
+            exit_code=EXIT_ENGINE_LOST,
+        )
+        self.exit_code = EXIT_ENGINE_LOST
+        self.request_stop(force=True)
 
     def startup(self) -> None:
         """Join the group (waiting for Redis if need be) and start the keeper thread."""
@@ -229,7 +253,9 @@ class Worker:
                 redis_s += time.perf_counter() - t
         self.held_jobs.expire_deadlines()
         self.held_jobs.start_backlog()
-        if self.engine.has_unfinished():
+        if not self._draining and (failure := self._rank_failure()) is not None:
+            self._engine_lost(RuntimeError(failure))  # noticed between steps (the worker may be idle)
+        elif self.engine.has_unfinished():
             t = time.perf_counter()
             self.held_jobs.step()
             step_s = time.perf_counter() - t

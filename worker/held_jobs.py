@@ -56,6 +56,9 @@ class HeldJobs:
     jobs: dict[str, Job] = field(default_factory=dict)  # by entry id: in the engine
     by_request: dict[str, Job] = field(default_factory=dict)  # by engine request id
     backlog: list[Job] = field(default_factory=list)  # held, not in the engine: suspects and jobs whose id is busy
+    # Called when a step raised an error marked ``engine_fatal`` (a tensor-parallel rank died): no job is to
+    # blame and the engine cannot step again; the worker hands everything back and exits.
+    engine_lost: Callable[[BaseException], None] | None = None
 
     @property
     def name(self) -> str:
@@ -186,6 +189,9 @@ class HeldJobs:
                 self.emit_tokens(job)
 
     def step_failed(self, exc: Exception) -> None:
+        if getattr(exc, "engine_fatal", False) and self.engine_lost is not None:
+            self.engine_lost(exc)
+            return
         culprit = self.by_request.get(str(getattr(exc, "request_id", "")))
         running = list(self.jobs.values())
         if culprit is None and len(running) == 1:
@@ -274,6 +280,16 @@ class HeldJobs:
         """Cancel or time out a job: a final with its partial text if it produced any, else an error."""
         self.take_out(job)
         self.end_final(job, stopped=reason)
+
+    def hand_back_all(self) -> list[Job]:
+        """Take every held job out and queue its entry for release to the group, claimable by any worker
+        at once: a job that produced nothing keeps its attempt count (it was not its fault), one that
+        streamed tokens is redelivered as its next attempt. Returns the jobs handed back."""
+        held = self.all()
+        for job in held:
+            self.take_out(job)
+            self.sender.releases[job.entry_id] = None if job.produced else job.attempt - 1
+        return held
 
     def all(self) -> list[Job]:
         return [*self.jobs.values(), *self.backlog]

@@ -74,6 +74,8 @@ def build_engine(settings: Settings) -> EngineLike:
             speculative_disable_by_batch_size=settings.speculative_disable_by_batch_size,
             max_model_len=settings.max_model_len,
             gpu_memory_utilization=settings.gpu_memory_utilization,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            distributed_timeout_s=settings.distributed_timeout_s,
             dtype=settings.dtype,
             device=device,
         )
@@ -120,6 +122,9 @@ def run_worker(settings: Settings) -> int:
             watchdog.join(timeout=2 * CHECK_EVERY_S)  # not left running while the interpreter shuts down
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            close = getattr(engine, "close", None)
+            if close is not None:  # tensor parallelism: stop the rank processes
+                close()
     except Exception:
         log.exception("worker.failed")
         return 1

@@ -76,6 +76,12 @@ class Settings(BaseSettings):
     )
     max_model_len: int | None = Field(None, gt=0, description="context cap; unset: the model's own")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="CUDA: share of free memory for KV")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="split the model over this many ranks (processes; one GPU each on CUDA)"
+    )
+    distributed_timeout_s: float = Field(
+        60.0, gt=0, description="tensor parallelism: a collective waiting longer has lost a rank (the worker exits)"
+    )
 
     # --- admission and reliability
     prefetch: int = Field(2, ge=0, le=1024, description="unstarted jobs held beyond free engine slots")

@@ -29,6 +29,10 @@ def engine_load(stats: EngineStats) -> dict[str, Any]:
         "prefix_cache_hits": stats.prefix_cache_hits,
         "spec_draft_tokens": stats.spec_draft_tokens,
         "spec_accepted_tokens": stats.spec_accepted_tokens,
+        # Memory per tensor-parallel rank (one entry on one rank): weights as held, and the KV cache.
+        "tensor_parallel_size": stats.tensor_parallel_size,
+        "rank_weight_bytes": list(stats.rank_weight_bytes),
+        "rank_kv_bytes": list(stats.rank_kv_bytes),
     }
 
 

@@ -9,6 +9,10 @@ concatenated into ``N`` rows, prefill chunks and decode tokens alike, with no pa
 attention needs to know where one sequence ends and the next begins (``AttentionMetadata``); every
 other op is row-wise. For CPU speed the q/k/v projections are one matmul and gate/up another, and
 residual adds are fused into the RMSNorms.
+
+Under tensor parallelism (``tp``, :mod:`engine.parallel_layers`) each rank builds the same modules with
+its share of the heads and of the MLP's width: qkv and gate_up are column-parallel, o_proj and down
+row-parallel, the embedding and lm_head vocab-parallel. With one rank those are the plain layers.
 """
 
 from __future__ import annotations
@@ -19,8 +23,17 @@ from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.kernel_dispatch import Ops
-from engine.layers import Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
+from engine.layers import Linear, RMSNorm, RotaryEmbedding
 from engine.model_config import ModelConfig
+from engine.parallel_layers import (
+    SINGLE,
+    AttentionShards,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    gather_logits,
+)
 from kernels import cpu_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -36,17 +49,21 @@ class LlamaAttention(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         device: torch.device | None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.ops = ops
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.shards = shards = AttentionShards.of(config, tp)  # this rank's heads (all of them on one rank)
+        self.num_heads = shards.num_heads
+        self.num_kv_heads = shards.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
+        self.q_size = shards.q_size
+        self.kv_size = shards.kv_size
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device, tp
+        )
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, dtype, device, tp)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -82,11 +99,21 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """Gated SiLU MLP with gate and up projections merged into one matmul."""
 
-    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device | None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: Ops,
+        dtype: torch.dtype,
+        device: torch.device | None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device)
+        self.intermediate_size = tp.split(config.intermediate_size, "intermediate_size")  # this rank's band
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, 2 * self.intermediate_size, False, dtype, device, tp
+        )
+        self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, False, dtype, device, tp)
         self.gated: cpu_linear.PackedWeight | None = None  # CPU: gate_up with the SiLU-and-mul fused in
 
     def prepack_gated(self, dtype: torch.dtype | None = None) -> bool:
@@ -120,10 +147,11 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         device: torch.device | None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, ops, rotary, dtype, device)
-        self.mlp = LlamaMLP(config, ops, dtype, device)
+        self.self_attn = LlamaAttention(config, ops, rotary, dtype, device, tp)
+        self.mlp = LlamaMLP(config, ops, dtype, device, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
 
@@ -155,11 +183,13 @@ class LlamaForCausalLM(nn.Module):
         ops: Ops,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.config = config
         self.ops = ops
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -169,15 +199,16 @@ class LlamaForCausalLM(nn.Module):
             device,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, ops, self.rotary_emb, dtype, device) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, ops, self.rotary_emb, dtype, device, tp) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
-        # Tied checkpoints share one tensor: no copy, and the loader fills it once.
+        # Tied checkpoints share one tensor: no copy, and the loader fills it once. Under tensor
+        # parallelism the lm_head holds the same vocabulary band as the embedding.
         self.lm_head_weight: nn.Parameter = (
             self.embed_tokens.weight
             if config.tie_word_embeddings
             else nn.Parameter(
-                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+                torch.empty(self.embed_tokens.weight.shape, dtype=dtype, device=device),
                 requires_grad=False,
             )
         )
@@ -225,7 +256,12 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [M, hidden]`` -> float32 logits ``[M, vocab]`` (matmul in the model dtype, like HF)."""
+        """``hidden [M, hidden]`` -> float32 logits ``[M, vocab]`` (matmul in the model dtype, like HF).
+
+        Under tensor parallelism each rank computes its vocabulary band and rank 0 gathers them all
+        (the other ranks get an empty tensor: only rank 0 samples)."""
         if self.lm_head_packed is not None:
-            return cpu_linear.linear(hidden, self.lm_head_packed, None).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+            logits = cpu_linear.linear(hidden, self.lm_head_packed, None).float()
+        else:
+            logits = F.linear(hidden, self.lm_head_weight).float()
+        return gather_logits(logits, self.tp, self.config.vocab_size)

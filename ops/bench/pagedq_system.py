@@ -42,6 +42,8 @@ class PagedqSystem(System):
             kwargs["num_speculative_tokens"] = spec
         if ctx.kv_cache_bytes is not None:
             kwargs["kv_cache_bytes"] = ctx.kv_cache_bytes
+        if ctx.tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = ctx.tensor_parallel_size
         return LLM(str(ctx.model_path), **kwargs)
 
     def load(self, ctx: BenchContext) -> Any:
@@ -115,6 +117,7 @@ class PagedqSystem(System):
             ),
         }
         self.inspect(llm, outs, workload, res)
+        llm.close()  # tensor parallelism: its ranks go now, before the next system starts its own
         del llm, engine
         free_memory()
         return res

@@ -80,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens", type=int, default=None,
         help="pagedq systems: draft tokens per decode step (prompt lookup, greedy); 0 = off; default: the engine's",
     )  # fmt: skip
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="pagedq offline systems: split the model over this many ranks (CPU: gloo, the threads shared out)",
+    )  # fmt: skip
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--redis-stream", action="store_true", help="stream token events in Redis offline runs")
     parser.add_argument(
@@ -322,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_bytes=kv_bytes,
             block_size=args.block_size,
             num_speculative_tokens=args.num_speculative_tokens,
+            tensor_parallel_size=args.tensor_parallel_size,
             hf_batch_size=args.hf_batch_size,
             work_dir=work_dir,
             redis_stream=args.redis_stream,
@@ -353,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
                 "kv_cache_bytes": kv_bytes,
                 "block_size": args.block_size,
                 "num_speculative_tokens": ctx.num_speculative_tokens,
+                "tensor_parallel_size": ctx.tensor_parallel_size,
             },
         }
         log(f"model {model_path} ({dtype}, {args.device}, {threads} threads); measuring the matmul peak")

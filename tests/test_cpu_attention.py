@@ -72,9 +72,10 @@ def make_batch(
 
 
 @pytest.mark.parametrize("use_c", [True, False])
-# head_dim 20 takes the decode kernel's portable path (not a multiple of 8) and torch's prefill (not a
-# multiple of 16); block size 4 leaves every block shorter than the AVX2 decode path's 8-row step, so
-# only its tail loops run, and makes the prefill kernel's 64-key chunks span many blocks.
+# head_dim 20 takes the decode kernel's portable path (not a multiple of 8; the avx512 build's masked-tail
+# task) and torch's prefill (not a multiple of 16); block size 4 leaves every block shorter than the AVX2
+# decode path's 8-row step, so only its tail loops run, and makes the prefill kernel's 64-key chunks span
+# many blocks.
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 1, 32), (6, 2, 20)])
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 def test_matches_reference(
@@ -108,7 +109,8 @@ def test_matches_reference(
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 32), (6, 2, 16)])
+# head_dim 20: the avx512 build's masked-tail task (other builds: the portable loops).
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 32), (6, 2, 16), (6, 2, 20)])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_decode_task_shapes_agree(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
     # The decode kernel runs one task per sequence (copying each block's rows in memory order) when

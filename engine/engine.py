@@ -107,6 +107,7 @@ class Engine:
             device=config.device,
             backend=config.backend,
             kv_blocks=self.runner.num_blocks,
+            kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
             block_size=config.block_size,
             max_model_len=self.max_model_len,
         )
@@ -521,6 +522,8 @@ class Engine:
             spec_accepted_tokens=self.num_accepted_tokens,
             kernel_variant=self.kernel_variant,
             matmul_dtype=str(self.config.matmul_weight_dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
+            kv_cache_bytes=self.runner.kv_cache.numel() * self.runner.kv_cache.element_size(),
         )
 
 

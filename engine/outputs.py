@@ -85,3 +85,5 @@ class EngineStats:
     # CPU: the C-kernel build in use (generic, avx2, avx512; kernels/cpu_isa) and the matmul weight dtype
     kernel_variant: str | None = None
     matmul_dtype: str = ""
+    kv_cache_dtype: str = ""  # what the paged KV cache stores (bfloat16 under CPU bf16: half the bytes)
+    kv_cache_bytes: int = 0  # the whole KV cache, every layer

@@ -4,12 +4,19 @@
  * Gathering each sequence's context into a contiguous tensor costs more than the attention itself
  * on a CPU (advanced indexing moves data at a fraction of memory bandwidth), so this kernel walks the
  * block table and reads every K/V row once per step, block by block, for all the query heads that
- * share its kv head (GQA/MQA). float32 only; the caller falls back to torch otherwise.
+ * share its kv head (GQA/MQA). float32 queries and arithmetic (caches float32 or bfloat16, below); the
+ * caller falls back to torch otherwise.
  * Where many decode sequences start with the same blocks (a cached prompt prefix), those are attended
  * once for all of them (cascade attention, see decode_cascade_blocks) and merged into each.
  *
  * Layouts: q [*, H, D] with strides (q_tok, q_head, 1); out [N, H, D] contiguous;
  * k_cache, v_cache [num_blocks, block_size, KVH, D] contiguous; block_tables [S, max_blocks].
+ *
+ * The caches hold float32, or bfloat16 with kv_bf16 set (half the bytes a step reads, and twice the
+ * blocks in the same memory). Every K/V row passes through kv_block (or flash_rows' copies) on its way
+ * in: bf16 rows are widened to fp32 there, into the L1-resident staging the fp32 path already copies
+ * through, and everything after runs the same fp32 arithmetic. Widening is exact (a bf16 is the top
+ * half of a float), so a bf16 cache gives what the fp32 kernels give on the same values.
  *
  * Two implementations of one (sequence, kv head) task: an AVX2/FMA one for head_dim % 8 == 0 (every
  * model pagedq ships for) and a portable one. The AVX2 one computes 8 scores at a time with 8
@@ -49,7 +56,7 @@ static inline float dot1(const float *restrict qq, const float *restrict k, int6
 
 typedef struct {
     const float *q; int64_t q_tok, q_head;
-    const float *k_cache, *v_cache; float *out;
+    const void *k_cache, *v_cache; float *out;
     const int64_t *rows; const int32_t *seq_lens, *block_tables;
     int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
@@ -59,7 +66,33 @@ typedef struct {
        sequences (prefix_task) and each task merges it with its own positions. 0: no shared prefix. */
     int64_t prefix_blocks;
     float *prefix_o, *prefix_m, *prefix_l;
+    int kv_bf16;
 } attn_args;
+
+/* One block's rows 0..n-1 (row stride rs floats) of `cache`, columns col0..col0+cols-1 needed, as fp32.
+ * fp32 without `copy_to`: read in place. With it: copied there in memory order (fp32) or widened (bf16),
+ * at the same offsets, and the next block (`next`, -1: none) is prefetched meanwhile when whole rows are
+ * copied. bf16 always needs `copy_to`. Returns the block's row 0, column 0. */
+static inline const float *kv_block(const void *cache, int bf16, int64_t block, int64_t next, int64_t block_stride,
+                                    int64_t n, int64_t rs, int64_t col0, int64_t cols, float *copy_to)
+{
+    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const char *rows = (const char *)cache + (size_t)(block * block_stride) * elem;
+    if (!copy_to) return (const float *)rows;
+    if (!bf16) {
+        memcpy(copy_to, rows, sizeof(float) * n * rs);
+    } else if (cols == rs) {
+        bf16_to_f32((const uint16_t *)rows, copy_to, n * rs);
+    } else {
+        for (int64_t t = 0; t < n; t++)
+            bf16_to_f32((const uint16_t *)rows + t * rs + col0, copy_to + t * rs + col0, cols);
+    }
+    if (next >= 0 && cols == rs) {
+        const char *nb = (const char *)cache + (size_t)(next * block_stride) * elem;
+        for (size_t off = 0; off < (size_t)block_stride * elem; off += 64) __builtin_prefetch(nb + off, 0, 3);
+    }
+    return copy_to;
+}
 
 /* Where one (sequence s, kv head h) task reads and writes. */
 typedef struct {
@@ -83,8 +116,9 @@ static inline task_view view_of(const attn_args *a, int64_t s, int64_t h)
     return v;
 }
 
-/* Portable task: any head_dim. `scores` holds group * len floats, `qs` group * head_dim. */
-static void task_generic(const attn_args *a, int64_t s, int64_t h, float *scores, float *qs)
+/* Portable task: any head_dim. `scores` holds group * len floats, `qs` group * head_dim, `staging` (a bf16
+ * cache's widened block) block_size * KVH * head_dim. */
+static void task_generic(const attn_args *a, int64_t s, int64_t h, float *scores, float *qs, float *staging)
 {
     const task_view tv = view_of(a, s, h);
     const int64_t group = tv.group, head_dim = a->head_dim, block_size = a->block_size;
@@ -95,8 +129,9 @@ static void task_generic(const attn_args *a, int64_t s, int64_t h, float *scores
         for (int64_t d = 0; d < head_dim; d++) qs[g * head_dim + d] = tv.qg[g * a->q_head + d] * a->scale;
 
     for (int64_t b = 0; b < nblocks; b++) {
-        const float *kb = a->k_cache + (int64_t)table[b] * block_stride + h * head_dim;
         const int64_t n = (b + 1) * block_size <= len ? block_size : len - b * block_size;
+        const float *kb = kv_block(a->k_cache, a->kv_bf16, table[b], -1, block_stride, n, row_stride, h * head_dim,
+                                   head_dim, a->kv_bf16 ? staging : NULL) + h * head_dim;
         const int64_t base = b * block_size;
         for (int64_t g = 0; g < group; g++) {
             const float *qq = qs + g * head_dim;
@@ -119,8 +154,9 @@ static void task_generic(const attn_args *a, int64_t s, int64_t h, float *scores
     }
     memset(acc, 0, sizeof(float) * group * head_dim);
     for (int64_t b = 0; b < nblocks; b++) {
-        const float *vb = a->v_cache + (int64_t)table[b] * block_stride + h * head_dim;
         const int64_t n = (b + 1) * block_size <= len ? block_size : len - b * block_size;
+        const float *vb = kv_block(a->v_cache, a->kv_bf16, table[b], -1, block_stride, n, row_stride, h * head_dim,
+                                   head_dim, a->kv_bf16 ? staging : NULL) + h * head_dim;
         const int64_t base = b * block_size;
         for (int64_t g = 0; g < group; g++) {
             const float *sc = scores + g * len + base;
@@ -145,21 +181,6 @@ static void task_generic(const attn_args *a, int64_t s, int64_t h, float *scores
 }
 
 #ifdef PAGEDQ_AVX2
-/* Block b's rows of `cache` (all kv heads): with `copy_to`, copied there in memory order (the next
- * block prefetched meanwhile) and read from the copy; else read in place. */
-static inline const float *block_rows(const float *cache, const int32_t *table, int64_t b, int64_t nblocks,
-                                      int64_t block_stride, int64_t floats, float *copy_to)
-{
-    const float *rows = cache + (int64_t)table[b] * block_stride;
-    if (!copy_to) return rows;
-    memcpy(copy_to, rows, sizeof(float) * floats);
-    if (b + 1 < nblocks) {
-        const float *next = cache + (int64_t)table[b + 1] * block_stride;
-        for (int64_t off = 0; off < block_stride; off += 16) _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
-    }
-    return copy_to;
-}
-
 /* AVX2 task: kv heads h0..h1-1 of sequence s, head_dim % 8 == 0. `scratch` holds
  * nh * (len + D + 2) + block_size * KVH * D floats, nh = (h1 - h0) * group query heads.
  *
@@ -179,7 +200,8 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, flo
     const int32_t *table = tv.table;
     float *acc = tv.acc;  /* nh contiguous output rows: query heads h0 * group ... */
     float *scores = scratch, *qs = scores + nh * len, *mxs = qs + nh * D, *sums = mxs + nh;
-    float *copy_to = h1 - h0 == a->num_kv_heads ? sums + nh : NULL;  /* whole rows: stage each block */
+    /* whole rows (or a bf16 cache): stage each block */
+    float *copy_to = h1 - h0 == a->num_kv_heads || a->kv_bf16 ? sums + nh : NULL;
     const __m256 vscale = _mm256_set1_ps(a->scale);
     for (int64_t r = 0; r < nh; r++)
         for (int64_t c = 0; c < D; c += 8)
@@ -188,7 +210,8 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, flo
     for (int64_t b = b0; b < nblocks; b++) {
         const int64_t base = b * block_size - first;
         const int64_t n = base + block_size <= len ? block_size : len - base;
-        const float *kb = block_rows(a->k_cache, table, b, nblocks, block_stride, n * rs, copy_to) + h0 * D;
+        const float *kb = kv_block(a->k_cache, a->kv_bf16, table[b], b + 1 < nblocks ? table[b + 1] : -1, block_stride,
+                                   n, rs, h0 * D, (h1 - h0) * D, copy_to) + h0 * D;
         for (int64_t r = 0; r < nh; r++) {
             const float *qq = qs + r * D, *kh = kb + (r / group) * D;
             float *sc = scores + r * len + base;
@@ -243,7 +266,8 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, flo
     for (int64_t b = b0; b < nblocks; b++) {
         const int64_t base = b * block_size - first;
         const int64_t n = base + block_size <= len ? block_size : len - base;
-        const float *vb = block_rows(a->v_cache, table, b, nblocks, block_stride, n * rs, copy_to) + h0 * D;
+        const float *vb = kv_block(a->v_cache, a->kv_bf16, table[b], b + 1 < nblocks ? table[b + 1] : -1, block_stride,
+                                   n, rs, h0 * D, (h1 - h0) * D, copy_to) + h0 * D;
         for (int64_t r = 0; r < nh; r++) {
             const float *sc = scores + r * len + base, *vh = vb + (r / group) * D;
             float *o = acc + r * D;
@@ -309,7 +333,7 @@ static void task_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, f
     const int32_t *table = tv.table;
     float *acc = tv.acc;
     float *scores = scratch, *qs = scores + nh * len, *mxs = qs + nh * D, *sums = mxs + nh;
-    float *copy_to = h1 - h0 == a->num_kv_heads ? sums + nh : NULL;
+    float *copy_to = h1 - h0 == a->num_kv_heads || a->kv_bf16 ? sums + nh : NULL;
     const __m512 vscale = _mm512_set1_ps(a->scale);
     for (int64_t r = 0; r < nh; r++)
         for (int64_t c = 0; c < D; c += 16)
@@ -319,7 +343,8 @@ static void task_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, f
     for (int64_t b = b0; b < nblocks; b++) {
         const int64_t base = b * block_size - first;
         const int64_t n = base + block_size <= len ? block_size : len - base;
-        const float *kb = block_rows(a->k_cache, table, b, nblocks, block_stride, n * rs, copy_to) + h0 * D;
+        const float *kb = kv_block(a->k_cache, a->kv_bf16, table[b], b + 1 < nblocks ? table[b + 1] : -1, block_stride,
+                                   n, rs, h0 * D, (h1 - h0) * D, copy_to) + h0 * D;
         for (int64_t r = 0; r < nh; r++) {
             const float *qq = qs + r * D, *kh = kb + (r / group) * D;
             float *sc = scores + r * len + base;
@@ -373,7 +398,8 @@ static void task_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, f
     for (int64_t b = b0; b < nblocks; b++) {
         const int64_t base = b * block_size - first;
         const int64_t n = base + block_size <= len ? block_size : len - base;
-        const float *vb = block_rows(a->v_cache, table, b, nblocks, block_stride, n * rs, copy_to) + h0 * D;
+        const float *vb = kv_block(a->v_cache, a->kv_bf16, table[b], b + 1 < nblocks ? table[b + 1] : -1, block_stride,
+                                   n, rs, h0 * D, (h1 - h0) * D, copy_to) + h0 * D;
         for (int64_t r = 0; r < nh; r++) {
             const float *sc = scores + r * len + base, *vh = vb + (r / group) * D;
             float *o = acc + r * D;
@@ -451,7 +477,7 @@ int paged_prefill_attention_supported(int64_t head_dim)
  * (unnormalised), max m and sum l [R]; work space S [R, KC], alpha [R], Kt [D, KC], Vc [KC, D], T [R, D]. */
 typedef struct {
     int64_t R;
-    float *Qs, *O, *m, *l, *S, *alpha, *Kt, *Vc, *T;
+    float *Qs, *O, *m, *l, *S, *alpha, *Kt, *Vc, *T, *Kc; /* Kc [KC, D]: a bf16 chunk's keys widened */
 } flash_tile;
 
 static flash_tile flash_tile_in(float *scratch, int64_t R, int64_t D)
@@ -460,12 +486,13 @@ static flash_tile flash_tile_in(float *scratch, int64_t R, int64_t D)
     t.R = R;
     t.Qs = scratch; t.O = t.Qs + R * D; t.T = t.O + R * D; t.S = t.T + R * D;
     t.m = t.S + R * KC; t.l = t.m + R; t.alpha = t.l + R; t.Kt = t.alpha + R; t.Vc = t.Kt + D * KC;
+    t.Kc = t.Vc + KC * D;
     for (int64_t r = 0; r < R; r++) { t.m[r] = -INFINITY; t.l[r] = 0.f; }
     memset(t.O, 0, sizeof(float) * R * D);
     return t;
 }
 
-static size_t flash_tile_floats(int64_t R, int64_t D) { return (size_t)(3 * R * D + R * KC + 3 * R + 2 * D * KC + 16); }
+static size_t flash_tile_floats(int64_t R, int64_t D) { return (size_t)(3 * R * D + R * KC + 3 * R + 3 * D * KC + 16); }
 
 /* Row r of the chunk's scores S (KC keys) -> softmax numerators under the row's running max, updating
  * its max m, sum l and the rescale alpha of what it accumulated before. With `masked`, keys past
@@ -526,7 +553,7 @@ static inline void chunk_softmax(flash_tile *t, int64_t r, int64_t last, int mas
 
 /* Accumulate positions 0..end-1 (through `table`, blocks of bs, K/V rows of stride rs) into the tile.
  * Causal when nq > 0: row r is the query at position p0 + r % nq and sees keys up to it. */
-static void flash_rows(flash_tile *t, const float *k_cache, const float *v_cache, const int32_t *table,
+static void flash_rows(flash_tile *t, const void *k_cache, const void *v_cache, int bf16, const int32_t *table,
                        int64_t bs, int64_t rs, int64_t h, int64_t D, int64_t end, int64_t p0, int64_t nq)
 {
     const int64_t R = t->R;
@@ -540,8 +567,14 @@ static void flash_rows(flash_tile *t, const float *k_cache, const float *v_cache
                 const int64_t pos = c0 + j;
                 if (j >= nk) { kr[j - j0] = NULL; continue; }
                 const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * rs + h * D;
-                kr[j - j0] = k_cache + off;
-                memcpy(Vc + j * D, v_cache + off, sizeof(float) * D);
+                if (bf16) {
+                    bf16_to_f32((const uint16_t *)k_cache + off, t->Kc + j * D, D);
+                    bf16_to_f32((const uint16_t *)v_cache + off, Vc + j * D, D);
+                    kr[j - j0] = t->Kc + j * D;
+                } else {
+                    kr[j - j0] = (const float *)k_cache + off;
+                    memcpy(Vc + j * D, (const float *)v_cache + off, sizeof(float) * D);
+                }
             }
             for (int64_t d0 = 0; d0 < D; d0 += 8) {
                 __m256 m8[8];
@@ -589,7 +622,7 @@ static void prefix_task(const attn_args *a, int64_t h, int64_t s0, float *scratc
             float *dst = t.Qs + (j * G + g) * D;
             for (int64_t d = 0; d < D; d++) dst[d] = src[d] * a->scale;
         }
-    flash_rows(&t, a->k_cache, a->v_cache, a->block_tables + s0 * a->max_blocks, a->block_size,
+    flash_rows(&t, a->k_cache, a->v_cache, a->kv_bf16, a->block_tables + s0 * a->max_blocks, a->block_size,
                a->num_kv_heads * D, h, D, a->prefix_blocks * a->block_size, 0, 0);
     for (int64_t j = 0; j < ns; j++)
         for (int64_t g = 0; g < G; g++) {
@@ -641,10 +674,10 @@ int64_t decode_cascade_blocks(const int32_t *seq_lens, const int32_t *block_tabl
 
 void paged_decode_attention_f32(
     const float *q, int64_t q_tok, int64_t q_head,
-    const float *k_cache, const float *v_cache, float *out,
+    const void *k_cache, const void *v_cache, float *out,
     const int64_t *rows, const int32_t *seq_lens, const int32_t *block_tables,
     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, int cascade, int num_threads)
+    int64_t head_dim, int64_t block_size, float scale, int kv_bf16, int cascade, int num_threads)
 {
     const int64_t group = num_heads / num_kv_heads;
     int use_avx2 = 0;
@@ -660,7 +693,7 @@ void paged_decode_attention_f32(
     const attn_args a = {q, q_tok, q_head, k_cache, v_cache, out, rows, seq_lens, block_tables,
                          max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale, num_seqs,
                          prefix_blocks, prefix, prefix ? prefix + num_seqs * num_heads * head_dim : NULL,
-                         prefix ? prefix + num_seqs * num_heads * (head_dim + 1) : NULL};
+                         prefix ? prefix + num_seqs * num_heads * (head_dim + 1) : NULL, kv_bf16};
     int64_t max_len = 0;
     for (int64_t s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
     const int64_t prefix_tiles = prefix_blocks ? (num_seqs + QT - 1) / QT : 0;
@@ -673,7 +706,7 @@ void paged_decode_attention_f32(
     const int64_t parts = num_kv_heads / per_task;
     #pragma omp parallel num_threads(num_threads)
     {
-        const int64_t staging = per_task == num_kv_heads ? block_size * num_kv_heads * head_dim : 0;
+        const int64_t staging = per_task == num_kv_heads || kv_bf16 ? block_size * num_kv_heads * head_dim : 0;
         size_t floats = (size_t)(per_task * group * (max_len + head_dim + 2) + staging + 8);
 #ifdef PAGEDQ_AVX2
         if (prefix_tiles && flash_tile_floats(QT * group, head_dim) > floats) floats = flash_tile_floats(QT * group, head_dim);
@@ -694,7 +727,7 @@ void paged_decode_attention_f32(
 #ifdef PAGEDQ_AVX2
                 if (use_avx2) { task_avx2(&a, s, part * per_task, (part + 1) * per_task, scratch); continue; }
 #endif
-                task_generic(&a, s, part, scratch, scratch + group * max_len);
+                task_generic(&a, s, part, scratch, scratch + group * max_len, scratch + group * (max_len + head_dim));
             }
         }
         free(scratch);
@@ -711,10 +744,11 @@ void paged_decode_attention_f32(
 #ifdef PAGEDQ_AVX2
 typedef struct {
     const float *q; int64_t q_tok, q_head;
-    const float *k_cache, *v_cache; float *out;
+    const void *k_cache, *v_cache; float *out;
     const int64_t *q_starts; const int32_t *q_lens, *seq_lens, *block_tables;
     int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
+    int kv_bf16;
 } prefill_args;
 
 static void prefill_task(const prefill_args *a, int64_t s, int64_t h, int64_t t0, float *scratch)
@@ -729,7 +763,7 @@ static void prefill_task(const prefill_args *a, int64_t s, int64_t h, int64_t t0
             float *dst = t.Qs + (g * nq + i) * D;
             for (int64_t d = 0; d < D; d++) dst[d] = src[d] * a->scale;
         }
-    flash_rows(&t, a->k_cache, a->v_cache, a->block_tables + s * a->max_blocks, a->block_size,
+    flash_rows(&t, a->k_cache, a->v_cache, a->kv_bf16, a->block_tables + s * a->max_blocks, a->block_size,
                a->num_kv_heads * D, h, D, p0 + nq, p0, nq);
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < nq; i++) {
@@ -745,14 +779,14 @@ static void prefill_task(const prefill_args *a, int64_t s, int64_t h, int64_t t0
 /* out [N, H, D] contiguous; q, caches as for decode. Requires paged_prefill_attention_supported(). */
 void paged_prefill_attention_f32(
     const float *q, int64_t q_tok, int64_t q_head,
-    const float *k_cache, const float *v_cache, float *out,
+    const void *k_cache, const void *v_cache, float *out,
     const int64_t *q_starts, const int32_t *q_lens, const int32_t *seq_lens, const int32_t *block_tables,
     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, int num_threads)
+    int64_t head_dim, int64_t block_size, float scale, int kv_bf16, int num_threads)
 {
 #ifdef PAGEDQ_AVX2
     const prefill_args a = {q, q_tok, q_head, k_cache, v_cache, out, q_starts, q_lens, seq_lens,
-                            block_tables, max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale};
+                            block_tables, max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale, kv_bf16};
     const int64_t G = num_heads / num_kv_heads;
     int64_t num_tasks = 0;
     for (int64_t s = 0; s < num_seqs; s++) num_tasks += num_kv_heads * ((q_lens[s] + QT - 1) / QT);
@@ -775,6 +809,6 @@ void paged_prefill_attention_f32(
 #else
     (void)q; (void)q_tok; (void)q_head; (void)k_cache; (void)v_cache; (void)out; (void)q_starts;
     (void)q_lens; (void)seq_lens; (void)block_tables; (void)num_seqs; (void)max_blocks; (void)num_heads;
-    (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale; (void)num_threads;
+    (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale; (void)kv_bf16; (void)num_threads;
 #endif
 }

@@ -112,10 +112,14 @@ def test_matches_reference(
 # head_dim 20: the avx512 build's masked-tail task (other builds: the portable loops).
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 32), (6, 2, 16), (6, 2, 20)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_task_shapes_agree(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_task_shapes_agree(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
+) -> None:
     # The decode kernel runs one task per sequence (copying each block's rows in memory order) when
     # there are at least as many sequences as threads, else one per (sequence, kv head): both must
     # give the reference's result, and the same bits as each other (same arithmetic, in the same order).
+    # A bf16 cache is widened whole rows at a time in the first, one kv head's columns in the second.
     if not cpu_attention.available():
         pytest.skip("no C compiler: the torch fallback is what runs here")
     rng = random.Random(head_dim + block_size)
@@ -124,6 +128,7 @@ def test_decode_task_shapes_agree(num_heads: int, num_kv_heads: int, head_dim: i
     meta, q, _, _, k_cache, v_cache = make_batch(
         seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size
     )
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     rows = torch.arange(len(seq_lens))
     tables = meta.block_tables.contiguous()
     scale = head_dim**-0.5
@@ -138,7 +143,8 @@ def test_decode_task_shapes_agree(num_heads: int, num_kv_heads: int, head_dim: i
     finally:
         torch.set_num_threads(threads)
     args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len, meta.max_seq_len)
-    torch.testing.assert_close(outs[0], paged_attention_torch(q, k_cache, v_cache, *args), atol=2e-5, rtol=1e-4)
+    ref = paged_attention_torch(q, k_cache.float(), v_cache.float(), *args)
+    torch.testing.assert_close(outs[0], ref, atol=2e-5, rtol=1e-4)
     assert torch.equal(outs[0], outs[1])
 
 

@@ -68,8 +68,10 @@ class TorchAttention:
 
     Decode tokens (one query each, the bulk of a busy step) and prefill chunks each go through a C
     kernel that reads the cache in place (``kernels/cpu_attention``), one call per layer for all of
-    them; without a compiler, for non-float32 caches or head sizes the prefill kernel does not
+    them; without a compiler, for queries other than float32 or head sizes the prefill kernel does not
     cover, torch paths gather the blocks instead (decode: one batched SDPA; prefill: one per chunk).
+    The cache may hold a narrower dtype than the queries (bf16 under fp32 activations: half the bytes):
+    the K/V are written rounded to nearest even, and read back widened to the queries' dtype.
     """
 
     name = "torch"
@@ -122,7 +124,12 @@ class TorchAttention:
         plan: _TorchPlan = meta.backend_state
         out = q.new_empty(q.shape)
         if plan.decode_rows.numel():
-            if q.dtype == torch.float32 and q.stride(-1) == 1 and cpu_attention.available():
+            if (
+                q.dtype == torch.float32
+                and q.stride(-1) == 1
+                and k_cache.dtype in cpu_attention.KV_DTYPES
+                and cpu_attention.available()
+            ):
                 cpu_attention.paged_decode_attention(
                     q, k_cache, v_cache, out, plan.decode_rows, plan.decode_seq_lens, plan.decode_tables, scale
                 )
@@ -142,7 +149,7 @@ class TorchAttention:
 def _c_prefill_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
         q.dtype == torch.float32
-        and k_cache.dtype == torch.float32
+        and k_cache.dtype in cpu_attention.KV_DTYPES
         and q.stride(-1) == 1
         and k_cache.is_contiguous()
         and cpu_attention.prefill_supported(q.shape[-1])
@@ -171,8 +178,8 @@ def _decode_torch(
     block_size = k_cache.shape[1]
     num_blocks = -(-plan.decode_max_len // block_size)
     tables = plan.decode_tables[:, :num_blocks].long()
-    k = _context(k_cache, tables)  # [Sd, KVH, L, D]
-    v = _context(v_cache, tables)
+    k = _context(k_cache, tables).to(q.dtype)  # [Sd, KVH, L, D]
+    v = _context(v_cache, tables).to(q.dtype)
     pos = torch.arange(k.shape[2], device=q.device)
     mask = (pos[None, :] < plan.decode_seq_lens[:, None].long())[:, None, None, :]
     out = F.scaled_dot_product_attention(
@@ -186,8 +193,8 @@ def _prefill_torch(
 ) -> torch.Tensor:
     num_blocks = -(-p.seq_len // k_cache.shape[1])
     blocks = p.blocks[:num_blocks].long()
-    k = _context(k_cache, blocks)[:, : p.seq_len]  # [KVH, L, D]
-    v = _context(v_cache, blocks)[:, : p.seq_len]
+    k = _context(k_cache, blocks)[:, : p.seq_len].to(q.dtype)  # [KVH, L, D]
+    v = _context(v_cache, blocks)[:, : p.seq_len].to(q.dtype)
     # 4-D inputs: with 3-D ones torch's CPU SDPA takes the slow "math" path instead of flash (3-4x).
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],

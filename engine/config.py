@@ -101,8 +101,8 @@ class EngineConfig:
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        """What the model computes in between matmuls, and the KV cache's dtype. On CPU bf16 stays a
-        matmul-weight format: norms, rotary, attention and the cache run in fp32, on the fp32 C kernels
+        """What the model computes in between matmuls. On CPU bf16 is a matmul-weight and KV-cache
+        format (:attr:`kv_cache_dtype`): norms, rotary and attention run in fp32, on the fp32 C kernels
         (kernels/cpu_*), and each matmul rounds its input to bf16 (kernels/cpu_linear). The bf16 weights
         halve what a decode step streams; the fp32 activations cost little and keep more precision."""
         dtype = self.torch_dtype
@@ -127,6 +127,18 @@ class EngineConfig:
         if self.speculative_disable_by_batch_size is not None:
             return self.speculative_disable_by_batch_size
         return 128 if self.matmul_weight_dtype in (torch.bfloat16, torch.float16) else 32
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """What the paged KV cache stores. It follows ``dtype``: under CPU bf16 (fp32 activations) the cache
+        is bf16, half the bytes per block, so twice the blocks in the same ``kv_cache_bytes`` and half the
+        bytes each decode step reads; the C attention kernels widen it back to fp32 as they read it
+        (exactly) and the attention arithmetic stays fp32. The K/V are rounded to bf16 once, when written.
+        fp32 keeps an fp32 cache (exact parity)."""
+        activations = self.activation_dtype
+        if self.torch_device.type == "cpu" and self.torch_dtype == torch.bfloat16 and self.backend == "torch":
+            return torch.bfloat16
+        return activations
 
     @property
     def matmul_weight_dtype(self) -> torch.dtype:

@@ -157,6 +157,10 @@ class DistributedModelRunner:
     def kv_bytes(self) -> int:
         return self.local.kv_bytes
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.local.kv_dtype
+
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Not under tensor parallelism: steps run eagerly."""
 

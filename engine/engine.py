@@ -127,6 +127,7 @@ class Engine:
             backend=config.backend,
             kv_blocks=self.runner.num_blocks,
             tensor_parallel_size=config.tensor_parallel_size,
+            kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
             block_size=config.block_size,
             max_model_len=self.max_model_len,
         )
@@ -557,6 +558,8 @@ class Engine:
             tensor_parallel_size=self.config.tensor_parallel_size,
             rank_weight_bytes=self.rank_weight_bytes,
             rank_kv_bytes=self.rank_kv_bytes,
+            kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
+            kv_cache_bytes=sum(self.rank_kv_bytes),  # every rank's
         )
 
 

@@ -70,7 +70,8 @@ class ModelRunner:
         self.tp = tp
         self.stats = stats if stats is not None else StepStats()
         self.device = device if device is not None else config.torch_device
-        self.dtype = config.activation_dtype  # the model's and the KV cache's (fp32 under CPU bf16 matmuls)
+        self.dtype = config.activation_dtype  # the model's (fp32 under CPU bf16 matmuls)
+        self.kv_dtype = config.kv_cache_dtype  # the KV cache's (bf16 under CPU bf16 matmuls: half the bytes)
         self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.backend, tp)
         if self.device.type == "cpu" and config.cpu_weight_prepack:
             self.model.prepack_cpu_weights(config.matmul_weight_dtype)
@@ -83,9 +84,9 @@ class ModelRunner:
             self.num_blocks = agree(self.num_blocks)
         shape = (mc.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         if self.device.type == "cpu":
-            self.kv_cache = host_memory.zeros(shape, self.dtype)
+            self.kv_cache = host_memory.zeros(shape, self.kv_dtype)
         else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         self.graphs: DecodeGraphs | None = None
@@ -103,7 +104,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model_fn, self.device, max_num_seqs, max_model_len, self.block_size)
 
     def kv_bytes_per_block(self, mc: ModelConfig) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
 
     def _num_kv_blocks(self, mc: ModelConfig) -> int:

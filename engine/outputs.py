@@ -89,3 +89,5 @@ class EngineStats:
     tensor_parallel_size: int = 1
     rank_weight_bytes: list[int] = field(default_factory=list)
     rank_kv_bytes: list[int] = field(default_factory=list)
+    kv_cache_dtype: str = ""  # what the paged KV cache stores (bfloat16 under CPU bf16: half the bytes)
+    kv_cache_bytes: int = 0  # the whole KV cache, every layer

@@ -22,11 +22,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     # (num_seqs, max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale) after their own arguments.
     query_and_cache: list[Any] = [ptr, i64, i64, ptr, ptr, ptr]  # what _query_and_cache passes
     shapes_and_scale: list[Any] = [i64, i64, i64, i64, i64, i64, f32]
-    decode = lib.paged_decode_attention_f32  # + rows, seq_lens, block_tables; cascade, num_threads
-    decode.argtypes = [*query_and_cache, ptr, ptr, ptr, *shapes_and_scale, c_int, c_int]
+    # Then kv_bf16 (the caches hold bfloat16, else float32).
+    decode = lib.paged_decode_attention_f32  # + rows, seq_lens, block_tables; kv_bf16, cascade, num_threads
+    decode.argtypes = [*query_and_cache, ptr, ptr, ptr, *shapes_and_scale, c_int, c_int, c_int]
     decode.restype = None
-    prefill = lib.paged_prefill_attention_f32  # + q_starts, q_lens, seq_lens, block_tables; num_threads
-    prefill.argtypes = [*query_and_cache, ptr, ptr, ptr, ptr, *shapes_and_scale, c_int]
+    prefill = lib.paged_prefill_attention_f32  # + q_starts, q_lens, seq_lens, block_tables; kv_bf16, num_threads
+    prefill.argtypes = [*query_and_cache, ptr, ptr, ptr, ptr, *shapes_and_scale, c_int, c_int]
     prefill.restype = None
     lib.paged_prefill_attention_supported.argtypes = [i64]
     lib.paged_prefill_attention_supported.restype = ctypes.c_int
@@ -50,6 +51,16 @@ def _shapes_and_scale(
     return num_seqs, block_tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size, scale
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16)
+"""What the caches may hold: bf16 rows are widened to fp32 (exactly) as the kernels read them."""
+
+
+def _kv_bf16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in KV_DTYPES:
+        raise TypeError(f"KV caches must both be float32 or bfloat16, got {k_cache.dtype} and {v_cache.dtype}")
+    return int(k_cache.dtype == torch.bfloat16)
+
+
 def available() -> bool:
     """Build (once) and report whether the kernel can be used in this process."""
     return c_build.load(_NAME, _bind) is not None
@@ -69,7 +80,8 @@ def paged_decode_attention(
     """Write into ``out[rows]`` the attention of the single-token queries ``q[rows]`` over their contexts.
 
     ``q [N, H, D]`` float32 with a unit last stride; ``rows`` int64, ``seq_lens``/``block_tables``
-    int32, all contiguous CPU tensors; caches contiguous ``[num_blocks, block_size, KVH, D]``.
+    int32, all contiguous CPU tensors; caches contiguous ``[num_blocks, block_size, KVH, D]``, float32
+    or bfloat16 (:data:`KV_DTYPES`; the arithmetic is fp32 either way).
     With ``cascade``, blocks that start every sequence's table (a shared prompt prefix) are attended
     once for all sequences and merged into each (same result; the prefix is read once, not per
     sequence). The kernel finds them itself, so the engine needs no plan for it.
@@ -82,6 +94,7 @@ def paged_decode_attention(
         seq_lens.data_ptr(),
         block_tables.data_ptr(),
         *_shapes_and_scale(rows.shape[0], block_tables, q, k_cache, scale),
+        _kv_bf16(k_cache, v_cache),
         int(cascade),
         torch.get_num_threads(),
     )
@@ -143,5 +156,6 @@ def paged_prefill_attention(
         seq_lens.data_ptr(),
         block_tables.data_ptr(),
         *_shapes_and_scale(q_starts.shape[0], block_tables, q, k_cache, scale),
+        _kv_bf16(k_cache, v_cache),
         torch.get_num_threads(),
     )

@@ -12,7 +12,10 @@ def write_kv_cache_torch(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store ``k, v [N, KVH, D]`` at ``slot_mapping [N]`` of caches ``[num_blocks, block_size, KVH, D]``."""
+    """Store ``k, v [N, KVH, D]`` at ``slot_mapping [N]`` of caches ``[num_blocks, block_size, KVH, D]``.
+
+    Into a narrower cache (fp32 K/V into a bf16 one) they are rounded to nearest, ties to even, as torch's
+    conversions round."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -272,6 +272,9 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
     assert {"forward", "schedule", "sample", "detokenize", "prepare_inputs"} <= pq["breakdown"]["shares"].keys()
     assert pq["breakdown"]["steps"] > 0
     assert 0 < pq["kv"]["peak_usage"] <= 1 and 0 < pq["kv"]["block_fill_at_peak"] <= 1
+    # The suite caps the ISA below bf16, so auto is fp32 and so is the cache; its size is the budget's.
+    assert pq["kv"]["dtype"] == "float32" and 0 < pq["kv"]["bytes"] <= report["meta"]["engine_config"]["kv_cache_bytes"]
+    assert " MiB float32)" in proc.stdout
     assert "hit_rate" in pq["prefix_cache"]
     spec = pq["speculative"]  # greedy workloads: drafts are verified and counted
     assert spec["num_speculative_tokens"] > 0 and spec["draft_tokens"] >= spec["accepted_tokens"] >= 0

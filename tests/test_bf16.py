@@ -1,4 +1,5 @@
-"""bf16 as a CPU dtype (issue #18): bf16 matmul weights on AMX / AVX512-bf16 under fp32 activations.
+"""bf16 as a CPU dtype (issue #18): bf16 matmul weights on AMX / AVX512-bf16 and a bf16 KV cache, under fp32
+activations.
 
 The suite caps the instruction set below bf16 (tests/conftest.py) so that ``dtype="auto"`` stays fp32 for
 the exact-parity tests; these tests lift the cap. bf16 changes rounding, so the engine is held to
@@ -36,14 +37,17 @@ def test_auto_picks_bf16_only_where_the_cpu_multiplies_it(
 ) -> None:
     auto = EngineConfig(dtype="auto")
     assert auto.torch_dtype == (torch.bfloat16 if uncapped.bf16_matmul else torch.float32)
-    assert auto.activation_dtype == torch.float32  # bf16 on CPU is a matmul-weight format
+    assert auto.activation_dtype == torch.float32  # bf16 on CPU is a matmul-weight and KV-cache format
+    assert auto.kv_cache_dtype == auto.torch_dtype
     bf16 = EngineConfig(dtype="bf16")
     hw = torch.float32 if uncapped.bf16_matmul else torch.bfloat16  # no bf16 products: all of it in torch bf16
     assert (bf16.torch_dtype, bf16.activation_dtype, bf16.matmul_weight_dtype) == (torch.bfloat16, hw, torch.bfloat16)
     unpacked = EngineConfig(dtype="bfloat16", cpu_weight_prepack=False)
     assert unpacked.activation_dtype == torch.bfloat16  # no packed bf16 matmul: all of it in torch bf16
+    assert bf16.kv_cache_dtype == torch.bfloat16 and EngineConfig(dtype="float32").kv_cache_dtype == torch.float32
     monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512")  # below bf16: fp32, whatever the CPU
     assert EngineConfig(dtype="auto").torch_dtype == torch.float32
+    assert EngineConfig(dtype="auto").kv_cache_dtype == torch.float32
     assert EngineConfig(dtype="bfloat16").activation_dtype == torch.bfloat16
 
 
@@ -81,10 +85,18 @@ def test_bf16_engine_agrees_with_fp32(uncapped: cpu_isa.CpuIsa, tiny_model: Call
     prompts, max_new = make_workload()
     params = [SamplingParams(temperature=0, max_tokens=n) for n in max_new]
     outs: dict[str, list[list[int]]] = {}
+    stats = {}
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(str(path), dtype=dtype, max_num_seqs=64, max_num_batched_tokens=48)
+        llm = LLM(str(path), dtype=dtype, max_num_seqs=64, max_num_batched_tokens=48, kv_cache_bytes=8 << 20)
         outs[dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+        stats[dtype] = llm.stats()
+        assert stats[dtype].num_free_blocks == stats[dtype].num_total_blocks
+    # The bf16 KV cache: half the bytes per block, so twice the blocks in the same budget.
+    assert (stats["float32"].kv_cache_dtype, stats["bfloat16"].kv_cache_dtype) == ("float32", "bfloat16")
+    assert stats["bfloat16"].num_total_blocks // 2 == stats["float32"].num_total_blocks  # (budget // half) // 2
+    per_block = stats["float32"].kv_cache_bytes // stats["float32"].num_total_blocks
+    for s in stats.values():
+        assert 8 << 20 >= s.kv_cache_bytes > (8 << 20) - per_block
     same = sum(a[:8] == b[:8] for a, b in zip(outs["float32"], outs["bfloat16"], strict=True))
     print(f"bf16 vs fp32: {same}/{len(prompts)} sequences agree on their first 8 greedy tokens")
     assert same >= len(prompts) * 0.6

@@ -72,9 +72,10 @@ def make_batch(
 
 
 @pytest.mark.parametrize("use_c", [True, False])
-# head_dim 20 takes the decode kernel's portable path (not a multiple of 8) and torch's prefill (not a
-# multiple of 16); block size 4 leaves every block shorter than the AVX2 decode path's 8-row step, so
-# only its tail loops run, and makes the prefill kernel's 64-key chunks span many blocks.
+# head_dim 20 takes the decode kernel's portable path (not a multiple of 8; the avx512 build's masked-tail
+# task) and torch's prefill (not a multiple of 16); block size 4 leaves every block shorter than the AVX2
+# decode path's 8-row step, so only its tail loops run, and makes the prefill kernel's 64-key chunks span
+# many blocks.
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 1, 32), (6, 2, 20)])
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 def test_matches_reference(
@@ -108,12 +109,17 @@ def test_matches_reference(
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 32), (6, 2, 16)])
+# head_dim 20: the avx512 build's masked-tail task (other builds: the portable loops).
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 32), (6, 2, 16), (6, 2, 20)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_task_shapes_agree(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_task_shapes_agree(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
+) -> None:
     # The decode kernel runs one task per sequence (copying each block's rows in memory order) when
     # there are at least as many sequences as threads, else one per (sequence, kv head): both must
     # give the reference's result, and the same bits as each other (same arithmetic, in the same order).
+    # A bf16 cache is widened whole rows at a time in the first, one kv head's columns in the second.
     if not cpu_attention.available():
         pytest.skip("no C compiler: the torch fallback is what runs here")
     rng = random.Random(head_dim + block_size)
@@ -122,6 +128,7 @@ def test_decode_task_shapes_agree(num_heads: int, num_kv_heads: int, head_dim: i
     meta, q, _, _, k_cache, v_cache = make_batch(
         seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size
     )
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     rows = torch.arange(len(seq_lens))
     tables = meta.block_tables.contiguous()
     scale = head_dim**-0.5
@@ -136,7 +143,8 @@ def test_decode_task_shapes_agree(num_heads: int, num_kv_heads: int, head_dim: i
     finally:
         torch.set_num_threads(threads)
     args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len, meta.max_seq_len)
-    torch.testing.assert_close(outs[0], paged_attention_torch(q, k_cache, v_cache, *args), atol=2e-5, rtol=1e-4)
+    ref = paged_attention_torch(q, k_cache.float(), v_cache.float(), *args)
+    torch.testing.assert_close(outs[0], ref, atol=2e-5, rtol=1e-4)
     assert torch.equal(outs[0], outs[1])
 
 
@@ -213,3 +221,58 @@ def test_backend_cascade_next_to_prefills() -> None:
     out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
     args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125, meta.max_query_len, meta.max_seq_len)
     torch.testing.assert_close(out, paged_attention_torch(q, k_cache, v_cache, *args), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("use_c", [True, False])
+# head_dim 20: masked or portable tails; 64 with 16-token blocks: the engine's shape, prefill's flash tiles.
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 32), (6, 2, 20)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_bf16_cache(
+    use_c: bool, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A bf16 cache under fp32 queries (CPU dtype="bfloat16"): the new K/V are written rounded to nearest
+    # even, the kernels widen the cache exactly and compute in fp32, so they match the fp32 reference run
+    # on the widened cache to fp32 tolerance, and the reference on the unrounded values to bf16's.
+    if use_c and not cpu_attention.available():
+        pytest.skip("no C compiler: the torch fallback is what runs here")
+    if not use_c:
+        monkeypatch.setattr(cpu_attention, "available", lambda: False)
+        monkeypatch.setattr(cpu_attention, "prefill_supported", lambda head_dim: False)
+    rng = random.Random(head_dim * 13 + block_size)
+    torch.manual_seed(rng.randrange(1000))
+    shared = 48 // block_size
+    cases = [  # decodes and prefill chunks mixed; then six decodes behind a shared prefix (the cascade)
+        ([rng.randint(1, 90) for _ in range(4)] + [70, 33], [1, 1, 1, 1, 70, 12], 0),
+        ([shared * block_size + rng.randint(1, 60) for _ in range(6)], [1] * 6, shared),
+    ]
+    for seq_lens, q_lens, shared_blocks in cases:
+        meta, q, k, v, k32, v32 = make_batch(
+            seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, shared_blocks=shared_blocks
+        )
+        k_cache, v_cache = k32.bfloat16(), v32.bfloat16()
+        backend = TorchAttention()
+        backend.prepare(meta)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
+        assert out.dtype == torch.float32
+        written = k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping]
+        assert torch.equal(written, k.bfloat16())  # torch's rounding: to nearest, ties to even
+        assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping], v.bfloat16())
+        args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, head_dim**-0.5)
+        lens = (meta.max_query_len, meta.max_seq_len)
+        ref = paged_attention_torch(q, k_cache.float(), v_cache.float(), *args, *lens)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        # Against the fp32 cache with the new K/V unrounded: bf16's 8-bit mantissa on every K/V value.
+        k32.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
+        v32.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
+        torch.testing.assert_close(out, paged_attention_torch(q, k32, v32, *args, *lens), atol=3e-2, rtol=2e-2)
+
+
+def test_cache_dtypes_must_match() -> None:
+    if not cpu_attention.available():
+        pytest.skip("no C compiler: the torch fallback is what runs here")
+    meta, q, _, _, k_cache, v_cache = make_batch([5], [1], 2, 1, 16, 4)
+    out = torch.empty_like(q)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        cpu_attention.paged_decode_attention(
+            q, k_cache, v_cache.bfloat16(), out, torch.arange(1), meta.seq_lens, meta.block_tables, 0.25
+        )

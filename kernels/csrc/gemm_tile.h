@@ -15,8 +15,7 @@
 #include "simd_math.h"
 
 #define NR 16
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define PAGEDQ_AVX512 1
+#ifdef PAGEDQ_AVX512 /* simd_math.h */
 /* 12 rows: 12 accumulators + the weight vector + a broadcast use 14 of the 32 zmm registers. One weight
  * load and 12 broadcasts feed 12 FMAs, so the loads (2-3 per cycle) keep both 512-bit FMA ports near full;
  * more rows would leave the panel block (MB rows) too few row tiles at decode sizes. */

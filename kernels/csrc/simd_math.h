@@ -1,7 +1,11 @@
 /* Shared SIMD helpers of pagedq's C kernels: AVX2/FMA when the compiler targets them (the
- * avx2 and avx512 builds of kernels/c_build.py). */
+ * avx2 and avx512 builds of kernels/c_build.py), and their 512-bit twins in the avx512 build
+ * (PAGEDQ_AVX512). Also the bf16 <-> fp32 conversions of the bf16 KV cache, at every level. */
 #ifndef PAGEDQ_SIMD_MATH_H
 #define PAGEDQ_SIMD_MATH_H
+
+#include <stdint.h>
+#include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -70,4 +74,64 @@ static inline float hmax1(__m256 v)
 }
 
 #endif /* AVX2 */
+
+#if defined(PAGEDQ_AVX2) && defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__AVX512BW__)
+#define PAGEDQ_AVX512 1
+
+/* exp8's polynomial on 16 lanes. */
+static inline __m512 exp16(__m512 x)
+{
+    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
+    x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+    __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* The low `n` lanes (0 <= n, all 16 when n >= 16): the mask of a loop's last, partial vector. */
+static inline __mmask16 lanes16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+
+/* The 8 lanes of a ymm whose lane i = the sum of the 16 lanes of a_i (fold to 256 bits, then hsum8x8). */
+static inline __m256 fold(__m512 a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); }
+
+/* bf16 -> fp32 is exact: the 16 bits are the top half of the float. */
+static inline __m512 load16_bf16(const uint16_t *p, __mmask16 m)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+#endif /* AVX512 */
+
+#ifdef PAGEDQ_AVX2
+static inline __m256 load8_bf16(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+/* n bf16 values widened to fp32 (exact); the caches' rows go through here into L1-resident scratch. */
+static inline void bf16_to_f32(const uint16_t *restrict src, float *restrict dst, int64_t n)
+{
+    int64_t i = 0;
+#if defined(PAGEDQ_AVX512)
+    for (; i < n; i += 16) _mm512_mask_storeu_ps(dst + i, lanes16(n - i), load16_bf16(src + i, lanes16(n - i)));
+#elif defined(PAGEDQ_AVX2)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8_bf16(src + i));
+#endif
+    for (; i < n; i++) {
+        const uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &bits, sizeof bits);
+    }
+}
+
 #endif /* PAGEDQ_SIMD_MATH_H */

@@ -97,6 +97,8 @@ class PagedqSystem(System):
             "kv": {
                 "total_blocks": stats.num_total_blocks,
                 "block_size": ctx.block_size,
+                "dtype": stats.kv_cache_dtype,
+                "bytes": stats.kv_cache_bytes,
                 "peak_usage": round(step_stats.peak_kv_usage, 4),
                 "peak_blocks": round(step_stats.peak_kv_usage * stats.num_total_blocks),
                 "block_fill_at_peak": round(step_stats.block_fill_at_peak, 4),

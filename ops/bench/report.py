@@ -278,7 +278,9 @@ def _details(w: dict[str, Any]) -> list[str]:
         pc = rec.get("prefix_cache")
         if kv and "block_fill_at_peak" in kv:
             out.append(
-                f"  {sname} KV: peak {100 * kv['peak_usage']:.1f}% of {kv['total_blocks']} blocks, block fill "
+                f"  {sname} KV: peak {100 * kv['peak_usage']:.1f}% of {kv['total_blocks']} blocks"
+                + (f" ({kv['bytes'] / 2**20:.0f} MiB {kv['dtype']})" if kv.get("bytes") else "")
+                + ", block fill "
                 f"{100 * kv['block_fill_at_peak']:.1f}% at peak / {100 * kv['block_fill_mean']:.1f}% mean, "
                 f"preemptions {kv['preemptions']}" + (f", prefix hit rate {100 * pc['hit_rate']:.1f}%" if pc else "")
             )

@@ -1,0 +1,125 @@
+"""Times each C kernel under each instruction-set variant this CPU runs, on SmolLM2-135M's shapes.
+
+Not a test and not part of ``pagedq bench``: the numbers that decide whether a variant keeps its own
+code path (the comments beside each choice in ``kernels/csrc`` quote them). Variants are switched in one
+process through the ``PAGEDQ_CPU_ISA`` cap, interleaved, and each case reports its fastest of several
+rounds, because on a shared machine one round can land far either way.
+
+    python -m ops.bench.kernel_timing [--rounds 7] [--kv-dtype float32|bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.layers import build_cos_sin_cache
+from kernels import cpu_attention, cpu_isa, cpu_ops
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, BLOCK = 9, 3, 64, 576, 1536, 16  # SmolLM2-135M
+
+
+def _paged_cache(
+    seq_lens: list[int], head_dim: int, kv_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Caches with every sequence's blocks scattered (a shuffled block pool), and their block tables."""
+    blocks = [-(-n // BLOCK) for n in seq_lens]
+    order = torch.randperm(sum(blocks) + 1).tolist()
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    for i, nb in enumerate(blocks):
+        tables[i, :nb] = torch.tensor([order.pop() for _ in range(nb)], dtype=torch.int32)
+    shape = (sum(blocks) + 1, BLOCK, KV_HEADS, head_dim)
+    return torch.randn(shape).to(kv_dtype), torch.randn(shape).to(kv_dtype), tables
+
+
+def decode_case(num_seqs: int, seq_len: int, head_dim: int, kv_dtype: torch.dtype) -> Callable[[], None]:
+    k_cache, v_cache, tables = _paged_cache([seq_len] * num_seqs, head_dim, kv_dtype)
+    q = torch.randn(num_seqs, HEADS, head_dim)
+    out = torch.empty_like(q)
+    rows = torch.arange(num_seqs)
+    lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+
+    def run() -> None:
+        scale = head_dim**-0.5
+        cpu_attention.paged_decode_attention(q, k_cache, v_cache, out, rows, lens, tables, scale, cascade=False)
+
+    return run
+
+
+def prefill_case(num_seqs: int, seq_len: int, kv_dtype: torch.dtype) -> Callable[[], None]:
+    k_cache, v_cache, tables = _paged_cache([seq_len] * num_seqs, HEAD_DIM, kv_dtype)
+    q = torch.randn(num_seqs * seq_len, HEADS, HEAD_DIM)
+    out = torch.empty_like(q)
+    starts = torch.arange(num_seqs, dtype=torch.int64) * seq_len
+    q_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+
+    def run() -> None:
+        cpu_attention.paged_prefill_attention(q, k_cache, v_cache, out, starts, q_lens, q_lens, tables, 0.125)
+
+    return run
+
+
+def ops_cases(rows: int) -> dict[str, Callable[[], object]]:
+    x, res, w = torch.randn(rows, HIDDEN), torch.randn(rows, HIDDEN), torch.randn(HIDDEN)
+    gate_up = torch.randn(rows, 2 * INTER)
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    q = qkv[:, : HEADS * HEAD_DIM].view(rows, HEADS, HEAD_DIM)
+    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(rows, KV_HEADS, HEAD_DIM)
+    cache = build_cos_sin_cache(HEAD_DIM, 8192, 100000.0, None)
+    positions = torch.randint(0, 8192, (rows,))
+    return {
+        f"rms_norm+residual {rows}x{HIDDEN}": lambda: cpu_ops.rms_norm_cpu(x, w, 1e-5, res),
+        f"rotary {rows}x({HEADS}+{KV_HEADS})x{HEAD_DIM}": lambda: cpu_ops.rotary_embedding_cpu(positions, q, k, cache),
+        f"silu_and_mul {rows}x{INTER}": lambda: cpu_ops.silu_and_mul_cpu(gate_up),
+    }
+
+
+def fastest(fn: Callable[[], object], seconds: float = 0.2) -> float:
+    """Fastest call (s) among as many as fit in ``seconds`` (at least 3), after one warm-up."""
+    fn()
+    best, spent, calls = float("inf"), 0.0, 0
+    while spent < seconds or calls < 3:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best, spent, calls = min(best, dt), spent + dt, calls + 1
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32")
+    args = parser.parse_args()
+    kv_dtype = getattr(torch, args.kv_dtype)
+    variants = [v for v in cpu_isa.current().runnable_variants if v != "generic"]
+    torch.manual_seed(0)
+    cases: dict[str, Callable[[], object]] = {
+        "decode 64 seqs x 350": decode_case(64, 350, HEAD_DIM, kv_dtype),
+        "decode 64 seqs x 700": decode_case(64, 700, HEAD_DIM, kv_dtype),
+        "decode 1 seq x 2000": decode_case(1, 2000, HEAD_DIM, kv_dtype),
+        "decode 32 seqs x 350, head_dim 80": decode_case(32, 350, 80, kv_dtype),
+        "decode 32 seqs x 350, head_dim 20": decode_case(32, 350, 20, kv_dtype),
+        "prefill 4 x 256": prefill_case(4, 256, kv_dtype),
+        **ops_cases(128),
+        **ops_cases(2048),
+    }
+    best: dict[tuple[str, str], float] = {}
+    for _ in range(args.rounds):
+        for variant in variants:
+            os.environ[cpu_isa.ENV_CAP] = variant
+            for name, fn in cases.items():
+                t = fastest(fn)
+                best[name, variant] = min(best.get((name, variant), float("inf")), t)
+    print(f"threads={torch.get_num_threads()} kv_dtype={args.kv_dtype} (fastest of {args.rounds} rounds, ms)")
+    print(f"{'case':42s}" + "".join(f"{v:>10s}" for v in variants))
+    for name in cases:
+        print(f"{name:42s}" + "".join(f"{best[name, v] * 1e3:10.3f}" for v in variants))
+
+
+if __name__ == "__main__":
+    main()

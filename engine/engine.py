@@ -521,6 +521,9 @@ class Engine:
             spec_accepted_tokens=self.num_accepted_tokens,
             kernel_variant=self.kernel_variant,
             matmul_dtype=str(self.config.matmul_weight_dtype).removeprefix("torch."),
+            weight_bytes=self.runner.weight_bytes,
+            kv_cache_bytes=self.runner.kv_cache_bytes,
+            quantization=self.runner.quantization,
         )
 
 

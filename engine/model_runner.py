@@ -30,6 +30,9 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.activation_dtype  # the model's and the KV cache's (fp32 under CPU bf16 matmuls)
         self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.backend)
+        self.quantization = config.quantization
+        if config.quantization == "int8":
+            self.model.quantize_int8()
         if self.device.type == "cpu" and config.cpu_weight_prepack:
             self.model.prepack_cpu_weights(config.matmul_weight_dtype)
         self.block_size = config.block_size
@@ -42,6 +45,9 @@ class ModelRunner:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         self.graphs: DecodeGraphs | None = None
+        # Memory honesty (llm.stats(), the worker's heartbeat): what the weights and the KV cache hold.
+        self.weight_bytes = self.model.weight_bytes()
+        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """On CUDA with graphs enabled: capture the decode ladder (after the KV cache exists)."""

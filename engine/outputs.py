@@ -85,3 +85,8 @@ class EngineStats:
     # CPU: the C-kernel build in use (generic, avx2, avx512; kernels/cpu_isa) and the matmul weight dtype
     kernel_variant: str | None = None
     matmul_dtype: str = ""
+    # Memory: bytes held for the weights (dense, packed and quantised forms all counted) and allocated to
+    # the KV cache; a quantised model leaves more of a memory budget to KV blocks.
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
+    quantization: str | None = None  # "int8", a GGUF's "gguf:Q4_1" (its predominant type), or None

@@ -76,6 +76,7 @@ def build_engine(settings: Settings) -> EngineLike:
             gpu_memory_utilization=settings.gpu_memory_utilization,
             dtype=settings.dtype,
             device=device,
+            quantization=settings.quantization,
         )
     )
 

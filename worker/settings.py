@@ -58,6 +58,11 @@ class Settings(BaseSettings):
     )
     dtype: str = Field("auto", description="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16...")
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    quantization: str | None = Field(
+        None,
+        description="int8: symmetric per-channel int8 weights for every decoder linear, applied at load "
+        "(weight-only); unset: none. A .gguf model is served in its own quantisation",
+    )
     max_num_seqs: int = Field(16, gt=0, le=4096, description="sequences the engine runs at once")
     max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one engine step")
     kv_cache_bytes: int | None = Field(None, gt=0, description="KV cache size; unset lets the engine size it")
@@ -188,6 +193,18 @@ class Settings(BaseSettings):
         allowed = ("auto", "float32", "float16", "bfloat16")
         if value not in allowed:
             raise ValueError(f"must be one of {', '.join(allowed)}")
+        return value
+
+    @field_validator("quantization")
+    @classmethod
+    def _quantization(cls, value: str | None) -> str | None:
+        # engine.config.QUANTIZATIONS, spelt out: settings load without torch (EngineConfig checks it again)
+        allowed = ("int8",)
+        if value is None or value.strip().lower() in ("", "none"):
+            return None
+        value = value.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"must be none or one of {', '.join(allowed)}")
         return value
 
     @field_validator("device")

@@ -29,6 +29,10 @@ def engine_load(stats: EngineStats) -> dict[str, Any]:
         "prefix_cache_hits": stats.prefix_cache_hits,
         "spec_draft_tokens": stats.spec_draft_tokens,
         "spec_accepted_tokens": stats.spec_accepted_tokens,
+        # Memory honesty: the model's weights as held (quantised weights count their int8 bytes) and the KV cache
+        "weight_bytes": stats.weight_bytes,
+        "kv_cache_bytes": stats.kv_cache_bytes,
+        "quantization": stats.quantization,
     }
 
 

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine import cpu_runtime
 from engine.block_pool import NoFreeBlocks
-from engine.checkpoint import checkpoint_folder
+from engine.checkpoint import checkpoint_folder, gguf_file
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import PromptTooLongError
@@ -71,7 +71,13 @@ class Engine:
             if torch.get_num_threads() > threads:
                 torch.set_num_threads(threads)
         self.model_path = checkpoint_folder(config.model)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.model_path))
+        gguf = gguf_file(self.model_path)
+        if gguf is not None:
+            from engine.gguf_checkpoint import load_tokenizer
+
+            self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(gguf)
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self.step_stats = StepStats()  # every step's phases and batch sizes; reset() between measurements
         self.runner = ModelRunner(config, str(self.model_path), self.step_stats)
         mc = self.model_config = self.runner.model_config

@@ -18,6 +18,7 @@ from typing import cast
 import torch
 from safetensors import safe_open
 
+from engine.checkpoint import gguf_file
 from engine.kernel_dispatch import get_ops
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -30,7 +31,13 @@ class CheckpointMismatchError(ValueError):
 def load_model(
     path: str | os.PathLike[str], dtype: torch.dtype, device: torch.device, ops_name: str
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model for the checkpoint folder ``path`` and fill it with its weights in ``dtype``."""
+    """Build the model for the checkpoint folder (or GGUF file: engine/gguf_checkpoint.py) ``path`` and fill it
+    with its weights in ``dtype``."""
+    gguf = gguf_file(path)
+    if gguf is not None:
+        from engine.gguf_checkpoint import load_gguf_model
+
+        return load_gguf_model(gguf, dtype, device, ops_name)
     folder = Path(path)
     config = ModelConfig.from_pretrained(folder)
     model = LlamaForCausalLM(config, get_ops(ops_name), dtype=dtype, device=device)

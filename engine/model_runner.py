@@ -30,7 +30,8 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.activation_dtype  # the model's and the KV cache's (fp32 under CPU bf16 matmuls)
         self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.backend)
-        self.quantization = config.quantization
+        # A GGUF's linears arrive int8 already; quantization="int8" then quantises any left in float.
+        self.quantization = self.model.source_quantization or config.quantization
         if config.quantization == "int8":
             self.model.quantize_int8()
         if self.device.type == "cpu" and config.cpu_weight_prepack:

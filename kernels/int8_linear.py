@@ -77,6 +77,13 @@ class Int8Weight:
             grouped = grouped + self.offsets[..., None]
         return grouped.view(n, k).to(dtype)
 
+    def to(self, device: torch.device) -> Int8Weight:
+        """The same weight on ``device`` (CUDA: for the Triton kernel)."""
+        if self.values.device == device:
+            return self
+        offsets = None if self.offsets is None else self.offsets.to(device)
+        return Int8Weight(self.values.to(device), self.scales.to(device), offsets, self.group_size)
+
     def rows(self, index: torch.Tensor) -> Int8Weight:
         """The output rows ``index`` (a permutation or selection), every part moved together: exact."""
         return Int8Weight(

@@ -193,6 +193,7 @@ class LlamaForCausalLM(nn.Module):
             )
         )
         self.lm_head_packed: cpu_linear.PackedWeight | None = None
+        self.source_quantization: str | None = None  # the checkpoint's own (a GGUF loader sets "gguf:Q4_1")
 
     def prepack_cpu_weights(self, dtype: torch.dtype | None = None) -> int:
         """Pack every matmul weight for the CPU kernels (after loading), stored in ``dtype`` (default:

@@ -42,6 +42,8 @@ class PagedqSystem(System):
             kwargs["num_speculative_tokens"] = spec
         if ctx.kv_cache_bytes is not None:
             kwargs["kv_cache_bytes"] = ctx.kv_cache_bytes
+        if ctx.quantization is not None:
+            kwargs["quantization"] = ctx.quantization
         return LLM(str(ctx.model_path), **kwargs)
 
     def load(self, ctx: BenchContext) -> Any:

@@ -70,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", help="auto (bfloat16 on CUDA and on CPUs with AMX or AVX512-bf16, else float32), ..."
     )
     parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=("none", "int8"),
+        help="pagedq systems: int8 weights for every decoder linear, quantised at load (default none)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: the CPUs usable: affinity, cgroup quota)"
     )
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -322,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_bytes=kv_bytes,
             block_size=args.block_size,
             num_speculative_tokens=args.num_speculative_tokens,
+            quantization=None if args.quantization in (None, "none") else args.quantization,
             hf_batch_size=args.hf_batch_size,
             work_dir=work_dir,
             redis_stream=args.redis_stream,
@@ -339,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
             "threads": threads,
             "device": args.device if not cuda else f"{args.device} ({torch.cuda.get_device_name()})",
             "dtype": dtype,
+            "quantization": ctx.quantization,
             "model": str(model_path) if not args.quick else "tiny random Llama (--quick)",
             "quick": bool(args.quick),
             "torch": torch.__version__,

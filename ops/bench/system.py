@@ -42,6 +42,7 @@ class BenchContext:
     hf_batch_size: int
     work_dir: Path
     num_speculative_tokens: int | None = None  # pagedq: None -> the engine's default
+    quantization: str | None = None  # pagedq systems: EngineConfig.quantization ("int8"); others load as given
     redis_stream: bool = False
     request_timeout_s: float = 1800.0
     repeat: int = 1  # rounds of every system on an offline workload; the fastest run of each is reported

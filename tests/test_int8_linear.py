@@ -145,7 +145,7 @@ def test_worker_setting_and_cli_flag() -> None:
 
     assert load_settings(quantization="int8").quantization == "int8"
     assert load_settings(quantization="none").quantization is None
-    with pytest.raises(SettingsError, match="quantization.*must be none or one of int8"):
+    with pytest.raises(SettingsError, match=r"quantization.*must be none or one of int8"):
         load_settings(quantization="q4_k")
     args = build_parser("generate").parse_args(["generate", "--quantization", "int8", "hi"])
     assert args.quantization == "int8"

@@ -166,3 +166,19 @@ def test_unsupported_quant_type_names_tensor_and_type(tiny_model: Callable[[str]
     write_tiny_gguf(path, state, config, {}, {"blk.1.ffn_down.weight": (raw, GGMLQuantizationType.Q5_K)})
     with pytest.raises(GGUFError, match=r"tensor blk\.1\.ffn_down\.weight has type Q5_K"):
         load_gguf_model(path, torch.float32, CPU, "torch")
+
+
+def test_default_model_is_the_packaged_gguf_until_prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.default_model import EXPECTED_CONFIG, DefaultModelUnavailable, find_default_gguf, resolve_model_path
+    from engine.gguf_checkpoint import read_config
+
+    try:
+        gguf = find_default_gguf()
+    except DefaultModelUnavailable as exc:
+        pytest.skip(f"default model package not installed: {exc}")
+    monkeypatch.setenv("PAGEDQ_MODEL_DIR", str(tmp_path))  # nothing prepared here
+    assert resolve_model_path(None) == gguf
+    config = read_config(GGUFReader(gguf), gguf)  # metadata only: the weights are not read
+    assert (config.num_layers, config.hidden_size, config.num_kv_heads) == (30, 576, 3)
+    assert config.rms_norm_eps == EXPECTED_CONFIG["rms_norm_eps"] and config.tie_word_embeddings
+    assert config.rope_theta == EXPECTED_CONFIG["rope_theta"] and config.vocab_size == 49152

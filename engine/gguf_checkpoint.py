@@ -110,6 +110,11 @@ def read_config(reader: Any, path: Path) -> ModelConfig:
     return ModelConfig.from_dict(raw)
 
 
+def read_gguf_config(path: Path) -> ModelConfig:
+    """:func:`read_config` of the file at ``path`` (metadata only: the tensors are memory-mapped, not read)."""
+    return read_config(_reader(path), path)
+
+
 def repack_quantised(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Int8Weight:
     """A ``[rows, cols]`` tensor of ``Q8_0`` / ``Q4_0`` / ``Q4_1`` blocks as an exact :class:`Int8Weight`."""
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // BLOCK, -1)

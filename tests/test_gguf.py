@@ -182,3 +182,14 @@ def test_default_model_is_the_packaged_gguf_until_prepared(tmp_path: Path, monke
     assert (config.num_layers, config.hidden_size, config.num_kv_heads) == (30, 576, 3)
     assert config.rms_norm_eps == EXPECTED_CONFIG["rms_norm_eps"] and config.tie_word_embeddings
     assert config.rope_theta == EXPECTED_CONFIG["rope_theta"] and config.vocab_size == 49152
+
+
+def test_model_config_reads_a_gguf(tiny_gguf: tuple[Path, Path]) -> None:
+    path, folder = tiny_gguf
+    from_gguf, from_folder = ModelConfig.from_pretrained(path), ModelConfig.from_pretrained(folder)
+    assert (from_gguf.num_layers, from_gguf.num_kv_heads, from_gguf.head_dim) == (
+        from_folder.num_layers,
+        from_folder.num_kv_heads,
+        from_folder.head_dim,
+    )
+    assert from_gguf.tie_word_embeddings and from_gguf.rms_norm_eps == from_folder.rms_norm_eps

@@ -7,12 +7,13 @@ worker, the CLI) resolve it first. Light on purpose (no torch), so the check run
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 DEFAULT_MODEL_HINT = "or omit the model to use the default SmolLM2-135M-Instruct"
 
 
-def gguf_file(model: str | Path) -> Path | None:
+def gguf_file(model: str | os.PathLike[str]) -> Path | None:
     """The GGUF file ``model`` names: a ``.gguf`` file, or a folder with no ``config.json`` and exactly one
     ``.gguf`` (engine/gguf_checkpoint.py loads it); None for anything else."""
     path = Path(model).expanduser()

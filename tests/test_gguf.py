@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from engine.checkpoint import gguf_file
 from engine.gguf_checkpoint import GGUFError, load_gguf_model
 from engine.layers import Linear
 from engine.model_config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tests.tiny_gguf import write_tiny_gguf
 
 CPU = torch.device("cpu")
@@ -72,7 +73,7 @@ def test_weights_equal_gguf_dequantize_exactly(tiny_gguf: tuple[Path, Path]) -> 
     model, config = load_gguf_model(path, torch.float32, CPU, "torch")
     assert model.source_quantization == "gguf:Q4_1"
     ref = _gguf_reference(path, config)
-    layer0, layer1 = model.layers[0], model.layers[1]
+    layer0, layer1 = cast(LlamaDecoderLayer, model.layers[0]), cast(LlamaDecoderLayer, model.layers[1])
     assert layer0.self_attn.qkv_proj.int8 is not None and layer0.self_attn.qkv_proj.int8.offsets is not None
     assert layer0.mlp.down_proj.int8 is not None and layer0.mlp.down_proj.int8.offsets is None  # Q8_0
     assert layer1.self_attn.qkv_proj.int8 is None  # Q4_0 + Q8_0 + F16: dequantised into the dense weight

@@ -311,10 +311,17 @@ def run(args: argparse.Namespace) -> int:
             model_path = resolve_model_path(args.model)
         from transformers import AutoTokenizer
 
+        from engine.checkpoint import gguf_file
         from engine.model_config import ModelConfig
 
         mc = ModelConfig.from_pretrained(model_path)
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        gguf = gguf_file(model_path)
+        if gguf is not None:  # a GGUF's tokenizer lives in its metadata
+            from engine.gguf_checkpoint import load_tokenizer
+
+            tokenizer = load_tokenizer(gguf)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         source = wl.TextSource(tokenizer, mc.vocab_size)
         kv_bytes = args.kv_cache_bytes or (QUICK_KV_BYTES if args.quick else None if cuda else 2 * 1024**3)
         ctx = BenchContext(

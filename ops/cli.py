@@ -112,7 +112,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from worker.embedded_redis import EmbeddedRedis
     from worker.settings import mask_url
 
-    model = str(resolve_model_path(args.model, log=print))  # prepare once, before the worker starts
+    model = str(resolve_model_path(args.model, log=print))  # resolved once, before the worker starts
     own_dir = args.data_dir is None
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="pagedq-demo-"))
     redis_server = EmbeddedRedis(data_dir / "redis")

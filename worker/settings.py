@@ -236,8 +236,8 @@ class Settings(BaseSettings):
     def redacted(self) -> dict[str, Any]:
         """Effective values with secrets (the Redis password) masked, for ``--print-config`` and logs.
 
-        An unset ``model`` shows the folder of the default model the worker will run (prepared on first
-        use): ``null`` would leave a reader guessing which model that is and where it lives.
+        An unset ``model`` shows the default model the worker will run (the prepared folder, else the
+        package's GGUF): ``null`` would leave a reader guessing which model that is and where it lives.
         """
         data = self.model_dump(mode="json")
         if self.redis_url:
@@ -245,9 +245,13 @@ class Settings(BaseSettings):
         if self.celery_result_backend:
             data["celery_result_backend"] = mask_url(self.celery_result_backend)
         if self.model is None and self.engine_factory is None:
-            from engine.default_model import default_model_dir  # lazy: it loads the engine package (torch)
+            # lazy: it loads the engine package (torch)
+            from engine.default_model import DefaultModelUnavailable, default_model_dir, default_model_source
 
-            data["model"] = str(default_model_dir())
+            try:
+                data["model"] = str(default_model_source())
+            except DefaultModelUnavailable:  # the worker will say so at start; name where it would live
+                data["model"] = str(default_model_dir())
         return data
 
 

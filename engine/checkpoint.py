@@ -7,13 +7,32 @@ worker, the CLI) resolve it first. Light on purpose (no torch), so the check run
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 DEFAULT_MODEL_HINT = "or omit the model to use the default SmolLM2-135M-Instruct"
 
 
+def gguf_file(model: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file ``model`` names: a ``.gguf`` file, or a folder with no ``config.json`` and exactly one
+    ``.gguf`` (engine/gguf_checkpoint.py loads it); None for anything else."""
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) == 1:
+            return found[0]
+    return None
+
+
 def checkpoint_folder(model: str | Path | None) -> Path:
-    """``model`` as a checkpoint folder, or a ``FileNotFoundError``/``ValueError`` that says what to pass."""
+    """``model`` as a checkpoint folder, or a GGUF file (:func:`gguf_file`), or a ``FileNotFoundError`` /
+    ``ValueError`` that says what to pass."""
+    if model is not None:
+        found = gguf_file(model)
+        if found is not None:
+            return found
     if model is None:
         raise ValueError(
             "no model given: the engine loads a checkpoint folder (EngineConfig.model); LLM(), `pagedq worker` "
@@ -24,11 +43,12 @@ def checkpoint_folder(model: str | Path | None) -> Path:
         raise FileNotFoundError(
             f"Model {str(model)!r} is not a local folder. pagedq loads Hugging Face checkpoints from disk "
             f"only (no hub access): pass a folder holding config.json, *.safetensors and the tokenizer "
-            f"files, {DEFAULT_MODEL_HINT}."
+            f"files (or a .gguf file), {DEFAULT_MODEL_HINT}."
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"Model folder {path} has no config.json, so it is not a Hugging Face checkpoint. Pass a folder "
-            f"holding config.json, *.safetensors and the tokenizer files, {DEFAULT_MODEL_HINT}."
+            f"Model folder {path} has no config.json, so it is not a Hugging Face checkpoint (nor one .gguf file). "
+            f"Pass a folder holding config.json, *.safetensors and the tokenizer files, or a .gguf file, "
+            f"{DEFAULT_MODEL_HINT}."
         )
     return path

@@ -11,6 +11,11 @@ _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "f
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
+QUANTIZATIONS = ("int8",)
+"""``EngineConfig.quantization`` values: ``int8`` is symmetric per-output-channel int8 weights for every decoder
+linear, activations unchanged (weight-only; kernels/int8_linear). GGUF checkpoints need none: they are
+loaded in their own quantisation."""
+
 
 @dataclass
 class EngineConfig:
@@ -33,6 +38,7 @@ class EngineConfig:
     # CPU: fewer threads while other processes take some of our cores, back when they leave
     # (engine/cpu_runtime.CoreShare); off keeps the start-up count.
     adapt_cpu_threads: bool = True
+    quantization: str | None = None  # None, or one of QUANTIZATIONS, applied at load
     seed: int = 0  # seeds the generator shared by unseeded sampling requests
     # Speculative decoding by prompt lookup (engine/ngram_proposer.py), greedy requests only:
     # up to this many draft tokens per decode step; 0 turns it off.
@@ -69,6 +75,9 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.quantization not in (None, "", "none"):
+            # The row-parallel layers multiply their shard through cpu_linear/F.linear, not the int8 kernels.
+            raise ValueError("quantization is not supported with tensor_parallel_size > 1 yet")
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
@@ -83,6 +92,15 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         torch.device(self.device)  # raises on a malformed device string
+        if self.quantization is not None:
+            self.quantization = self.quantization.strip().lower()
+            if self.quantization in ("", "none"):
+                self.quantization = None
+            elif self.quantization not in QUANTIZATIONS:
+                raise ValueError(
+                    f"quantization must be one of none, {', '.join(QUANTIZATIONS)}; got {self.quantization!r}"
+                    " (GGUF checkpoints are loaded in their own quantisation: pass the .gguf file as the model)"
+                )
 
     @property
     def torch_device(self) -> torch.device:

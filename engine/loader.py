@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch
 from safetensors import safe_open
 
+from engine.checkpoint import gguf_file
 from engine.kernel_dispatch import get_ops
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -54,8 +55,15 @@ def load_model(
     ops_name: str,
     tp: TensorParallel = SINGLE,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model (this rank's shard of it, under tensor parallelism) for the checkpoint folder
-    ``path`` and fill it with its weights in ``dtype``."""
+    """Build the model (this rank's shard of it, under tensor parallelism) for the checkpoint folder (or
+    GGUF file: engine/gguf_checkpoint.py) ``path`` and fill it with its weights in ``dtype``."""
+    gguf = gguf_file(path)
+    if gguf is not None:
+        if tp.size > 1:
+            raise ValueError("tensor parallelism does not load GGUF files yet: convert with prepare-model")
+        from engine.gguf_checkpoint import load_gguf_model
+
+        return load_gguf_model(gguf, dtype, device, ops_name)
     folder = Path(path)
     config = ModelConfig.from_pretrained(folder)
     model = LlamaForCausalLM(config, get_ops(ops_name), dtype=dtype, device=device, tp=tp)

@@ -125,7 +125,15 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
-        """Parse ``path/config.json`` (plus ``generation_config.json``'s extra EOS ids, if present)."""
+        """Parse ``path/config.json`` (plus ``generation_config.json``'s extra EOS ids, if present), or a GGUF
+        file's metadata (engine/gguf_checkpoint.py) where ``path`` names one."""
+        from engine.checkpoint import gguf_file
+
+        gguf = gguf_file(path)
+        if gguf is not None:
+            from engine.gguf_checkpoint import read_gguf_config  # imports this module: here, not at the top
+
+            return read_gguf_config(gguf)
         folder = Path(path)
         config_file = folder / "config.json"
         if not config_file.is_file():

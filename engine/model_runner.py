@@ -26,7 +26,7 @@ from engine.model_config import ModelConfig
 from engine.parallel_layers import SINGLE, AttentionShards, TensorParallel
 from engine.scheduler import ScheduledBatch
 from engine.step_stats import StepStats
-from kernels import cpu_linear, host_memory
+from kernels import host_memory
 
 
 @dataclass
@@ -73,9 +73,12 @@ class ModelRunner:
         self.dtype = config.activation_dtype  # the model's (fp32 under CPU bf16 matmuls)
         self.kv_dtype = config.kv_cache_dtype  # the KV cache's (bf16 under CPU bf16 matmuls: half the bytes)
         self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.backend, tp)
+        # A GGUF's linears arrive int8 already; quantization="int8" then quantises any left in float.
+        self.quantization = self.model.source_quantization or config.quantization
+        if config.quantization == "int8":
+            self.model.quantize_int8()
         if self.device.type == "cpu" and config.cpu_weight_prepack:
             self.model.prepack_cpu_weights(config.matmul_weight_dtype)
-        self.weight_bytes = model_weight_bytes(self.model)
         self.block_size = config.block_size
         mc = self.model_config
         self.num_kv_heads = AttentionShards.of(mc, tp).num_kv_heads  # this rank's (all of them on one rank)
@@ -90,6 +93,8 @@ class ModelRunner:
         self.kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         self.graphs: DecodeGraphs | None = None
+        # Memory honesty (llm.stats(), the worker's heartbeat): what the weights hold, every form counted.
+        self.weight_bytes = self.model.weight_bytes()
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """On CUDA with graphs enabled: capture the decode ladder (after the KV cache exists)."""
@@ -230,20 +235,3 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to release on one device (the multi-rank runner stops its ranks here)."""
-
-
-def model_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights this process holds: parameters (a tied embedding once), and the CPU kernels'
-    packed copies (a tied lm_head's packed copy once more). oneDNN's packed tensors are opaque (no
-    storage to point at), so they are counted by size, each once: every module packs its own."""
-    seen: set[int] = set()
-    total = 0
-    for param in model.parameters():
-        if param.numel() and param.data_ptr() not in seen:
-            seen.add(param.data_ptr())
-            total += param.numel() * param.element_size()
-    for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, cpu_linear.PackedWeight):
-                total += value.data.numel() * value.data.element_size()
-    return total

@@ -90,4 +90,8 @@ class EngineStats:
     rank_weight_bytes: list[int] = field(default_factory=list)
     rank_kv_bytes: list[int] = field(default_factory=list)
     kv_cache_dtype: str = ""  # what the paged KV cache stores (bfloat16 under CPU bf16: half the bytes)
-    kv_cache_bytes: int = 0  # the whole KV cache, every layer
+    # Memory: bytes held for the weights (dense, packed and quantised forms all counted; every rank's) and
+    # allocated to the KV cache; a quantised model leaves more of a memory budget to KV blocks.
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
+    quantization: str | None = None  # "int8", a GGUF's "gguf:Q4_1" (its predominant type), or None

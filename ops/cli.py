@@ -76,7 +76,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from engine.default_model import resolve_model_path
 
     model = str(resolve_model_path(args.model))
-    engine = Engine(EngineConfig(model=model, dtype=args.dtype, device=args.device))
+    engine = Engine(EngineConfig(model=model, dtype=args.dtype, device=args.device, quantization=args.quantization))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     prompts = args.prompt or DEMO_PROMPTS
     for i, text in enumerate(prompts):
@@ -112,7 +112,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from worker.embedded_redis import EmbeddedRedis
     from worker.settings import mask_url
 
-    model = str(resolve_model_path(args.model, log=print))  # prepare once, before the worker starts
+    model = str(resolve_model_path(args.model, log=print))  # resolved once, before the worker starts
     own_dir = args.data_dir is None
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="pagedq-demo-"))
     redis_server = EmbeddedRedis(data_dir / "redis")
@@ -229,6 +229,12 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
         "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 (default auto)"
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["none", "int8"],
+        help="int8: per-channel int8 weights for every decoder linear, quantised at load (default none)",
+    )
     p.add_argument("--no-chat", dest="chat", action="store_false", help="send prompts raw, no chat template")
     p.set_defaults(func=_cmd_generate)
 

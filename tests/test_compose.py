@@ -361,9 +361,10 @@ def test_start_up_without_a_compiler_warns_loudly(tiny_model: Any, tmp_path: Pat
 
 
 @pytest.mark.realmodel
-def test_first_up_prepares_the_default_model_into_the_volume(own_redis: RedisServer, tmp_path: Path) -> None:
-    """``docker compose up`` with nothing set but the Redis password: the worker converts the default model
-    into the (empty) named volume, gets ready and answers; the volume then holds a complete checkpoint."""
+def test_first_up_serves_the_default_model_from_its_gguf(own_redis: RedisServer, tmp_path: Path) -> None:
+    """``docker compose up`` with nothing set but the Redis password: the worker serves the default model
+    straight from its package's Q4_1 GGUF (engine/gguf_checkpoint.py), gets ready and answers; nothing is
+    converted, so the (empty) named volume stays empty."""
     from engine.default_model import DEFAULT_MODEL_NAME, find_default_gguf, is_prepared
 
     try:
@@ -380,6 +381,6 @@ def test_first_up_prepares_the_default_model_into_the_volume(own_redis: RedisSer
     finally:
         code = stop(proc)
     assert code == 0, log.read_text()[-4000:]
-    assert is_prepared(c.models / DEFAULT_MODEL_NAME)
+    assert not is_prepared(c.models / DEFAULT_MODEL_NAME) and not any(c.models.iterdir())
     events = [line.get("event") for line in log_lines(log)]
-    assert "preparing default model" in events and "default model prepared" in events
+    assert "preparing default model" not in events

@@ -78,6 +78,7 @@ def build_engine(settings: Settings) -> EngineLike:
             distributed_timeout_s=settings.distributed_timeout_s,
             dtype=settings.dtype,
             device=device,
+            quantization=settings.quantization,
         )
     )
 

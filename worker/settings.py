@@ -58,6 +58,11 @@ class Settings(BaseSettings):
     )
     dtype: str = Field("auto", description="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16...")
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    quantization: str | None = Field(
+        None,
+        description="int8: symmetric per-channel int8 weights for every decoder linear, applied at load "
+        "(weight-only); unset: none. A .gguf model is served in its own quantisation",
+    )
     max_num_seqs: int = Field(16, gt=0, le=4096, description="sequences the engine runs at once")
     max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one engine step")
     kv_cache_bytes: int | None = Field(None, gt=0, description="KV cache size; unset lets the engine size it")
@@ -199,6 +204,18 @@ class Settings(BaseSettings):
             raise ValueError(f"must be one of {', '.join(allowed)}")
         return value
 
+    @field_validator("quantization")
+    @classmethod
+    def _quantization(cls, value: str | None) -> str | None:
+        # engine.config.QUANTIZATIONS, spelt out: settings load without torch (EngineConfig checks it again)
+        allowed = ("int8",)
+        if value is None or value.strip().lower() in ("", "none"):
+            return None
+        value = value.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"must be none or one of {', '.join(allowed)}")
+        return value
+
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
@@ -228,8 +245,8 @@ class Settings(BaseSettings):
     def redacted(self) -> dict[str, Any]:
         """Effective values with secrets (the Redis password) masked, for ``--print-config`` and logs.
 
-        An unset ``model`` shows the folder of the default model the worker will run (prepared on first
-        use): ``null`` would leave a reader guessing which model that is and where it lives.
+        An unset ``model`` shows the default model the worker will run (the prepared folder, else the
+        package's GGUF): ``null`` would leave a reader guessing which model that is and where it lives.
         """
         data = self.model_dump(mode="json")
         if self.redis_url:
@@ -237,9 +254,13 @@ class Settings(BaseSettings):
         if self.celery_result_backend:
             data["celery_result_backend"] = mask_url(self.celery_result_backend)
         if self.model is None and self.engine_factory is None:
-            from engine.default_model import default_model_dir  # lazy: it loads the engine package (torch)
+            # lazy: it loads the engine package (torch)
+            from engine.default_model import DefaultModelUnavailable, default_model_dir, default_model_source
 
-            data["model"] = str(default_model_dir())
+            try:
+                data["model"] = str(default_model_source())
+            except DefaultModelUnavailable:  # the worker will say so at start; name where it would live
+                data["model"] = str(default_model_dir())
         return data
 
 

@@ -33,6 +33,10 @@ def engine_load(stats: EngineStats) -> dict[str, Any]:
         "tensor_parallel_size": stats.tensor_parallel_size,
         "rank_weight_bytes": list(stats.rank_weight_bytes),
         "rank_kv_bytes": list(stats.rank_kv_bytes),
+        # Memory honesty: the model's weights as held (quantised weights count their int8 bytes) and the KV cache
+        "weight_bytes": stats.weight_bytes,
+        "kv_cache_bytes": stats.kv_cache_bytes,
+        "quantization": stats.quantization,
     }
 
 

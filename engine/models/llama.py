@@ -34,7 +34,7 @@ from engine.parallel_layers import (
     VocabParallelEmbedding,
     gather_logits,
 )
-from kernels import cpu_linear
+from kernels import cpu_linear, int8_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -115,10 +115,19 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, False, dtype, device, tp)
         self.gated: cpu_linear.PackedWeight | None = None  # CPU: gate_up with the SiLU-and-mul fused in
+        self.gated_int8: int8_linear.PackedInt8 | None = None  # the same, for an int8 gate_up
 
     def prepack_gated(self, dtype: torch.dtype | None = None) -> bool:
-        """Pack gate_up with its activation fused (``cpu_linear.pack_gated``); False where unsupported
-        (the fused kernel is fp32: a bf16 gate_up is packed as a plain linear)."""
+        """Pack gate_up with its activation fused (``cpu_linear.pack_gated``, or the int8 kernel's glu
+        panels for an int8 gate_up); False where unsupported (the fused fp kernel is fp32: a bf16 gate_up
+        is packed as a plain linear)."""
+        quantised = self.gate_up_proj.int8
+        if quantised is not None:
+            self.gated_int8 = int8_linear.pack(quantised, glu=True)
+            if self.gated_int8 is None:
+                return False
+            self.gate_up_proj.int8 = None
+            return True
         if dtype not in (None, self.gate_up_proj.weight.dtype):
             return False
         self.gated = cpu_linear.pack_gated(self.gate_up_proj.weight)
@@ -131,6 +140,8 @@ class LlamaMLP(nn.Module):
         """``silu(x @ gate.T) * (x @ up.T)``: one fused matmul when packed gated, else matmul then op."""
         if self.gated is not None:
             return cpu_linear.linear(x, self.gated, None)
+        if self.gated_int8 is not None:
+            return int8_linear.linear(x, self.gated_int8, None)
         return self.ops.silu_and_mul(self.gate_up_proj(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
             )
         )
         self.lm_head_packed: cpu_linear.PackedWeight | None = None
+        self.source_quantization: str | None = None  # the checkpoint's own (a GGUF loader sets "gguf:Q4_1")
 
     def prepack_cpu_weights(self, dtype: torch.dtype | None = None) -> int:
         """Pack every matmul weight for the CPU kernels (after loading), stored in ``dtype`` (default:
@@ -223,11 +235,42 @@ class LlamaForCausalLM(nn.Module):
         token lookups.
         """
         count = sum(m.prepack_gated(dtype) for m in self.modules() if isinstance(m, LlamaMLP))
-        count += sum(m.prepack(dtype) for m in self.modules() if isinstance(m, Linear) and m.weight.numel())
+        count += sum(
+            m.prepack(dtype)
+            for m in self.modules()
+            if isinstance(m, Linear) and (m.weight.numel() or m.int8 is not None)
+        )
         self.lm_head_packed = cpu_linear.pack(self.lm_head_weight, dtype=dtype)
         if self.lm_head_packed is not None and not self.config.tie_word_embeddings:
             self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
         return count + (self.lm_head_packed is not None)
+
+    def quantize_int8(self) -> int:
+        """Every decoder linear to symmetric per-output-channel int8 (``quantization="int8"``), before
+        :meth:`prepack_cpu_weights`; returns how many. The lm_head (and the embedding it may share) stays in
+        the activation dtype: it is one matmul of many, and the logits are what sampling reads directly."""
+        linears = [m for m in self.layers.modules() if isinstance(m, Linear) and m.weight.numel()]
+        for linear in linears:
+            linear.quantize_int8()
+        return len(linears)
+
+    def weight_bytes(self) -> int:
+        """Bytes held for weights in every form: dense parameters, packed copies and int8 layouts (the
+        lm_head's packed copy of a tied embedding counts too: it is memory the process holds)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for module in self.modules():
+            if isinstance(module, Linear):
+                total += module.weight_bytes - sum(
+                    t.numel() * t.element_size() for t in (module.weight, module.bias) if t is not None
+                )
+            elif isinstance(module, LlamaMLP):
+                if module.gated is not None:
+                    total += module.gated.data.numel() * module.gated.data.element_size()
+                if module.gated_int8 is not None:
+                    total += module.gated_int8.nbytes
+        if self.lm_head_packed is not None:
+            total += self.lm_head_packed.data.numel() * self.lm_head_packed.data.element_size()
+        return total
 
     def forward(
         self,

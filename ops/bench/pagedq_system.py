@@ -44,6 +44,8 @@ class PagedqSystem(System):
             kwargs["kv_cache_bytes"] = ctx.kv_cache_bytes
         if ctx.tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = ctx.tensor_parallel_size
+        if ctx.quantization is not None:
+            kwargs["quantization"] = ctx.quantization
         return LLM(str(ctx.model_path), **kwargs)
 
     def load(self, ctx: BenchContext) -> Any:

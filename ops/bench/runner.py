@@ -70,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", help="auto (bfloat16 on CUDA and on CPUs with AMX or AVX512-bf16, else float32), ..."
     )
     parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=("none", "int8"),
+        help="pagedq systems: int8 weights for every decoder linear, quantised at load (default none)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: the CPUs usable: affinity, cgroup quota)"
     )
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -309,10 +315,17 @@ def run(args: argparse.Namespace) -> int:
             model_path = resolve_model_path(args.model)
         from transformers import AutoTokenizer
 
+        from engine.checkpoint import gguf_file
         from engine.model_config import ModelConfig
 
         mc = ModelConfig.from_pretrained(model_path)
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        gguf = gguf_file(model_path)
+        if gguf is not None:  # a GGUF's tokenizer lives in its metadata
+            from engine.gguf_checkpoint import load_tokenizer
+
+            tokenizer = load_tokenizer(gguf)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         source = wl.TextSource(tokenizer, mc.vocab_size)
         kv_bytes = args.kv_cache_bytes or (QUICK_KV_BYTES if args.quick else None if cuda else 2 * 1024**3)
         ctx = BenchContext(
@@ -327,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             num_speculative_tokens=args.num_speculative_tokens,
             tensor_parallel_size=args.tensor_parallel_size,
+            quantization=None if args.quantization in (None, "none") else args.quantization,
             hf_batch_size=args.hf_batch_size,
             work_dir=work_dir,
             redis_stream=args.redis_stream,
@@ -344,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
             "threads": threads,
             "device": args.device if not cuda else f"{args.device} ({torch.cuda.get_device_name()})",
             "dtype": dtype,
+            "quantization": ctx.quantization,
             "model": str(model_path) if not args.quick else "tiny random Llama (--quick)",
             "quick": bool(args.quick),
             "torch": torch.__version__,

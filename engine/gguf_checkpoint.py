@@ -1,0 +1,287 @@
+"""Load a GGUF checkpoint (llama.cpp's format) as it ships: quantised weights stay quantised.
+
+``LLM("model.gguf")``, or a folder holding one ``.gguf`` and no ``config.json``, is read with the ``gguf``
+package's reader (a memory map; nothing is converted on disk). Each tensor of a llama-architecture file is
+mapped onto pagedq's modules by its llama.cpp name:
+
+- ``Q8_0``, ``Q4_0`` and ``Q4_1`` decoder linears are repacked into :class:`kernels.int8_linear.Int8Weight`
+  (blocks of 32 along K; ``Q4_0``'s codes stored as ``q - 8``, ``Q4_1``'s minimum as the offset). Exact:
+  ``dequantize()`` equals gguf's own. The C kernel then streams one byte per weight;
+- ``F32``, ``F16`` and ``BF16`` tensors, and quantised embeddings / lm_head / norms, are loaded as floats
+  in the activation dtype (the embedding is a lookup and the lm_head stays in the activation dtype);
+- llama.cpp stores q and k rows permuted for its rotary layout: they are permuted back (for quantised
+  weights, rows of values, scales and offsets move together, which is exact).
+
+Anything else (K-quants, IQ types, another architecture, a truncated or corrupt file) is a
+:class:`GGUFError` naming the file, the tensor and its type. The tokenizer and chat template come from the
+metadata through transformers' GGUF tokenizer support (:func:`load_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import torch
+
+from engine.checkpoint import gguf_file
+from engine.kernel_dispatch import get_ops
+from engine.layers import Linear
+from engine.model_config import ModelConfig
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from kernels.int8_linear import Int8Weight
+
+if TYPE_CHECKING:
+    from engine.loader import Target
+
+QUANTISED_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+BLOCK = 32  # elements per block of every supported quantised type
+
+# llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class GGUFError(ValueError):
+    """A GGUF file pagedq cannot load: unreadable, another architecture, or an unsupported tensor type."""
+
+
+def _reader(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except Exception as exc:  # the reader raises whatever numpy/struct raised on a short or corrupt file
+        raise GGUFError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _float32_to_decimal(value: float) -> float:
+    """GGUF keeps 1e-5 as float32 9.99999974e-06: the shortest decimal, as config.json would say."""
+    return float(str(np.float32(value)))
+
+
+def read_config(reader: Any, path: Path) -> ModelConfig:
+    """The model's config from the GGUF metadata (llama architecture: Llama 2/3, SmolLM2, Mistral-style)."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported (pagedq loads 'llama' GGUF files)")
+    names = {t.name for t in reader.tensors}
+    hidden = int(_field(reader, "llama.embedding_length"))
+    heads = int(_field(reader, "llama.attention.head_count"))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    raw: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
+        "vocab_size": int(_field(reader, "llama.vocab_size", len(tokens))),
+        "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
+        "rms_norm_eps": _float32_to_decimal(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _float32_to_decimal(_field(reader, "llama.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if _field(reader, "llama.rope.scaling.type") not in (None, "none"):
+        raise GGUFError(f"{path}: rope scaling {_field(reader, 'llama.rope.scaling.type')!r} is not supported")
+    return ModelConfig.from_dict(raw)
+
+
+def read_gguf_config(path: Path) -> ModelConfig:
+    """:func:`read_config` of the file at ``path`` (metadata only: the tensors are memory-mapped, not read)."""
+    return read_config(_reader(path), path)
+
+
+def repack_quantised(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Int8Weight:
+    """A ``[rows, cols]`` tensor of ``Q8_0`` / ``Q4_0`` / ``Q4_1`` blocks as an exact :class:`Int8Weight`."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // BLOCK, -1)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+    offsets: np.ndarray | None = None
+    if type_name == "Q8_0":
+        codes = blocks[..., 2:].copy().view(np.int8)
+    else:
+        start = 2 if type_name == "Q4_0" else 4
+        if type_name == "Q4_1":
+            offsets = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+        packed = blocks[..., start : start + BLOCK // 2]
+        # Element i of a block is the low nibble of byte i, element 16 + i the high one (gguf's order).
+        codes = np.concatenate((packed & 0x0F, packed >> 4), axis=-1).astype(np.int8)
+        if type_name == "Q4_0":
+            codes = codes - np.int8(8)
+    return Int8Weight(
+        torch.from_numpy(codes.reshape(rows, cols).copy()),
+        torch.from_numpy(d.copy()),
+        None if offsets is None else torch.from_numpy(offsets.copy()),
+        BLOCK,
+    )
+
+
+def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's rotary permutation of q / k (transformers' reverse_permute)."""
+    rows = torch.arange(n_rows)
+    dim = n_rows // n_head // 2
+    return rows.reshape(n_head, dim, 2).swapaxes(2, 1).reshape(n_rows)
+
+
+def load_gguf_model(
+    path: Path, dtype: torch.dtype, device: torch.device, ops_name: str
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model with its weights from the GGUF at ``path`` (quantised linears int8) and its config; the
+    model's ``source_quantization`` names its predominant linear type (``gguf:Q4_1``)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    reader = _reader(path)
+    config = read_config(reader, path)
+    model = LlamaForCausalLM(config, get_ops(ops_name), dtype=dtype, device=device)
+    from engine.loader import CheckpointMismatchError, weight_targets
+
+    targets = weight_targets(model)
+    items: dict[str, torch.Tensor | Int8Weight] = {}
+    linear_types: collections.Counter[str] = collections.Counter()
+    unexpected: list[str] = []
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
+            if not tensor.name.endswith("rope_freqs.weight"):
+                unexpected.append(tensor.name)
+            continue
+        type_name = GGMLQuantizationType(tensor.tensor_type).name
+        shape = tuple(int(s) for s in reversed([int(x) for x in tensor.shape]))  # ggml lists K first
+        is_linear = name.startswith("model.layers.") and ("_proj." in name)
+        try:
+            if type_name in QUANTISED_TYPES:
+                if len(shape) != 2 or shape[1] % BLOCK:
+                    raise GGUFError(f"{path}: tensor {tensor.name} ({type_name}) has shape {shape}")
+                quantised = repack_quantised(np.asarray(tensor.data), type_name, shape[0], shape[1])
+                items[name] = quantised if is_linear else quantised.dequantize()
+            elif type_name in FLOAT_TYPES:
+                items[name] = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type)).reshape(shape))
+            else:
+                supported = ", ".join((*QUANTISED_TYPES, *FLOAT_TYPES))
+                raise GGUFError(
+                    f"{path}: tensor {tensor.name} has type {type_name}, which pagedq does not load "
+                    f"(supported: {supported})"
+                )
+        except GGUFError:
+            raise
+        except Exception as exc:  # a short data section shows up here, as a reshape or memmap error
+            raise GGUFError(f"{path}: tensor {tensor.name} ({type_name}) is unreadable ({exc})") from None
+        if is_linear:
+            linear_types[type_name] += 1
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            order = _unpermute_rows(shape[0], heads)
+            item = items[name]
+            items[name] = item.rows(order) if isinstance(item, Int8Weight) else item.index_select(0, order)
+    missing = sorted(set(targets) - set(items))
+    if missing or unexpected:
+        problems = [f"missing tensors: {', '.join(missing[:20])}"] if missing else []
+        problems += [f"unexpected tensors: {', '.join(unexpected[:20])}"] if unexpected else []
+        raise CheckpointMismatchError(f"GGUF {path} does not match {config.architecture}: " + "; ".join(problems))
+    with torch.no_grad():
+        _fill(model, config, items, targets, device, path)
+    model.source_quantization = f"gguf:{linear_types.most_common(1)[0][0]}" if linear_types else "gguf"
+    return model.eval(), config
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _fill(
+    model: LlamaForCausalLM,
+    config: ModelConfig,
+    items: dict[str, torch.Tensor | Int8Weight],
+    targets: dict[str, Target],
+    device: torch.device,
+    path: Path,
+) -> None:
+    """Copy every item into its slot. A merged linear (qkv, gate_up) whose parts are all int8 with one group
+    layout is held int8; otherwise its parts are dequantised into the dense weight (exact either way)."""
+    done: set[str] = set()
+    for i, module in enumerate(model.layers):
+        layer = cast(LlamaDecoderLayer, module)
+        prefix = f"model.layers.{i}."
+        merged: list[tuple[Linear, list[str]]] = [
+            (layer.self_attn.qkv_proj, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+            (layer.self_attn.o_proj, ["self_attn.o_proj"]),
+            (layer.mlp.gate_up_proj, ["mlp.gate_proj", "mlp.up_proj"]),
+            (layer.mlp.down_proj, ["mlp.down_proj"]),
+        ]
+        for linear, parts in merged:
+            names = [f"{prefix}{p}.weight" for p in parts]
+            quantised = [items[n] for n in names]
+            if all(isinstance(q, Int8Weight) for q in quantised):
+                try:
+                    weight = Int8Weight.concat(cast(list[Int8Weight], quantised))
+                except ValueError:
+                    pass
+                else:
+                    linear.set_int8(weight.to(device))
+                    done.update(names)
+    for name, target in targets.items():
+        if name in done:
+            continue
+        dest = target.dest  # the whole tensor: GGUF files load on one rank (engine/loader.py)
+        item = items[name]
+        value = item.dequantize() if isinstance(item, Int8Weight) else item
+        if tuple(value.shape) != tuple(dest.shape):
+            raise GGUFError(f"{path}: tensor for {name} has shape {tuple(value.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(value)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer from the GGUF metadata (transformers' GGUF support), with the chat template, EOS and pad
+    set from the metadata where transformers leaves them out."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except Exception as exc:
+        raise GGUFError(f"{path}: cannot build its tokenizer from the GGUF metadata ({exc})") from None
+    reader = _reader(path)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    if eos is not None and tokenizer.eos_token_id != eos:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        template = _field(reader, "tokenizer.chat_template")
+        if isinstance(template, str):
+            tokenizer.chat_template = template
+    return tokenizer
+
+
+__all__ = ["GGUFError", "gguf_file", "load_gguf_model", "load_tokenizer", "read_config", "repack_quantised"]

@@ -1,0 +1,253 @@
+"""Group-wise int8 weights: the one quantised layout pagedq serves, its torch reference and its CPU kernel.
+
+A weight ``W [N, K]`` is held as int8 ``values [N, K]``, fp32 ``scales [N, K / group_size]`` and, for
+asymmetric formats, fp32 ``offsets`` of the same shape: ``w[n, k] = scale[n, g] * q[n, k] + offset[n, g]``
+with ``g = k // group_size``. One layout covers every source exactly:
+
+- ``quantization="int8"`` on an fp checkpoint: symmetric per-output-channel (``group_size = K``,
+  ``scale = absmax / 127``, no offset), :func:`quantize_per_channel`;
+- GGUF ``Q8_0`` (``w = d * q``), ``Q4_0`` (``w = d * (q - 8)``, stored as ``q - 8``) and ``Q4_1``
+  (``w = d * q + m``), blocks of 32 along K (:mod:`engine.gguf_checkpoint`). Their fp16 ``d``/``m`` widen
+  to fp32 exactly, and a 4-bit code fits int8, so the repacking loses nothing: :meth:`Int8Weight.dequantize`
+  equals gguf's own ``dequantize()`` bit for bit (both compute ``d * q`` then ``+ m`` in fp32).
+
+Holding 4-bit codes in a byte costs Q4 files twice their bytes in memory; in exchange one kernel serves
+every format, and a decode step still streams a quarter of fp32's weight bytes.
+
+The matmul is weight-only: activations stay in their dtype (fp32 on CPU), the weight is dequantised inside
+the tile and products accumulate in fp32 (``csrc/cpu_int8_gemm.c``, built per ISA variant; the Triton
+kernel for CUDA is :mod:`kernels.int8_linear_triton`). :func:`linear_reference` (dequantise, then
+``F.linear``) is the reference every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import c_build, host_memory
+
+PANEL = 16  # output columns per panel (gemm_tile.h NR)
+INT8_MAX = 127
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Weight:
+    """``W [out_features, in_features]`` as group-wise int8 (see the module docstring)."""
+
+    values: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # float32 [N, K // group_size]
+    offsets: torch.Tensor | None  # float32 [N, K // group_size], or None (symmetric)
+    group_size: int
+
+    def __post_init__(self) -> None:
+        n, k = self.values.shape
+        if self.values.dtype != torch.int8:
+            raise ValueError(f"int8 weight values must be int8, got {self.values.dtype}")
+        if self.group_size < 1 or k % self.group_size:
+            raise ValueError(f"group size {self.group_size} does not divide in_features {k}")
+        groups = (n, k // self.group_size)
+        if tuple(self.scales.shape) != groups or self.scales.dtype != torch.float32:
+            raise ValueError(f"scales must be float32 {groups}, got {self.scales.dtype} {tuple(self.scales.shape)}")
+        if self.offsets is not None and (tuple(self.offsets.shape) != groups or self.offsets.dtype != torch.float32):
+            raise ValueError(f"offsets must be float32 {groups}, got {self.offsets.dtype} {tuple(self.offsets.shape)}")
+
+    @property
+    def out_features(self) -> int:
+        return int(self.values.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.values.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        total = self.values.nbytes + self.scales.nbytes
+        return total + (self.offsets.nbytes if self.offsets is not None else 0)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight: ``scale * q`` then ``+ offset``, each rounded to fp32 (gguf's order)."""
+        n, k = self.values.shape
+        grouped = self.values.float().view(n, k // self.group_size, self.group_size) * self.scales[..., None]
+        if self.offsets is not None:
+            grouped = grouped + self.offsets[..., None]
+        return grouped.view(n, k).to(dtype)
+
+    def to(self, device: torch.device) -> Int8Weight:
+        """The same weight on ``device`` (CUDA: for the Triton kernel)."""
+        if self.values.device == device:
+            return self
+        offsets = None if self.offsets is None else self.offsets.to(device)
+        return Int8Weight(self.values.to(device), self.scales.to(device), offsets, self.group_size)
+
+    def rows(self, index: torch.Tensor) -> Int8Weight:
+        """The output rows ``index`` (a permutation or selection), every part moved together: exact."""
+        return Int8Weight(
+            self.values.index_select(0, index),
+            self.scales.index_select(0, index),
+            None if self.offsets is None else self.offsets.index_select(0, index),
+            self.group_size,
+        )
+
+    @staticmethod
+    def concat(parts: list[Int8Weight]) -> Int8Weight:
+        """Row-wise concatenation (merged qkv / gate_up), which needs one group size and offset kind."""
+        sizes = {p.group_size for p in parts}
+        if len(sizes) != 1 or len({p.offsets is None for p in parts}) != 1:
+            raise ValueError("cannot merge int8 weights of different group sizes or offset kinds")
+        offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts if p.offsets is not None])
+        return Int8Weight(
+            torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]), offsets, sizes.pop()
+        )
+
+
+def quantize_per_channel(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric per-output-channel int8: ``scale = absmax(row) / 127``, ``q = round(w / scale)``.
+
+    An all-zero row gets scale 1 (any scale reproduces it; 1 keeps the division finite)."""
+    w = weight.detach().float()
+    absmax = w.abs().amax(dim=1, keepdim=True)
+    scales = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
+    values = torch.round(w / scales).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return Int8Weight(values.contiguous(), scales.contiguous(), None, w.shape[1])
+
+
+def linear_reference(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ dequantize(W).T + bias`` in fp32, returned in ``x``'s dtype: what every kernel must match."""
+    b = bias.float() if bias is not None else None
+    return F.linear(x.float(), weight.dequantize().to(x.device), b).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------ C kernel
+
+
+@dataclass(frozen=True, eq=False)
+class PackedInt8:
+    """An :class:`Int8Weight` in the C kernel's panels (opaque to torch); ``glu``: a merged gate/up weight
+    whose product is ``silu(gate) * up``, ``out_features`` wide."""
+
+    values: torch.Tensor  # int8 [panels, K, 16]
+    scales: torch.Tensor  # float32 [panels, K // group_size, 16]
+    offsets: torch.Tensor | None
+    group_size: int
+    out_features: int
+    in_features: int
+    glu: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        total = self.values.nbytes + self.scales.nbytes
+        return total + (self.offsets.nbytes if self.offsets is not None else 0)
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.gemm_int8_panels.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32]
+    lib.gemm_int8_panels.restype = ctypes.c_int
+
+
+def kernel_available() -> bool:
+    """Whether the C kernel runs here (a compiler, and not switched off by ``PAGEDQ_DISABLE_INT8_KERNEL``)."""
+    if os.environ.get("PAGEDQ_DISABLE_INT8_KERNEL"):
+        return False
+    return c_build.load("cpu_int8_gemm", _bind) is not None
+
+
+def _panel_rows(out_features: int, glu: bool) -> torch.Tensor:
+    """Source row of each panel lane, ``out_features`` (a zero row) for padding. With glu, panel p holds
+    gate rows 8p..8p+7 in lanes 0-7 and the matching up rows (``out_features`` further) in lanes 8-15."""
+    if not glu:
+        panels = -(-out_features // PANEL)
+        rows = torch.arange(panels * PANEL)
+        return torch.where(rows < out_features, rows, torch.full_like(rows, 2 * out_features))
+    half = PANEL // 2
+    panels = -(-out_features // half)
+    col = torch.arange(panels)[:, None] * half + torch.arange(half)[None, :]
+    gate = torch.where(col < out_features, col, torch.full_like(col, 2 * out_features))
+    up = torch.where(col < out_features, col + out_features, torch.full_like(col, 2 * out_features))
+    return torch.cat((gate, up), dim=1).reshape(-1)
+
+
+def _to_panels(t: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t [R, C]`` -> ``[panels, C, 16]`` with lane rows ``rows`` (index R is a zero row), in host memory."""
+    padded = torch.cat((t, torch.zeros(1, t.shape[1], dtype=t.dtype)))
+    # Every row index up to 2 * out_features may name the zero row: clamp those onto it.
+    picked = padded.index_select(0, rows.clamp(max=t.shape[0]))
+    panels = picked.view(-1, PANEL, t.shape[1]).transpose(1, 2)
+    out = host_memory.empty(tuple(panels.shape), dtype)
+    out.copy_(panels)
+    return out
+
+
+def pack(weight: Int8Weight, glu: bool = False) -> PackedInt8 | None:
+    """``weight`` in panels for :func:`linear`, or None where the C kernel cannot run (callers keep
+    :func:`linear_reference`). ``glu``: ``weight`` is a merged ``[gate; up]`` (``2i`` rows)."""
+    if weight.values.device.type != "cpu" or not kernel_available():
+        return None
+    n = weight.out_features
+    if glu and n % 2:
+        return None
+    out_features = n // 2 if glu else n
+    # A merged gate/up has 2 * out_features rows: the padding index of _panel_rows is >= n, clamped to n.
+    rows = _panel_rows(out_features, glu)
+    return PackedInt8(
+        _to_panels(weight.values, rows, torch.int8),
+        _to_panels(weight.scales, rows, torch.float32),
+        None if weight.offsets is None else _to_panels(weight.offsets, rows, torch.float32),
+        weight.group_size,
+        out_features,
+        weight.in_features,
+        glu,
+    )
+
+
+def linear(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` (or ``silu(gate) * up`` for glu) with ``packed`` from :func:`pack`."""
+    n, k = packed.out_features, packed.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"int8 linear: input has {x.shape[-1]} features, the weight expects {k}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.dtype != torch.float32:
+        x2 = x2.contiguous().float()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32)
+    if bias is not None:
+        if packed.glu:
+            raise ValueError("int8 linear: a gated (glu) weight takes no bias")
+        bias = bias.detach().float().contiguous()
+    if m:
+        lib = c_build.load("cpu_int8_gemm", _bind)
+        assert lib is not None, "int8-packed weight without its kernel"
+        rc = lib.gemm_int8_panels(
+            x2.data_ptr(),
+            x2.stride(0),
+            packed.values.data_ptr(),
+            packed.scales.data_ptr(),
+            packed.offsets.data_ptr() if packed.offsets is not None else None,
+            packed.group_size,
+            bias.data_ptr() if bias is not None else None,
+            out.data_ptr(),
+            n,
+            m,
+            n,
+            k,
+            int(packed.glu),
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise MemoryError("int8 linear: no memory for the dequantisation buffer")
+    return out.view(*x.shape[:-1], n).to(x.dtype)
+
+
+def linear_any(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """An int8 weight that is not in C panels: the Triton kernel on CUDA, else the reference (a CPU without a
+    C compiler: it dequantises per call, slow but exact)."""
+    if x.device.type == "cuda":
+        from kernels.int8_linear_triton import int8_linear  # imports triton: only where CUDA runs
+
+        return int8_linear(x, weight, bias)
+    return linear_reference(x, weight, bias)

@@ -1,0 +1,196 @@
+"""GGUF checkpoints (engine/gguf_checkpoint.py): exact repacking, un-permuted q/k, float types, clear errors,
+and a tiny model's logits against transformers on the same weights dequantised by gguf."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+from engine.attention_metadata import AttentionMetadata
+from engine.checkpoint import gguf_file
+from engine.gguf_checkpoint import GGUFError, load_gguf_model
+from engine.layers import Linear
+from engine.model_config import ModelConfig
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from tests.tiny_gguf import write_tiny_gguf
+
+CPU = torch.device("cpu")
+# Layer 0 all Q4_1 (the default model's type), layer 1 a mix: Q8_0 / Q4_0 / F16 / BF16, and q and k of
+# different kinds, so a merged qkv falls back to dense floats.
+TYPES = {
+    **{f"blk.0.{n}.weight": "Q4_1" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")},
+    "blk.0.ffn_down.weight": "Q8_0",
+    "blk.1.attn_q.weight": "Q4_0",
+    "blk.1.attn_k.weight": "Q8_0",
+    "blk.1.attn_v.weight": "F16",
+    "blk.1.attn_output.weight": "Q4_0",
+    "blk.1.ffn_gate.weight": "Q8_0",
+    "blk.1.ffn_up.weight": "Q8_0",
+    "blk.1.ffn_down.weight": "BF16",
+    "token_embd.weight": "Q8_0",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tiny_model("llama_mqa_tied")  # tied lm_head, one KV head
+    state = load_file(str(folder / "model.safetensors"))
+    state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    config = ModelConfig.from_pretrained(folder)
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gguf(path, state, config, TYPES)
+    return path, folder
+
+
+def _gguf_reference(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every tensor dequantised by gguf itself, q/k un-permuted by transformers: the reference weights."""
+    processor = LlamaTensorProcessor(
+        {"num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads}
+    )
+    out = {}
+    for t in GGUFReader(path).tensors:
+        weights = dequantize(t.data, t.tensor_type).reshape([int(s) for s in reversed(t.shape)])
+        out[t.name] = torch.from_numpy(np.array(processor.process(weights, t.name).weights))
+    return out
+
+
+def _dense(linear: Linear) -> torch.Tensor:
+    return linear.int8.dequantize() if linear.int8 is not None else linear.weight.detach()
+
+
+def test_weights_equal_gguf_dequantize_exactly(tiny_gguf: tuple[Path, Path]) -> None:
+    path, _ = tiny_gguf
+    model, config = load_gguf_model(path, torch.float32, CPU, "torch")
+    assert model.source_quantization == "gguf:Q4_1"
+    ref = _gguf_reference(path, config)
+    layer0, layer1 = cast(LlamaDecoderLayer, model.layers[0]), cast(LlamaDecoderLayer, model.layers[1])
+    assert layer0.self_attn.qkv_proj.int8 is not None and layer0.self_attn.qkv_proj.int8.offsets is not None
+    assert layer0.mlp.down_proj.int8 is not None and layer0.mlp.down_proj.int8.offsets is None  # Q8_0
+    assert layer1.self_attn.qkv_proj.int8 is None  # Q4_0 + Q8_0 + F16: dequantised into the dense weight
+    assert layer1.mlp.down_proj.int8 is None  # BF16: a float
+    for i, layer in enumerate((layer0, layer1)):
+        qkv = torch.cat([ref[f"blk.{i}.attn_{p}.weight"] for p in "qkv"])
+        assert torch.equal(_dense(layer.self_attn.qkv_proj), qkv)  # bit for bit, q/k rows un-permuted
+        assert torch.equal(_dense(layer.self_attn.o_proj), ref[f"blk.{i}.attn_output.weight"])
+        gate_up = torch.cat([ref[f"blk.{i}.ffn_gate.weight"], ref[f"blk.{i}.ffn_up.weight"]])
+        assert torch.equal(_dense(layer.mlp.gate_up_proj), gate_up)
+        assert torch.equal(_dense(layer.mlp.down_proj), ref[f"blk.{i}.ffn_down.weight"])
+    assert torch.equal(model.embed_tokens.weight.detach(), ref["token_embd.weight"])
+
+
+def _logits(model: LlamaForCausalLM, config: ModelConfig, ids: list[int]) -> torch.Tensor:
+    """One prefill of ``ids`` through pagedq's model over a private KV cache."""
+    n, bs = len(ids), 16
+    blocks = -(-n // bs)
+    cache = torch.zeros(config.num_layers, 2, blocks, bs, config.num_kv_heads, config.head_dim)
+    positions = torch.arange(n)
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=table,
+        slot_mapping=positions.clone(),
+        max_query_len=n,
+        max_seq_len=n,
+        query_lens_cpu=[n],
+        seq_lens_cpu=[n],
+    )
+    model.ops.attention.prepare(meta)
+    with torch.inference_mode():
+        caches = [(cache[i, 0], cache[i, 1]) for i in range(config.num_layers)]
+        hidden = model(torch.tensor(ids), positions, caches, meta)
+        return model.compute_logits(hidden)
+
+
+def test_tiny_gguf_logits_match_transformers_on_dequantised_weights(tiny_gguf: tuple[Path, Path]) -> None:
+    """The C int8 kernel on the repacked blocks vs transformers' fp32 forward on gguf's dequantisation."""
+    path, folder = tiny_gguf
+    model, config = load_gguf_model(path, torch.float32, CPU, "torch")
+    model.prepack_cpu_weights()
+    ref = _gguf_reference(path, config)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    names = {
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    }  # fmt: skip
+    state = {"model.embed_tokens.weight": ref["token_embd.weight"], "model.norm.weight": ref["output_norm.weight"]}
+    for name, tensor in ref.items():
+        if name.startswith("blk."):
+            _, layer, kind, _ = name.split(".")
+            state[f"model.layers.{layer}.{names[kind]}.weight"] = tensor
+    hf.load_state_dict(state, strict=False)
+    hf.tie_weights()
+    ids = torch.randint(3, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(model, config, ids), want, atol=2e-4, rtol=1e-4)
+
+
+def test_folder_with_one_gguf_resolves_to_it(tiny_gguf: tuple[Path, Path], tmp_path: Path) -> None:
+    path, _ = tiny_gguf
+    (tmp_path / "model.gguf").symlink_to(path)
+    assert gguf_file(tmp_path) == tmp_path / "model.gguf"
+    assert gguf_file(path) == path
+    (tmp_path / "config.json").write_text("{}")  # a Hugging Face folder wins over a stray .gguf
+    assert gguf_file(tmp_path) is None
+
+
+def test_truncated_gguf_is_one_clear_error(tiny_gguf: tuple[Path, Path], tmp_path: Path) -> None:
+    path, _ = tiny_gguf
+    data = path.read_bytes()
+    for cut in (len(data) // 2, 100):  # in the tensor data; in the metadata
+        short = tmp_path / f"short-{cut}.gguf"
+        short.write_bytes(data[:cut])
+        with pytest.raises(GGUFError, match=r"short-\d+\.gguf"):
+            load_gguf_model(short, torch.float32, CPU, "torch")
+
+
+def test_unsupported_quant_type_names_tensor_and_type(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
+    folder = tiny_model("llama_mqa_tied")
+    state = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if k != "lm_head.weight"}
+    config = ModelConfig.from_pretrained(folder)
+    del state["model.layers.1.mlp.down_proj.weight"]
+    # A K-quant (256 elements in 176 bytes per block): 32 blocks, as many elements as down_proj's 64 x 128.
+    raw = np.zeros((32, 176), dtype=np.uint8)
+    path = tmp_path / "q5k.gguf"
+    write_tiny_gguf(path, state, config, {}, {"blk.1.ffn_down.weight": (raw, GGMLQuantizationType.Q5_K)})
+    with pytest.raises(GGUFError, match=r"tensor blk\.1\.ffn_down\.weight has type Q5_K"):
+        load_gguf_model(path, torch.float32, CPU, "torch")
+
+
+def test_default_model_is_the_packaged_gguf_until_prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.default_model import EXPECTED_CONFIG, DefaultModelUnavailable, find_default_gguf, resolve_model_path
+    from engine.gguf_checkpoint import read_config
+
+    try:
+        gguf = find_default_gguf()
+    except DefaultModelUnavailable as exc:
+        pytest.skip(f"default model package not installed: {exc}")
+    monkeypatch.setenv("PAGEDQ_MODEL_DIR", str(tmp_path))  # nothing prepared here
+    assert resolve_model_path(None) == gguf
+    config = read_config(GGUFReader(gguf), gguf)  # metadata only: the weights are not read
+    assert (config.num_layers, config.hidden_size, config.num_kv_heads) == (30, 576, 3)
+    assert config.rms_norm_eps == EXPECTED_CONFIG["rms_norm_eps"] and config.tie_word_embeddings
+    assert config.rope_theta == EXPECTED_CONFIG["rope_theta"] and config.vocab_size == 49152
+
+
+def test_model_config_reads_a_gguf(tiny_gguf: tuple[Path, Path]) -> None:
+    path, folder = tiny_gguf
+    from_gguf, from_folder = ModelConfig.from_pretrained(path), ModelConfig.from_pretrained(folder)
+    assert (from_gguf.num_layers, from_gguf.num_kv_heads, from_gguf.head_dim) == (
+        from_folder.num_layers,
+        from_folder.num_kv_heads,
+        from_folder.head_dim,
+    )
+    assert from_gguf.tie_word_embeddings and from_gguf.rms_norm_eps == from_folder.rms_norm_eps

@@ -106,37 +106,29 @@ class AttentionShards:
         return self.kv_head_start * self.head_dim, (self.kv_head_start + self.num_kv_heads) * self.head_dim
 
 
-class ColumnParallelLinear(Linear):
+class ShardedLinear(Linear):
+    """``Linear`` that knows its rank's place (``tp``); its shape is already this rank's share."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, dtype, device)
+        self.tp = tp
+
+
+class ColumnParallelLinear(ShardedLinear):
     """``Linear`` holding this rank's band of output rows (``out_features`` is the rank's share)."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device | None,
-        tp: TensorParallel = SINGLE,
-    ) -> None:
-        super().__init__(in_features, out_features, bias, dtype, device)
-        self.tp = tp
 
-
-class RowParallelLinear(Linear):
+class RowParallelLinear(ShardedLinear):
     """``Linear`` holding this rank's band of input columns; its partial outputs are summed over the
     ranks (one all-reduce), and the bias, held whole by every rank, is added once after the sum."""
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device | None,
-        tp: TensorParallel = SINGLE,
-    ) -> None:
-        super().__init__(in_features, out_features, bias, dtype, device)
-        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -146,6 +146,25 @@ def _pack_onednn(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def panel_operands(
+    x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, glu: bool, what: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What a C panel kernel (fp32 or int8 weights) reads and writes: ``x`` as contiguous fp32 rows of ``k``
+    features, a fresh fp32 ``[rows, n]`` output (a glu weight's ``n`` is already the activated width), and
+    the bias as contiguous fp32; a glu weight takes no bias (the activation comes after the matmul)."""
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: input has {x.shape[-1]} features, the weight expects {k}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.dtype != torch.float32:
+        x2 = x2.contiguous().float()
+    out = torch.empty((x2.shape[0], n), dtype=torch.float32)
+    if bias is not None:
+        if glu:
+            raise ValueError(f"{what}: a gated (glu) packed weight takes no bias")
+        bias = bias.detach().float().contiguous()
+    return x2, out, bias
+
+
 def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` with ``packed`` from :func:`pack`; ``x`` may have any leading dimensions."""
     if packed.kind == "onednn":
@@ -157,17 +176,8 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
         b = bias.detach().to(low) if bias is not None else None
         return torch.ops.mkldnn._linear_pointwise(x.to(low), packed.data, b, "none", [], "").to(x.dtype)
     n, k = packed.out_features, packed.in_features
-    if x.shape[-1] != k:
-        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight expects {k}")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or x2.dtype != torch.float32:
-        x2 = x2.contiguous().float()
+    x2, out, bias = panel_operands(x, n, k, bias, packed.glu, "linear")
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=torch.float32)
-    if bias is not None:
-        if packed.glu:
-            raise ValueError("linear: a gated (glu) packed weight takes no bias")
-        bias = bias.detach().float().contiguous()
     if m:
         lib = c_build.load("cpu_gemm", _bind)  # loaded when the weight was packed: a dict lookup here
         assert lib is not None, "panel-packed weight without its kernel"

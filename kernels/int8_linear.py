@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import c_build, host_memory
+from kernels import c_build, cpu_linear, host_memory
 
 PANEL = 16  # output columns per panel (gemm_tile.h NR)
 INT8_MAX = 127
@@ -208,17 +208,8 @@ def pack(weight: Int8Weight, glu: bool = False) -> PackedInt8 | None:
 def linear(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` (or ``silu(gate) * up`` for glu) with ``packed`` from :func:`pack`."""
     n, k = packed.out_features, packed.in_features
-    if x.shape[-1] != k:
-        raise ValueError(f"int8 linear: input has {x.shape[-1]} features, the weight expects {k}")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or x2.dtype != torch.float32:
-        x2 = x2.contiguous().float()
+    x2, out, bias = cpu_linear.panel_operands(x, n, k, bias, packed.glu, "int8 linear")
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=torch.float32)
-    if bias is not None:
-        if packed.glu:
-            raise ValueError("int8 linear: a gated (glu) weight takes no bias")
-        bias = bias.detach().float().contiguous()
     if m:
         lib = c_build.load("cpu_int8_gemm", _bind)
         assert lib is not None, "int8-packed weight without its kernel"

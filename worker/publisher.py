@@ -9,9 +9,9 @@ Token events go through one small script per reply stream (the ownership check, 
 one engine step in one MULTI/EXEC round trip. Terminal events go through one Lua script that, atomically,
 
 1. acks (and deletes) the job's stream entry,
-2. stops if ``<ns>:result:<id>`` already exists (another delivery of the job already ended it), after
+2. stops if ``<ns>:{<id>}:result`` already exists (another delivery of the job already ended it), after
    the dead letter of an unusable payload that reused the id,
-3. stores the event at ``<ns>:result:<id>`` with a TTL,
+3. stores the event at ``<ns>:{<id>}:result`` with a TTL,
 4. appends it to the reply stream if the job owns it, which then expires ``reply_ttl_s`` later,
 5. appends a dead-letter entry when asked (the dead-letter stream is capped with ``MAXLEN ~``).
 
@@ -33,7 +33,7 @@ import redis
 from redis.commands.core import Script
 
 from schemas.jobs import DeadLetter
-from schemas.keys import EVENT_FIELD, GROUP, OWNER_FIELD, Keys
+from schemas.keys import EVENT_FIELD, GROUP, OWNER_FIELD, Keys, split_entry_ref
 
 OWNED_LUA = f"""
 -- Whether the reply stream KEYS[n] may be written for job entry `entry`: it does not exist, or it is a
@@ -79,30 +79,30 @@ TERMINAL_LUA = (
     OWNED_LUA
     + f"""
 -- KEYS[1] jobs stream, KEYS[2] result key, KEYS[3] reply stream, KEYS[4] dead-letter stream
--- ARGV[1] group, ARGV[2] entry id, ARGV[3] event JSON, ARGV[4] result TTL (s), ARGV[5] reply TTL (s),
--- ARGV[6] reply MAXLEN, ARGV[7] '1' to append to the reply stream, ARGV[8] dead-letter MAXLEN,
--- ARGV[9] number of dead-letter field/value strings that follow (0: none)
+-- ARGV[1] group, ARGV[2] entry id, ARGV[3] entry ref (the reply stream's owner), ARGV[4] event JSON,
+-- ARGV[5] result TTL (s), ARGV[6] reply TTL (s), ARGV[7] reply MAXLEN, ARGV[8] '1' to append to the reply
+-- stream, ARGV[9] dead-letter MAXLEN, ARGV[10] number of dead-letter field/value strings that follow
 local acked = 0
 if ARGV[2] ~= '' then
   acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
   redis.call('XDEL', KEYS[1], ARGV[2])
 end
-local n = tonumber(ARGV[9])
+local n = tonumber(ARGV[10])
 if redis.call('EXISTS', KEYS[2]) == 1 then
   -- The job already ended. An unusable payload reusing its id still leaves its one dead letter, written
   -- by whichever write acked its entry (a retried write finds it acked, and adds none).
   if n > 0 and acked == 1 then
-    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', unpack(ARGV, 10, 9 + n))
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*', unpack(ARGV, 11, 10 + n))
   end
   return 0
 end
-redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
-if ARGV[7] == '1' and owned(KEYS[3], ARGV[2]) then
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', '{EVENT_FIELD}', ARGV[3], '{OWNER_FIELD}', ARGV[2])
-  redis.call('EXPIRE', KEYS[3], ARGV[5])
+redis.call('SET', KEYS[2], ARGV[4], 'EX', ARGV[5])
+if ARGV[8] == '1' and owned(KEYS[3], ARGV[3]) then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', '{EVENT_FIELD}', ARGV[4], '{OWNER_FIELD}', ARGV[3])
+  redis.call('EXPIRE', KEYS[3], ARGV[6])
 end
 if n > 0 then
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', unpack(ARGV, 10, 9 + n))
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*', unpack(ARGV, 11, 10 + n))
 end
 return 1
 """
@@ -275,11 +275,13 @@ class Publisher:
         if isinstance(unit, TokenWrite):
             self._tokens(keys=[unit.reply_to], args=[unit.entry_id, self.reply_maxlen, *unit.payloads], client=pipe)
         elif isinstance(unit, Terminal):
+            shard, entry_id = split_entry_ref(unit.entry_id)
             dead_fields = _flatten(unit.dead.to_fields()) if unit.dead is not None else []
             self._terminal(
-                keys=[keys.jobs, keys.result(unit.job_id), unit.reply_to, keys.dead],
+                keys=[keys.jobs_shard(shard), keys.result(unit.job_id), unit.reply_to, keys.dead_shard(shard)],
                 args=[
                     GROUP,
+                    entry_id,
                     unit.entry_id,
                     unit.payload,
                     self.result_ttl_s,
@@ -293,13 +295,15 @@ class Publisher:
                 client=pipe,
             )
         elif isinstance(unit, DeadOnly):
+            shard, entry_id = split_entry_ref(unit.entry_id)
             self._dead_only(
-                keys=[keys.jobs, keys.dead],
-                args=[GROUP, unit.entry_id, self.dead_maxlen, *_flatten(unit.dead.to_fields())],
+                keys=[keys.jobs_shard(shard), keys.dead_shard(shard)],
+                args=[GROUP, entry_id, self.dead_maxlen, *_flatten(unit.dead.to_fields())],
                 client=pipe,
             )
         else:
-            self._ack(keys=[keys.jobs], args=[GROUP, unit], client=pipe)
+            shard, entry_id = split_entry_ref(unit)
+            self._ack(keys=[keys.jobs_shard(shard)], args=[GROUP, entry_id], client=pipe)
 
     def terminal(self, t: Terminal) -> bool:
         """Write one terminal event now; True if it ended the job, False if a result already existed."""

@@ -318,10 +318,9 @@ class PagedqClient(_Base):
     def cancel(self, job_id: str) -> None:
         """Ask workers to stop the job: a running one ends with finish_reason "cancelled" and its partial
         text, one not yet started with error ``cancelled``."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
-        pipe.publish(self.keys.cancel_channel, job_id)
-        pipe.execute()
+        # The flag first, then the notice: two commands, since a cluster pipeline refuses PUBLISH.
+        self.redis.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
+        self.redis.publish(self.keys.cancel_channel, job_id)
 
     def events(self, job_id: str, *, timeout: float | None = None, reply_to: str | None = None) -> Iterator[Event]:
         """The job's events from its reply stream, up to and including its terminal event, which is the
@@ -428,10 +427,8 @@ class AsyncPagedqClient(_Base):
         return [job.id for job in jobs]
 
     async def cancel(self, job_id: str) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
-        pipe.publish(self.keys.cancel_channel, job_id)
-        await pipe.execute()
+        await self.redis.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
+        await self.redis.publish(self.keys.cancel_channel, job_id)
 
     async def events(
         self, job_id: str, *, timeout: float | None = None, reply_to: str | None = None,

@@ -320,7 +320,7 @@ class Publisher:
         """Queue a script on a pipeline. On a cluster by its text (EVAL), not its SHA: a replica promoted by
         a failover has never loaded it, and a cluster pipeline does not load a missing script itself."""
         if self.cluster:
-            client.eval(script.script, len(keys), *keys, *args)
+            client.execute_command("EVAL", script.script, len(keys), *keys, *args)
         else:
             script(keys=keys, args=args, client=client)
 

@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from schemas.jobs import ErrorEvent, FinalEvent
-from tests.redis_servers import RedisServer, free_port, make_server
+from tests.redis_servers import ClusterServers, RedisServer, free_port, make_server
 from tests.worker_harness import REPO, Ctx, WorkerProcess, wait_for
 
 API_KEY = "sk-test-" + "k" * 24
@@ -33,7 +33,9 @@ API_KEY = "sk-test-" + "k" * 24
 class GatewayProcess:
     """``python -m ops.cli serve`` as a child process on a free port, its log in a file."""
 
-    def __init__(self, server: RedisServer, namespace: str, log_dir: Path, name: str, **settings: Any) -> None:
+    def __init__(
+        self, server: RedisServer | ClusterServers, namespace: str, log_dir: Path, name: str, **settings: Any
+    ) -> None:
         self.port = free_port()
         self.log_path = log_dir / f"gateway-{name}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDQ_")}

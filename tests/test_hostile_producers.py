@@ -24,6 +24,7 @@ from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, TokenEvent, parse_e
 from schemas.keys import EVENT_FIELD, GROUP, JOB_FIELD, OWNER_FIELD
 from tests.redis_servers import (  # noqa: F401
     DEBIAN_VARIANT_SLOW,
+    ClusterServers,
     RedisServer,
     free_port,
     fresh_redis_server,
@@ -53,7 +54,7 @@ def _snapshot(r: Any, keys: list[str]) -> dict[str, tuple[bytes | None, int]]:
     return {key: (values[2 * i], values[2 * i + 1]) for i, key in enumerate(keys)}
 
 
-def _raw_client(server: RedisServer) -> Any:
+def _raw_client(server: RedisServer | ClusterServers) -> Any:
     return redis.Redis.from_url(server.url)  # bytes: DUMP payloads are binary
 
 

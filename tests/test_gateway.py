@@ -297,7 +297,7 @@ def test_client_gone_before_a_non_streamed_answer_cancels_the_job(fleet: Fleet) 
     # The client hung up after a second; the gateway noticed and cancelled the job (found by its user).
     def ended() -> list[Any]:
         keys = fleet.ctx.redis.scan_iter(fleet.ctx.keys.result("cmpl-*"))
-        events = [fleet.ctx.result(k.rsplit(":", 1)[-1]) for k in keys]
+        events = [fleet.ctx.result(k.split("{", 1)[1].rsplit("}", 1)[0]) for k in keys]  # <ns>:{<id>}:result
         return [e for e in events if e is not None and e.metadata == {"user": "client-gone"}]
 
     (event,) = wait_for(ended, 30, what="the abandoned job's end")

@@ -31,7 +31,9 @@ import redis
 from pydantic import ValidationError
 
 from schemas.jobs import DeadLetter, FinalEvent, describe_validation_error, salvage_reply_target
-from schemas.keys import GROUP, JOB_FIELD, OWNER_FIELD, Keys
+from schemas.keys import GROUP, JOB_FIELD, OWNER_FIELD, Keys, entry_ref, split_entry_ref
+from worker import redis_url
+from worker.redis_url import is_cluster_client
 from worker.settings import Settings, SettingsError, load_settings, mask_url
 
 # ------------------------------------------------------------------------------------------ common
@@ -81,7 +83,7 @@ def resolve_redis_url(settings: Settings) -> str:
 def connect(url: str, **kwargs: Any) -> redis.Redis:
     """A str-decoding client; invalid UTF-8 in payloads survives (``surrogateescape``) so dead letters can be
     replayed byte for byte."""
-    return redis.Redis.from_url(
+    return redis_url.connect(
         url, decode_responses=True, encoding_errors="surrogateescape", socket_connect_timeout=5, **kwargs
     )
 
@@ -185,7 +187,9 @@ def run_submit(args: argparse.Namespace) -> int:
         url = resolve_redis_url(settings)
     except SettingsError as exc:
         return _fail("submit", str(exc), 2)
-    client = PagedqClient(connect(url), namespace=settings.namespace, queue=settings.queue)
+    client = PagedqClient(
+        connect(url), namespace=settings.namespace, queue=settings.queue, queue_shards=settings.queue_shards
+    )
     job_id = args.id or new_job_id()  # known before the XADD, so Ctrl-C at any point can cancel it
 
     def on_sigint(signum: int, frame: object) -> None:
@@ -193,7 +197,9 @@ def run_submit(args: argparse.Namespace) -> int:
         # where unwinding a KeyboardInterrupt and closing the client can deadlock (seen under load in
         # CI): cancel through a client of its own, then leave at once.
         try:
-            PagedqClient(connect(url), namespace=settings.namespace, queue=settings.queue).cancel(job_id)
+            PagedqClient(
+                connect(url), namespace=settings.namespace, queue=settings.queue, queue_shards=settings.queue_shards
+            ).cancel(job_id)
             print(f"\npagedq submit: cancelled job {job_id}", file=sys.stderr)
             code = 130
         except redis.RedisError as exc:
@@ -212,7 +218,7 @@ def run_submit(args: argparse.Namespace) -> int:
         except redis.RedisError as exc:
             return _fail("submit", f"cannot reach Redis at {mask_url(url)}: {exc}")
         wait_s = args.wait_s or None  # 0: no limit
-        keys = Keys(settings.namespace, settings.queue)
+        keys = Keys(settings.namespace, settings.queue, settings.queue_shards)
         try:
             if not live_worker_names(client.redis, keys):
                 limit = f"giving up after {wait_s:g} s (--wait-s)" if wait_s else "waiting with no limit"
@@ -297,10 +303,10 @@ def queue_names(r: redis.Redis, namespace: str) -> list[str]:
     """Queue names that have a jobs stream, a dead-letter stream or a live worker in the namespace."""
     found: set[str] = set()
     for kind in ("jobs", "dead"):
-        prefix = f"{namespace}:{kind}:"
+        prefix = f"{namespace}:{kind}:{{"
         for key in r.scan_iter(match=prefix + "*", count=1000):
-            name = key[len(prefix) :]
-            if ":" not in name:
+            name, sep, shard = key[len(prefix) :].rpartition(":")  # <queue>:<k>}
+            if sep and ":" not in name and shard.endswith("}") and shard[:-1].isdigit():
                 found.add(name)
     prefix = f"{namespace}:worker:"
     for key in r.scan_iter(match=prefix + "*", count=1000):
@@ -321,26 +327,38 @@ def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
         "dead_letters": 0,
         "workers": [],
     }
-    if r.exists(keys.jobs):
-        status["backlog"] = int(r.xlen(keys.jobs))
+    consumers: dict[str, dict[str, Any]] = {}
+    for stream in keys.job_streams:
+        if not r.exists(stream):
+            continue
+        status["backlog"] += int(r.xlen(stream))
         try:
-            status["pending"] = int(r.xpending(keys.jobs, GROUP)["pending"])
-            groups = {g["name"]: g for g in r.xinfo_groups(keys.jobs)}
+            status["pending"] += int(r.xpending(stream, GROUP)["pending"])
+            groups = {g["name"]: g for g in r.xinfo_groups(stream)}
             lag = groups.get(GROUP, {}).get("lag")  # Redis >= 7: entries never delivered to the group
-            status["lag"] = None if lag is None else int(lag)
-            status["consumers"] = [
-                {
-                    "name": c["name"],
-                    "pending": int(c["pending"]),
-                    "idle_ms": int(c["idle"]),
-                    "inactive_ms": None if c.get("inactive") in (None, -1) else int(c["inactive"]),
-                }
-                for c in r.xinfo_consumers(keys.jobs, GROUP)
-            ]
+            if lag is not None:
+                status["lag"] = (status["lag"] or 0) + int(lag)
+            for c in r.xinfo_consumers(stream, GROUP):
+                inactive = None if c.get("inactive") in (None, -1) else int(c["inactive"])
+                seen = consumers.get(c["name"])
+                if seen is None:
+                    consumers[c["name"]] = {
+                        "name": c["name"],
+                        "pending": int(c["pending"]),
+                        "idle_ms": int(c["idle"]),
+                        "inactive_ms": inactive,
+                    }
+                else:  # the same worker on another shard: its totals, and its freshest times
+                    seen["pending"] += int(c["pending"])
+                    seen["idle_ms"] = min(seen["idle_ms"], int(c["idle"]))
+                    if inactive is not None:
+                        seen["inactive_ms"] = min(inactive, seen["inactive_ms"] or inactive)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):  # no worker ever joined: everything is backlog
                 raise
-    status["dead_letters"] = int(r.xlen(keys.dead)) if r.exists(keys.dead) else 0
+    status["consumers"] = list(consumers.values())
+    status["shards"] = keys.shards
+    status["dead_letters"] = sum(int(r.xlen(dead)) for dead in keys.dead_streams if r.exists(dead))
     workers = []
     for key in sorted(r.scan_iter(match=keys.heartbeat_pattern, count=1000)):
         raw = r.get(key)
@@ -394,21 +412,22 @@ def prune_consumers(r: redis.Redis, keys: Keys) -> list[str]:
     Safe against a race with a worker: the pending check and the delete are one script, and a live
     worker that lost its consumer this way (its heartbeat late) gets it back on its next read.
     """
-    if not r.exists(keys.jobs):
-        return []
-    try:
-        consumers: Any = r.xinfo_consumers(keys.jobs, GROUP)
-    except redis.ResponseError as exc:
-        if "NOGROUP" in str(exc):
-            return []
-        raise
     live = live_worker_names(r, keys)
-    pruned = []
-    for c in consumers:
-        if c["name"] in live or int(c["pending"]):
+    pruned: list[str] = []
+    for stream in keys.job_streams:
+        if not r.exists(stream):
             continue
-        if int(r.eval(_PRUNE, 1, keys.jobs, GROUP, c["name"])) >= 0:
-            pruned.append(c["name"])
+        try:
+            consumers: Any = r.xinfo_consumers(stream, GROUP)
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                continue
+            raise
+        for c in consumers:
+            if c["name"] in live or int(c["pending"]):
+                continue
+            if int(r.eval(_PRUNE, 1, stream, GROUP, c["name"])) >= 0 and c["name"] not in pruned:
+                pruned.append(c["name"])
     return pruned
 
 
@@ -423,10 +442,10 @@ def run_status(args: argparse.Namespace) -> int:
         queues = [args.queue] if args.queue else queue_names(r, settings.namespace)
         if args.prune:
             for q in queues:
-                pruned = prune_consumers(r, Keys(settings.namespace, q))
+                pruned = prune_consumers(r, Keys(settings.namespace, q, settings.queue_shards))
                 if pruned:
                     print(f"queue {q}: deleted {len(pruned)} consumer(s): {', '.join(pruned)}", file=sys.stderr)
-        statuses = [queue_status(r, Keys(settings.namespace, q)) for q in queues]
+        statuses = [queue_status(r, Keys(settings.namespace, q, settings.queue_shards)) for q in queues]
     except redis.RedisError as exc:
         return _fail("status", f"cannot read from Redis at {mask_url(url)}: {exc}")
     finally:
@@ -528,7 +547,7 @@ def run_dead(args: argparse.Namespace) -> int:
         url = resolve_redis_url(settings)
     except SettingsError as exc:
         return _fail("dead", str(exc), 2)
-    keys = Keys(settings.namespace, settings.queue)
+    keys = Keys(settings.namespace, settings.queue, settings.queue_shards)
     r = connect(url)
     try:
         if args.dead_command == "list":
@@ -541,19 +560,39 @@ def run_dead(args: argparse.Namespace) -> int:
 
 
 def _letters(r: redis.Redis, keys: Keys, count: int | None) -> list[tuple[str, DeadLetter]]:
-    entries: Any = r.xrange(keys.dead, count=count)
-    return [(entry_id, DeadLetter.from_fields(fields)) for entry_id, fields in entries]
+    """Dead letters of every shard, shard 0 first, each named by its ref (``<entry id>@<k>`` on shard k)."""
+    out: list[tuple[str, DeadLetter]] = []
+    for shard, dead in enumerate(keys.dead_streams):
+        left = None if count is None else count - len(out)
+        if left is not None and left <= 0:
+            break
+        entries: Any = r.xrange(dead, count=left)
+        out += [(entry_ref(shard, entry_id), DeadLetter.from_fields(fields)) for entry_id, fields in entries]
+    return out
+
+
+def find_dead_letter(r: redis.Redis, keys: Keys, ref: str) -> DeadLetter | None:
+    """The dead letter a ref names (as ``dead list`` shows it), or None."""
+    shard, entry_id = split_entry_ref(ref)
+    if shard >= keys.shards:
+        return None
+    found: Any = r.xrange(keys.dead_shard(shard), min=entry_id, max=entry_id)
+    return DeadLetter.from_fields(found[0][1]) if found else None
+
+
+def dead_streams_label(keys: Keys) -> str:
+    return keys.dead if keys.shards == 1 else f"{keys.namespace}:dead:{{{keys.queue}:0..{keys.shards - 1}}}"
 
 
 def _dead_list(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
-    total = int(r.xlen(keys.dead))
+    total = sum(int(r.xlen(dead)) for dead in keys.dead_streams)
     letters = _letters(r, keys, args.count or None)
     if args.json:
         for entry_id, d in letters:
             print(json.dumps({"entry": entry_id, **d.model_dump()}, ensure_ascii=False))
         return 0
     shown = f" (showing the first {len(letters)})" if len(letters) < total else ""
-    print(f"{total} dead letter(s) in {keys.dead}{shown}")
+    print(f"{total} dead letter(s) in {dead_streams_label(keys)}{shown}")
     if not letters:
         return 0
     rows = [["ENTRY", "TIME (UTC)", "JOB ID", "CODE", "ATTEMPTS", "REASON"]]
@@ -577,8 +616,12 @@ def replay_dead_letter(r: redis.Redis, keys: Keys, entry_id: str, d: DeadLetter,
     """Re-queue one dead letter (not a truncated one: the caller checks) and return its new jobs-stream entry id.
 
     Shared by ``pagedq dead replay`` and the gateway's dashboard, so both clear the same keys the same way.
+    ``entry_id`` is the dead letter's ref; the job goes back to the shard it came from. On a cluster the
+    keys live in several slots, so the steps are not one transaction there: a replay cut short and run
+    again may queue the job twice, which its id makes harmless (one terminal event per id).
     """
-    pipe = r.pipeline(transaction=True)
+    shard, dead_id = split_entry_ref(entry_id)
+    pipe = r.pipeline(transaction=not is_cluster_client(r))
     target = salvage_reply_target(d.job, 1 << 30)
     if target is not None:
         job_id, reply_to = target
@@ -587,9 +630,9 @@ def replay_dead_letter(r: redis.Redis, keys: Keys, entry_id: str, d: DeadLetter,
         pipe.delete(keys.result(job_id), keys.reply(job_id))
         if reply_to is not None and _owned_by(r, reply_to, d.entry_id):
             pipe.delete(reply_to)  # the old attempt's stream: the replay (a new entry) could not write it
-    pipe.xadd(keys.jobs, {JOB_FIELD: d.job})
+    pipe.xadd(keys.jobs_shard(shard), {JOB_FIELD: d.job})
     if not keep:
-        pipe.xdel(keys.dead, entry_id)
+        pipe.xdel(keys.dead_shard(shard), dead_id)
     return str(pipe.execute()[-2 if not keep else -1])
 
 
@@ -601,10 +644,10 @@ def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
     else:
         letters = []
         for entry_id in args.entries:
-            found: Any = r.xrange(keys.dead, min=entry_id, max=entry_id)
-            if not found:
-                return _fail("dead replay", f"no dead letter {entry_id} in {keys.dead}", 1)
-            letters.append((entry_id, DeadLetter.from_fields(found[0][1])))
+            letter = find_dead_letter(r, keys, entry_id)
+            if letter is None:
+                return _fail("dead replay", f"no dead letter {entry_id} in {dead_streams_label(keys)}", 1)
+            letters.append((entry_id, letter))
     replayed = 0
     for entry_id, d in letters:
         if d.truncated:
@@ -619,7 +662,8 @@ def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
                 f"warning: {entry_id} has no valid job id; it will be dead-lettered again unless fixed", file=sys.stderr
             )
         new_id = replay_dead_letter(r, keys, entry_id, d, keep=args.keep)
-        print(f"{entry_id} -> {keys.jobs} {new_id}" + (f" (job {d.job_id})" if d.job_id else ""))
+        stream = keys.jobs_shard(split_entry_ref(entry_id)[0])
+        print(f"{entry_id} -> {stream} {new_id}" + (f" (job {d.job_id})" if d.job_id else ""))
         replayed += 1
     print(f"replayed {replayed} dead letter(s)", file=sys.stderr)
     return 0

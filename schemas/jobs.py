@@ -128,7 +128,7 @@ class ResponseFormat(BaseModel):
 
 
 class JobRequest(BaseModel):
-    """A job as producers put it in field ``job`` of an entry of ``<ns>:jobs:<queue>``.
+    """A job as producers put it in field ``job`` of an entry of a job stream ``<ns>:jobs:{<queue>:<k>}``.
 
     Sampling fields left out take the engine's defaults; ranges here are the wire contract, and the
     engine's ``SamplingParams`` re-checks its own invariants when the worker builds it.
@@ -168,6 +168,9 @@ class JobRequest(BaseModel):
     stream: bool = True
     reply_to: ReplyTo | None = None
     priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)] = 0
+    # Which shard of a sharded queue the job goes to (schemas/affinity.py); jobs sharing one go to the same
+    # worker's prefix cache. Read by producers only: a worker takes a job from whichever shard it is on.
+    affinity: Annotated[str, StringConstraints(min_length=1, max_length=1024)] | None = None
     timeout_s: Annotated[float, Field(gt=0.0)] | None = None
     submitted_at: Annotated[float, Field(ge=0.0, le=1e11)] | None = None
     metadata: dict[str, Any] | None = None

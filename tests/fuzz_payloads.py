@@ -371,6 +371,12 @@ REFUSED_NAMES = [
     "FZREPLY:x",
     "x" * 256,
     "ns:reply",
+    "ns:jobs:{default:0}",
+    "ns:dead:{default:0}",
+    "ns:{x}:result",
+    "ns:{x}:cancel",
+    "otherns:{x}:reply",
+    "otherns:jobs:{default:0}",
 ]
 """``reply_to`` values that are well-formed strings outside every granted prefix (``ns`` stands for the
 namespace): refused, answered with an error on the job's own reply stream, dead-lettered."""
@@ -719,7 +725,7 @@ class World:
         reply_to: Any = None
         target_kind = "default"  # where the terminal event must go: default | granted | none (open)
         refused: DeadCause = ""
-        own = f"{self.ns}:reply:{job_id if job_id is not None else ''}"
+        own = f"{self.ns}:{{{job_id if job_id is not None else ''}}}:reply"
         if rkind == "own":
             reply_to = own
         elif rkind == "granted_fresh":
@@ -730,9 +736,9 @@ class World:
             target_kind = "none"
             if name == "victim":
                 victims = self.running_victims + self.done_victims
-                reply_to = f"{self.ns}:reply:{victims[k % len(victims)]}"
+                reply_to = f"{self.ns}:{{{victims[k % len(victims)]}}}:reply"
             elif name == "other_fuzz":
-                reply_to = f"{self.ns}:reply:{self.ids[k % len(self.ids)] if self.ids else 'nobody'}"
+                reply_to = f"{self.ns}:{{{self.ids[k % len(self.ids)] if self.ids else 'nobody'}}}:reply"
             elif name == "own:x":
                 reply_to = own + ":x"
             else:
@@ -774,7 +780,7 @@ class World:
             target_kind = "none"
         target: str | None = None
         if job_id is not None and target_kind == "default":
-            target = f"{self.ns}:reply:{job_id}"
+            target = f"{self.ns}:{{{job_id}}}:reply"
         elif job_id is not None and target_kind == "granted":
             target = reply_to
 
@@ -868,7 +874,7 @@ class World:
         obj.update(fields)
         target = expect.target
         if target is None and ("reply_to" not in obj or expect.dead_cause == "reply"):
-            target = f"{self.ns}:reply:{obj['id']}"  # no reply_to, or a refused one: the job's own stream
+            target = f"{self.ns}:{{{obj['id']}}}:reply"  # no reply_to, or a refused one: the job's own stream
         return Entry([(JOB, dumps(obj).encode())], _with_target(expect, target), why, reply_to=obj.get("reply_to"))
 
     def raw(self, why: str, expect: Expect, fields: list[tuple[bytes, bytes]], explicit_id: str | None = None) -> Entry:
@@ -938,7 +944,7 @@ class World:
                 "reply_to at own jobs stream",
                 Expect("error", "one", "reply"),
                 prompt="r",
-                reply_to=f"{self.ns}:jobs:default",
+                reply_to=f"{self.ns}:jobs:{{default:0}}",
                 **small,
             ),
             self.job(
@@ -946,21 +952,21 @@ class World:
                 Expect("error", "one", "reply"),
                 prompt="r",
                 timeout_s=1e-9,
-                reply_to=f"{self.ns}:jobs:default",
+                reply_to=f"{self.ns}:jobs:{{default:0}}",
                 **small,
             ),
             self.job(
                 "reply_to at a running victim",
                 either,
                 prompt="r",
-                reply_to=f"{self.ns}:reply:{self.running_victims[0]}",
+                reply_to=f"{self.ns}:{{{self.running_victims[0]}}}:reply",
                 **small,
             ),
             self.job(
                 "reply_to at a finished victim",
                 either,
                 prompt="r",
-                reply_to=f"{self.ns}:reply:{self.done_victims[0]}",
+                reply_to=f"{self.ns}:{{{self.done_victims[0]}}}:reply",
                 **small,
             ),
             self.job("reply_to granted but taken", either, prompt="r", reply_to=f"{GRANTED_PREFIX}taken", **small),
@@ -1034,7 +1040,12 @@ def _with_target(expect: Expect, target: str | None) -> Expect:
     return Expect(expect.result, expect.dead, expect.dead_cause, expect.dead_code, target)
 
 
+def is_own_reply_stream(key: str, ns: str) -> bool:
+    """Whether ``key`` is a job's own reply stream of namespace ``ns`` (``<ns>:{<id>}:reply``)."""
+    return key.startswith(f"{ns}:{{") and key.endswith("}:reply")
+
+
 def _default_only(target: str | None, ns: str) -> str | None:
     """Keep a target only when it is the job's own stream: whether extra entry fields make a job invalid is
     not settled, and an invalid job's error may go to its own stream instead of a granted ``reply_to``."""
-    return target if target is not None and target.startswith(f"{ns}:reply:") else None
+    return target if target is not None and is_own_reply_stream(target, ns) else None

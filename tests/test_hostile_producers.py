@@ -24,6 +24,7 @@ from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, TokenEvent, parse_e
 from schemas.keys import EVENT_FIELD, GROUP, JOB_FIELD, OWNER_FIELD
 from tests.redis_servers import (  # noqa: F401
     DEBIAN_VARIANT_SLOW,
+    ClusterServers,
     RedisServer,
     free_port,
     fresh_redis_server,
@@ -53,7 +54,7 @@ def _snapshot(r: Any, keys: list[str]) -> dict[str, tuple[bytes | None, int]]:
     return {key: (values[2 * i], values[2 * i + 1]) for i, key in enumerate(keys)}
 
 
-def _raw_client(server: RedisServer) -> Any:
+def _raw_client(server: RedisServer | ClusterServers) -> Any:
     return redis.Redis.from_url(server.url)  # bytes: DUMP payloads are binary
 
 
@@ -105,7 +106,7 @@ def test_reply_to_never_reaches_keys_outside_the_job(ctx: Ctx, engine: EngineLik
     before = _snapshot(_raw_client(ctx.server), outside)
 
     targets = {f"j{i}": key for i, key in enumerate(outside)}
-    targets["jdefault-pagedq"] = "pagedq:reply:jdefault-pagedq"  # another namespace's reply prefix
+    targets["jdefault-pagedq"] = "pagedq:{jdefault-pagedq}:reply"  # another namespace's reply stream
     with inprocess_worker(ctx, engine) as worker:
         for job_id, key in targets.items():
             r.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": job_id, "prompt": "x", "reply_to": key})})
@@ -114,7 +115,7 @@ def test_reply_to_never_reaches_keys_outside_the_job(ctx: Ctx, engine: EngineLik
         wait_for(lambda: ctx.pending() == 0, what="every job answered")
         assert worker.errors == 0
     assert _snapshot(_raw_client(ctx.server), outside) == before
-    assert not r.exists("pagedq:reply:jdefault-pagedq")
+    assert not r.exists("pagedq:{jdefault-pagedq}:reply")
     dead = {d.job_id: d for d in _dead_letters(ctx)}
     for job_id, key in targets.items():
         (event,) = ctx.terminal_events(job_id)  # on the job's own reply stream
@@ -429,8 +430,8 @@ def test_refused_writes_fail_their_own_job_and_a_lasting_refusal_is_unhealthy(
     job and wrote 120 MB of errors in 50 s. Now a refused unit fails alone: here the ACL refuses one job's
     result key only, its batch mates are answered, and the refused terminal is retried a bounded number of
     times, then handed back; a refusal that lasts stall_timeout_s makes the worker unhealthy."""
-    patterns = "~pagedq:jobs:* ~pagedq:reply:* ~pagedq:dead:* ~pagedq:worker:* ~pagedq:cancel* ~pagedq:result:[^c]*"
-    acl = f"{patterns} %R~pagedq:result:c* &pagedq:* +@all -@admin -@dangerous"  # result keys of "c..." read-only
+    patterns = "~pagedq:jobs:* ~pagedq:dead:* ~pagedq:worker:* ~pagedq:cancel ~pagedq:{[^c]*"
+    acl = f"{patterns} %R~pagedq:{{c* &pagedq:* +@all -@admin -@dangerous"  # keys of jobs "c..." read-only
     deadline = time.monotonic() + 120
     with acl_worker(fresh_redis_server, engine, acl, stall_timeout_s=1.0) as (ctx, worker):
         cursed = ctx.client.submit("cursed", max_tokens=2, id="cursed")

@@ -78,7 +78,7 @@ def assert_exactly_once(ctx: Ctx, job_ids: list[str]) -> dict[str, FinalEvent]:
     assert not bad, f"jobs without exactly one terminal event and result: {bad}"
     finals: dict[str, FinalEvent] = {j: ctx.result(j) for j in job_ids}
     assert all(isinstance(f, FinalEvent) for f in finals.values())
-    assert ctx.pending() == 0 and ctx.redis.xlen(ctx.keys.jobs) == 0
+    assert ctx.pending() == 0 and ctx.backlog() == 0
     return finals
 
 
@@ -106,21 +106,29 @@ def freeze(proc: WorkerProcess) -> None:
 
 
 def mid_generation(ctx: Ctx, consumer: str) -> list[str]:
-    """Jobs whose stream entries ``consumer`` holds that streamed tokens and have no terminal event yet."""
+    """Jobs whose stream entries ``consumer`` holds (on any shard) that streamed tokens and have no terminal
+    event yet."""
     out = []
-    for row in ctx.redis.xpending_range(ctx.keys.jobs, GROUP, "-", "+", 100, consumername=consumer):
-        entry = ctx.redis.xrange(ctx.keys.jobs, row["message_id"], row["message_id"])
-        if not entry:
-            continue
-        job_id = json.loads(entry[0][1][JOB_FIELD])["id"]
-        events = ctx.events(job_id)
-        if events and all(e.type == "token" for e in events):
-            out.append(job_id)
+    for stream in ctx.keys.job_streams:
+        for row in ctx.redis.xpending_range(stream, GROUP, "-", "+", 100, consumername=consumer):
+            entry = ctx.redis.xrange(stream, row["message_id"], row["message_id"])
+            if not entry:
+                continue
+            job_id = json.loads(entry[0][1][JOB_FIELD])["id"]
+            events = ctx.events(job_id)
+            if events and all(e.type == "token" for e in events):
+                out.append(job_id)
     return out
 
 
 @pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_sigkill_one_of_two_workers_loses_and_duplicates_nothing(ctx: Ctx, workers: Workers) -> None:
+    sigkill_one_of_two_workers(ctx, workers)
+
+
+def sigkill_one_of_two_workers(ctx: Ctx, workers: Workers) -> None:
+    """SIGKILL a worker mid-generation on 2+ jobs: the survivor takes them over, and every job has exactly one
+    terminal event and one result (shared with the Redis Cluster variant, tests/test_cluster.py)."""
     slow = {"step_delay_s": 0.01, "reclaim_idle_s": 1.5}
     a = workers.start("victim", **slow)
     b = workers.start("survivor", **slow)
@@ -145,7 +153,9 @@ def test_sigkill_one_of_two_workers_loses_and_duplicates_nothing(ctx: Ctx, worke
     cut_off = mid_generation(ctx, "victim")  # as the victim left them: partial token streams, no terminal
     assert len(cut_off) >= 2, cut_off
     print(f"killed mid-generation of {cut_off}")
-    held = {c["name"]: c["pending"] for c in ctx.redis.xinfo_consumers(ctx.keys.jobs, GROUP)}
+    held = Counter[str]()
+    for stream in ctx.keys.job_streams:
+        held.update({c["name"]: int(c["pending"]) for c in ctx.redis.xinfo_consumers(stream, GROUP)})
     assert held.get("victim", 0) > 0, held
     for job_id in ids:
         ctx.client.result(job_id, timeout=120)

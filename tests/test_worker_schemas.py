@@ -20,7 +20,7 @@ from schemas.jobs import (
     parse_job,
     salvage_reply_target,
 )
-from schemas.keys import Keys
+from schemas.keys import Keys, entry_ref, split_entry_ref
 from worker.client import JobFailed, Restart, StreamState, build_job
 from worker.settings import SettingsError, load_settings
 
@@ -218,17 +218,27 @@ def test_build_job_dispatches_on_prompt_type() -> None:
 
 def test_keys_and_reserved_reply_targets() -> None:
     keys = Keys("pq", "q1")
-    assert keys.jobs == "pq:jobs:q1" and keys.dead == "pq:dead:q1"
-    assert keys.reply("a") == "pq:reply:a" and keys.result("a") == "pq:result:a"
-    assert keys.cancel("a") == "pq:cancel:a"
+    # Wire protocol v2: a queue's shard streams carry the queue and shard as their hash tag, a job's keys
+    # its id, so every script's keys share one slot on a cluster.
+    assert keys.jobs == "pq:jobs:{q1:0}" and keys.dead == "pq:dead:{q1:0}"
+    assert Keys("pq", "q1", 3).job_streams == ["pq:jobs:{q1:0}", "pq:jobs:{q1:1}", "pq:jobs:{q1:2}"]
+    assert Keys("pq", "q1", 3).shard_of_stream("pq:jobs:{q1:2}") == 2
+    assert keys.jobs_v1 == "pq:jobs:q1"
+    assert keys.reply("a") == "pq:{a}:reply" and keys.result("a") == "pq:{a}:result"
+    assert keys.cancel("a") == "pq:{a}:cancel"
+    assert entry_ref(0, "1-0") == "1-0" and entry_ref(2, "1-0") == "1-0@2"
+    assert split_entry_ref("1-0") == (0, "1-0") and split_entry_ref("1-0@2") == (2, "1-0")
+    with pytest.raises(ValueError):
+        Keys("pq", "q1", 0)
     # A job reaches its own reply stream, and a key under a granted prefix that pagedq uses for nothing else.
-    assert keys.reply_target("a", None) == keys.reply_target("a", "pq:reply:a") == "pq:reply:a"
-    assert keys.reply_target("a", "pq:reply:other") is None  # another job's stream
+    assert keys.reply_target("a", None) == keys.reply_target("a", "pq:{a}:reply") == "pq:{a}:reply"
+    assert keys.reply_target("a", "pq:{other}:reply") is None  # another job's stream
     assert keys.reply_target("a", "elsewhere:x") is None  # not granted
     assert keys.reply_target("a", "app:replies:a", ["app:replies:"]) == "app:replies:a"
     granted = ["pq:"]  # even an operator granting the whole namespace does not open pagedq's own keys
     assert keys.reply_target("a", "pq:custom:a", granted) == "pq:custom:a"
-    for reserved in ("pq:jobs:q1", "pq:result:a", "pq:reply:b", "pq:dead:q1", "pq:cancel:a", "pq:worker:q1:w"):
+    reserved_keys = ("pq:jobs:{q1:0}", "pq:{a}:result", "pq:{b}:reply", "pq:dead:{q1:0}", "pq:{a}:cancel")
+    for reserved in (*reserved_keys, "pq:worker:q1:w", "pq:jobs:q1", "pq:reply:b", "pq:result:a"):
         assert keys.reply_target("a", reserved, granted) is None, reserved
     with pytest.raises(ValueError):
         Keys("a:b")

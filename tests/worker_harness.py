@@ -26,7 +26,7 @@ from schemas.jobs import parse_event
 from schemas.keys import EVENT_FIELD, GROUP, Keys
 from tests.fault_injection import FACTORY as FAULT_FACTORY
 from tests.fault_injection import FaultyEngine, process_environment
-from tests.redis_servers import RedisServer, unique_namespace
+from tests.redis_servers import ClusterServers, RedisServer, unique_namespace
 from worker.client import PagedqClient
 from worker.consumer import Worker
 from worker.job_run import EngineLike
@@ -62,18 +62,20 @@ def wait_for(cond: Callable[[], Any], timeout: float = 30.0, interval: float = 0
 class Ctx:
     """A namespace on a server, with a client and raw Redis access for counting."""
 
-    server: RedisServer
+    server: RedisServer | ClusterServers
     ns: str = field(default_factory=unique_namespace)
+    shards: int = 1  # the queue's job streams (queue_shards of the client and of the workers started here)
 
     def __post_init__(self) -> None:
-        self.keys = Keys(self.ns, "default")
+        self.keys = Keys(self.ns, "default", self.shards)
         self.redis: Any = self.server.client()
-        self.client = PagedqClient(self.server.client(), namespace=self.ns)
+        self.client = PagedqClient(self.server.client(), namespace=self.ns, queue_shards=self.shards)
 
     def settings(self, **overrides: Any) -> Settings:
         base: dict[str, Any] = {
             "redis_url": self.server.url,
             "namespace": self.ns,
+            "queue_shards": self.shards,
             "max_num_seqs": ENGINE_KW["max_num_seqs"],
             "max_num_batched_tokens": ENGINE_KW["max_num_batched_tokens"],
             "prefetch": 2,
@@ -96,7 +98,12 @@ class Ctx:
         return None if raw is None else parse_event(raw)
 
     def pending(self) -> int:
-        return int(self.redis.xpending(self.keys.jobs, GROUP)["pending"])
+        """Entries delivered and not acked, over every shard."""
+        return sum(int(self.redis.xpending(stream, GROUP)["pending"]) for stream in self.keys.job_streams)
+
+    def backlog(self) -> int:
+        """Entries in the job streams (workers delete each when its job ends), over every shard."""
+        return sum(int(self.redis.xlen(stream)) for stream in self.keys.job_streams)
 
     def heartbeats(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -175,6 +182,7 @@ class WorkerProcess:
         args = {
             "redis_url": ctx.server.url,
             "namespace": ctx.ns,
+            "queue_shards": ctx.shards,
             "name": name,
             "model": str(model),
             "max_num_seqs": ENGINE_KW["max_num_seqs"],

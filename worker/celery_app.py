@@ -57,6 +57,7 @@ from pydantic import ValidationError
 
 from schemas.jobs import JOB_ID_PATTERN, ErrorEvent, describe_validation_error
 from worker.engine_thread import EngineThread
+from worker.redis_url import is_cluster_url
 from worker.settings import Settings, load_settings
 
 log = structlog.get_logger("pagedq.celery")
@@ -69,7 +70,14 @@ DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
 def celery_url(url: str) -> str:
-    """Celery's spelling of a pagedq Redis URL: kombu wants ``redis+socket://`` for unix sockets."""
+    """Celery's spelling of a pagedq Redis URL: kombu wants ``redis+socket://`` for unix sockets. Kombu has
+    no Redis Cluster transport: a ``redis+cluster://`` URL is refused here with a clear message instead of
+    failing somewhere inside kombu (the Celery front door uses Celery's own keys, not pagedq's)."""
+    if is_cluster_url(url):
+        raise ValueError(
+            "the Celery front door cannot use a Redis Cluster (kombu has no cluster transport): give it one "
+            "Redis server's redis:// URL, or use the Redis-streams worker (`pagedq worker`) on the cluster"
+        )
     if url.startswith("unix://"):
         return "redis+socket://" + url[len("unix://") :]
     return url

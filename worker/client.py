@@ -1,6 +1,6 @@
 """Producer client for pagedq, sync (:class:`PagedqClient`) and asyncio (:class:`AsyncPagedqClient`).
 
-It only speaks wire protocol v1 (see ``README.md``, "Wire protocol v1") over plain Redis commands, so anything it does
+It only speaks wire protocol v2 (see ``README.md``, "Wire protocol v2") over plain Redis commands, so anything it does
 can be done from any language. Both clients share the pure parts (building jobs, following a reply stream
 across redeliveries) and differ only in how they wait on Redis.
 
@@ -12,7 +12,7 @@ continues where the old attempt stopped; if the new attempt diverges (sampling) 
 Readers trust nothing they read from a reply stream: any producer may name another job's reply stream as
 its ``reply_to``, and anyone who can write to Redis can append to it. So events of another job (``id``
 not the job's) and entries that are not valid events are skipped, and a terminal event read from the
-stream only counts once ``<ns>:result:<id>`` confirms it: the worker writes the two atomically, so the
+stream only counts once ``<ns>:{<id>}:result`` confirms it: the worker writes the two atomically, so the
 result key is the authoritative outcome and a terminal event without one is a forgery.
 
 Durability: ``submit`` returns once the primary has the job in memory. With ``wait_replicas`` (per call
@@ -31,8 +31,10 @@ from typing import Any, TypeAlias
 import redis
 import redis.asyncio as aioredis
 
+from schemas.affinity import shard_for_job
 from schemas.jobs import ErrorEvent, FinalEvent, JobRequest, TokenEvent, parse_event
 from schemas.keys import EVENT_FIELD, JOB_FIELD, Keys
+from worker.redis_url import connect, connect_async
 
 CANCEL_TTL_S = 86_400
 
@@ -213,11 +215,23 @@ class _Base:
     block_ms: int = 1000
     wait_replicas: int = 0
     wait_timeout_ms: int = 1000
+    queue_shards: int = 1
+    affinity: bool = True
     _reply_to: dict[str, str] = field(default_factory=dict)
+    _next_shard: int = 0
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.namespace, self.queue)
+        return Keys(self.namespace, self.queue, self.queue_shards)
+
+    def stream_for(self, job: JobRequest) -> str:
+        """The job stream a job goes to: the shard of its affinity key (``affinity=True``, the default), or
+        the shards in turn (``affinity=False``: spread evenly, no prefix locality)."""
+        if self.affinity:
+            shard = shard_for_job(job, self.queue_shards)
+        else:
+            shard, self._next_shard = self._next_shard, (self._next_shard + 1) % self.queue_shards
+        return self.keys.jobs_shard(shard)
 
     def reply_key(self, job_id: str, reply_to: str | None = None) -> str:
         return reply_to or self._reply_to.get(job_id) or self.keys.reply(job_id)
@@ -249,13 +263,15 @@ class PagedqClient(_Base):
     def __init__(
         self, redis_url: str | redis.Redis = "redis://localhost:6379/0", *, namespace: str = "pagedq",
         queue: str = "default", block_ms: int = 1000, wait_replicas: int = 0, wait_timeout_ms: int = 1000,
+        queue_shards: int = 1, affinity: bool = True,
     ) -> None:  # fmt: skip
         super().__init__(
             namespace=namespace, queue=queue, block_ms=block_ms, wait_replicas=wait_replicas,
-            wait_timeout_ms=wait_timeout_ms,
+            wait_timeout_ms=wait_timeout_ms, queue_shards=queue_shards, affinity=affinity,
         )  # fmt: skip
+        Keys(namespace, queue, queue_shards)  # reject a bad queue_shards now, not at the first submit
         self._wait_args(None, None)  # reject bad values now, not at the first submit
-        self.redis = redis.Redis.from_url(redis_url, decode_responses=True) if isinstance(redis_url, str) else redis_url
+        self.redis = connect(redis_url, decode_responses=True) if isinstance(redis_url, str) else redis_url
 
     def close(self) -> None:
         self.redis.close()
@@ -291,7 +307,7 @@ class PagedqClient(_Base):
         # One pipeline, hence one connection: WAIT counts the writes of its own connection only.
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
-            pipe.xadd(self.keys.jobs, {JOB_FIELD: job.to_json()})
+            pipe.xadd(self.stream_for(job), {JOB_FIELD: job.to_json()})
             self._remember(job)
         if replicas and jobs:
             pipe.wait(replicas, timeout_ms)
@@ -302,10 +318,9 @@ class PagedqClient(_Base):
     def cancel(self, job_id: str) -> None:
         """Ask workers to stop the job: a running one ends with finish_reason "cancelled" and its partial
         text, one not yet started with error ``cancelled``."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
-        pipe.publish(self.keys.cancel_channel, job_id)
-        pipe.execute()
+        # The flag first, then the notice: two commands, since a cluster pipeline refuses PUBLISH.
+        self.redis.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
+        self.redis.publish(self.keys.cancel_channel, job_id)
 
     def events(self, job_id: str, *, timeout: float | None = None, reply_to: str | None = None) -> Iterator[Event]:
         """The job's events from its reply stream, up to and including its terminal event, which is the
@@ -367,15 +382,15 @@ class AsyncPagedqClient(_Base):
     def __init__(
         self, redis_url: str | aioredis.Redis = "redis://localhost:6379/0", *, namespace: str = "pagedq",
         queue: str = "default", block_ms: int = 1000, wait_replicas: int = 0, wait_timeout_ms: int = 1000,
+        queue_shards: int = 1, affinity: bool = True,
     ) -> None:  # fmt: skip
         super().__init__(
             namespace=namespace, queue=queue, block_ms=block_ms, wait_replicas=wait_replicas,
-            wait_timeout_ms=wait_timeout_ms,
+            wait_timeout_ms=wait_timeout_ms, queue_shards=queue_shards, affinity=affinity,
         )  # fmt: skip
+        Keys(namespace, queue, queue_shards)  # reject a bad queue_shards now, not at the first submit
         self._wait_args(None, None)
-        self.redis = (
-            aioredis.Redis.from_url(redis_url, decode_responses=True) if isinstance(redis_url, str) else redis_url
-        )
+        self.redis = connect_async(redis_url, decode_responses=True) if isinstance(redis_url, str) else redis_url
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -403,7 +418,7 @@ class AsyncPagedqClient(_Base):
         jobs = [_as_job(item, common) for item in items]
         pipe = self.redis.pipeline(transaction=False)  # one connection for the XADDs and WAIT (see sync)
         for job in jobs:
-            pipe.xadd(self.keys.jobs, {JOB_FIELD: job.to_json()})
+            pipe.xadd(self.stream_for(job), {JOB_FIELD: job.to_json()})
             self._remember(job)
         if replicas and jobs:
             pipe.wait(replicas, timeout_ms)
@@ -412,10 +427,8 @@ class AsyncPagedqClient(_Base):
         return [job.id for job in jobs]
 
     async def cancel(self, job_id: str) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
-        pipe.publish(self.keys.cancel_channel, job_id)
-        await pipe.execute()
+        await self.redis.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
+        await self.redis.publish(self.keys.cancel_channel, job_id)
 
     async def events(
         self, job_id: str, *, timeout: float | None = None, reply_to: str | None = None,

@@ -78,7 +78,7 @@ class Worker:
         self.engine = engine
         self.name = settings.name
         self.model_name = model_name or settings.model or str(getattr(engine, "model_path", type(engine).__name__))
-        self.keys = Keys(settings.namespace, settings.queue)
+        self.keys = Keys(settings.namespace, settings.queue, settings.queue_shards)
         self.redis = redis_client(url, settings.block_s)
         self.log = log.bind(worker=self.name, queue=settings.queue)
         self.link = RedisLink(self.redis, self.keys, backoff_max_s=settings.redis_backoff_max_s, log=self.log)
@@ -502,3 +502,4 @@ class Worker:
             loop=self.loop_times,
             tokens_generated=self.ledger.tokens_generated,
         )
+        self.status["shards"] = {"homes": list(self.intake.homes), "stolen": self.intake.stolen}

@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from schemas.keys import GROUP, Keys
 from worker.metrics import WorkerMetrics
+from worker.redis_url import connect
 from worker.settings import mask_url
 
 PROBE_CACHE_S = 0.5  # at most this old (the spec allows 1 s): a dead Redis shows within a second
@@ -37,7 +38,7 @@ class RedisProbe:
     def __init__(self, url: str, keys: Keys | None = None) -> None:
         self.url = url
         self.keys = keys
-        self.client: Any = redis.Redis.from_url(
+        self.client: Any = connect(
             url,
             decode_responses=True,
             socket_timeout=PROBE_TIMEOUT_S,
@@ -58,23 +59,28 @@ class RedisProbe:
                     self._ok, self._error = bool(self.client.ping()), ""
                 except (redis.RedisError, OSError) as exc:
                     self._ok, self._error = False, f"{type(exc).__name__}: {exc}"
-                    self.client.connection_pool.disconnect()
+                    pool = getattr(self.client, "connection_pool", None)  # a cluster client has one per node
+                    if pool is not None:
+                        pool.disconnect()
                 self._checked_at = time.monotonic()
             return self._ok, self._error
 
     def stream(self) -> tuple[int, int] | None:
-        """(entries in the jobs stream, entries pending in the group), or None when Redis does not answer."""
+        """(entries in the job streams, entries pending in the group; summed over the shards), or None when
+        Redis does not answer."""
         if self.keys is None:
             return None
         try:
             pipe = self.client.pipeline(transaction=False)
-            pipe.xlen(self.keys.jobs)
-            pipe.xpending(self.keys.jobs, GROUP)
-            length, pending = pipe.execute(raise_on_error=False)
-            if isinstance(length, Exception):
+            for stream in self.keys.job_streams:
+                pipe.xlen(stream)
+                pipe.xpending(stream, GROUP)
+            replies = pipe.execute(raise_on_error=False)
+            lengths, pendings = replies[0::2], replies[1::2]
+            if any(isinstance(length, Exception) for length in lengths):
                 return None
-            count = 0 if isinstance(pending, Exception) else int(pending["pending"])
-            return int(length), count
+            count = sum(0 if isinstance(p, Exception) else int(p["pending"]) for p in pendings)
+            return sum(int(length) for length in lengths), count
         except (redis.RedisError, OSError):
             return None
 

@@ -1,7 +1,9 @@
 """Intake: which stream entries a worker reads, when, and how a delivery becomes a job or an answer.
 
 Reading is the backpressure: the loop asks for at most its capacity, so a worker never holds more than
-``max_num_seqs + prefetch`` unstarted jobs and a backlog is shared between replicas. Order of reads: this
+``max_num_seqs + prefetch`` unstarted jobs and a backlog is shared between replicas. On a sharded queue it
+reads its home shards first (:mod:`schemas.affinity`), and other shards only with capacity left and only
+those whose oldest unread job has waited ``steal_after_s``. Order of reads: this
 consumer's own pending entries first (a restarted worker with the same name), then entries idle for
 ``reclaim_idle_s`` (their worker died), then new ones; a worker with nothing to do blocks on the read.
 """
@@ -9,14 +11,17 @@ consumer's own pending entries first (a restarted worker with the same name), th
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from schemas.affinity import home_shards
 from schemas.jobs import InvalidJob, JobRequest, parse_job
 from schemas.keys import JOB_FIELD, Keys
-from worker.reclaimer import Delivery, Reclaimer
+from worker.protocol_v1 import answer_v1_entries
+from worker.reclaimer import MULTI_SHARD_BLOCK_MS, Delivery, Reclaimer
 from worker.settings import Settings
 
 
@@ -41,6 +46,9 @@ class Unusable:
 FUTURE_ENTRY_TOLERANCE_S = 60.0
 """How far ahead of the Redis clock an entry id may be: Redis' own ids are never ahead (up to clock steps
 between a primary and its promoted replica, well under a minute); further ahead, a producer chose it."""
+
+V1_LOOK_S = 1.0
+"""How often a worker looks for jobs a protocol v1 producer queued (one EXISTS when there are none)."""
 
 MAX_SUBMITTED_AGE_S = 30 * 86_400.0
 """A ``submitted_at`` older than this is not believed (a producer's clock off by more than a month)."""
@@ -88,6 +96,12 @@ class Intake:
         self._next_poll = 0.0
         self._next_reclaim = 0.0
         self._next_tidy = time.monotonic() + 60.0
+        self._next_v1_look = 0.0
+        self._next_homes = 0.0
+        self.homes: list[int] = list(range(keys.shards))  # until the first look at the fleet
+        self.stolen = 0  # entries read from shards that are not this worker's homes
+        self.v1_answered = 0  # protocol v1 entries answered with an error
+        self._no_home_waits = threading.Event()  # never set: a timed wait that is not a busy loop
 
     def read(self, now: float, want: int, busy: bool, capacity: Callable[[], int]) -> None:
         """Read up to ``want`` entries into the inbox. ``busy`` (the engine or outbox has work) limits reads
@@ -111,15 +125,67 @@ class Intake:
             if now >= self._next_tidy:
                 self._next_tidy = now + 60.0
                 self._forget_dead_consumers()
+        if now >= self._next_v1_look:
+            self._next_v1_look = now + V1_LOOK_S
+            self._answer_v1()
+        if self.keys.shards > 1 and now >= self._next_homes:
+            self._next_homes = now + settings.heartbeat_interval_s
+            self._update_homes()
         left = capacity()
         if left > 0 and self._history is None:
             idle = not busy and not self.inbox and settings.block_s > 0
             block = max(1, int(settings.block_s * 1000)) if idle else None
             self.blocked = block is not None
-            self.inbox += self.reclaimer.read_new(left, block)
+            homes = self.homes
+            got = self.reclaimer.read_new(left, None if len(homes) < self.keys.shards else block, homes)
+            self.inbox += got
+            left -= len(got)
+            if left > 0 and len(homes) < self.keys.shards:
+                got = self._steal(left)
+                if not got and block is not None:
+                    if homes:
+                        got = self.reclaimer.read_new(left, block, homes)
+                    else:  # no home shard (more workers than shards): nothing to wait on but the clock
+                        self._no_home_waits.wait(MULTI_SHARD_BLOCK_MS / 1000)
+                self.inbox += got
+
+    def _update_homes(self) -> None:
+        """This worker's home shards: those it wins by rendezvous hashing over the live workers."""
+        homes = home_shards(self.reclaimer.consumer, self._live_workers(), self.keys.shards)
+        if homes != self.homes:
+            self.log.info("shards.homes", homes=homes)
+        self.homes = homes
+
+    def _steal(self, want: int) -> list[Delivery]:
+        """Entries of shards that are not home, only from those whose oldest unread entry has waited more
+        than ``steal_after_s`` (their home worker is busy, or gone): stealing sooner would warm a second
+        prefix cache for nothing."""
+        now = self.reclaimer.server_time()
+        others = [k for k in range(self.keys.shards) if k not in self.homes]
+        late = [k for k in others if self.reclaimer.oldest_unread_age_s(k, now) > self.settings.steal_after_s]
+        got = self.reclaimer.read_new(want, None, late) if late else []
+        self.stolen += len(got)
+        return got
+
+    def _live_workers(self) -> set[str]:
+        return {k.rsplit(":", 1)[-1] for k in self.client.scan_iter(self.keys.heartbeat_pattern, count=1000)}
+
+    def _answer_v1(self) -> None:
+        if not self.client.exists(self.keys.jobs_v1):
+            return
+        answered = answer_v1_entries(
+            self.client,
+            self.keys,
+            self.reclaimer.consumer,
+            result_ttl_s=self.settings.result_ttl_s,
+            reply_ttl_s=self.settings.reply_ttl_s,
+        )
+        if answered:
+            self.v1_answered += answered
+            self.log.warning("protocol.v1_entries_answered", count=answered, stream=self.keys.jobs_v1)
 
     def _forget_dead_consumers(self) -> None:
-        live = {k.rsplit(":", 1)[-1] for k in self.client.scan_iter(self.keys.heartbeat_pattern, count=1000)}
+        live = self._live_workers()
         removed = self.reclaimer.forget_dead_consumers(live)
         if removed:
             self.log.info("group.consumers_removed", consumers=removed)

@@ -9,9 +9,9 @@ Token events go through one small script per reply stream (the ownership check, 
 one engine step in one MULTI/EXEC round trip. Terminal events go through one Lua script that, atomically,
 
 1. acks (and deletes) the job's stream entry,
-2. stops if ``<ns>:result:<id>`` already exists (another delivery of the job already ended it), after
+2. stops if ``<ns>:{<id>}:result`` already exists (another delivery of the job already ended it), after
    the dead letter of an unusable payload that reused the id,
-3. stores the event at ``<ns>:result:<id>`` with a TTL,
+3. stores the event at ``<ns>:{<id>}:result`` with a TTL,
 4. appends it to the reply stream if the job owns it, which then expires ``reply_ttl_s`` later,
 5. appends a dead-letter entry when asked (the dead-letter stream is capped with ``MAXLEN ~``).
 
@@ -28,12 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 from redis.commands.core import Script
+from redis.crc import key_slot
 
 from schemas.jobs import DeadLetter
-from schemas.keys import EVENT_FIELD, GROUP, OWNER_FIELD, Keys
+from schemas.keys import EVENT_FIELD, GROUP, OWNER_FIELD, Keys, split_entry_ref
+from worker.redis_url import is_cluster_client
 
 OWNED_LUA = f"""
 -- Whether the reply stream KEYS[n] may be written for job entry `entry`: it does not exist, or it is a
@@ -79,34 +82,86 @@ TERMINAL_LUA = (
     OWNED_LUA
     + f"""
 -- KEYS[1] jobs stream, KEYS[2] result key, KEYS[3] reply stream, KEYS[4] dead-letter stream
--- ARGV[1] group, ARGV[2] entry id, ARGV[3] event JSON, ARGV[4] result TTL (s), ARGV[5] reply TTL (s),
--- ARGV[6] reply MAXLEN, ARGV[7] '1' to append to the reply stream, ARGV[8] dead-letter MAXLEN,
--- ARGV[9] number of dead-letter field/value strings that follow (0: none)
+-- ARGV[1] group, ARGV[2] entry id, ARGV[3] entry ref (the reply stream's owner), ARGV[4] event JSON,
+-- ARGV[5] result TTL (s), ARGV[6] reply TTL (s), ARGV[7] reply MAXLEN, ARGV[8] '1' to append to the reply
+-- stream, ARGV[9] dead-letter MAXLEN, ARGV[10] number of dead-letter field/value strings that follow
 local acked = 0
 if ARGV[2] ~= '' then
   acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
   redis.call('XDEL', KEYS[1], ARGV[2])
 end
-local n = tonumber(ARGV[9])
+local n = tonumber(ARGV[10])
 if redis.call('EXISTS', KEYS[2]) == 1 then
   -- The job already ended. An unusable payload reusing its id still leaves its one dead letter, written
   -- by whichever write acked its entry (a retried write finds it acked, and adds none).
   if n > 0 and acked == 1 then
-    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', unpack(ARGV, 10, 9 + n))
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*', unpack(ARGV, 11, 10 + n))
   end
   return 0
 end
-redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
-if ARGV[7] == '1' and owned(KEYS[3], ARGV[2]) then
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', '{EVENT_FIELD}', ARGV[3], '{OWNER_FIELD}', ARGV[2])
-  redis.call('EXPIRE', KEYS[3], ARGV[5])
+redis.call('SET', KEYS[2], ARGV[4], 'EX', ARGV[5])
+if ARGV[8] == '1' and owned(KEYS[3], ARGV[3]) then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', '{EVENT_FIELD}', ARGV[4], '{OWNER_FIELD}', ARGV[3])
+  redis.call('EXPIRE', KEYS[3], ARGV[6])
 end
 if n > 0 then
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', unpack(ARGV, 10, 9 + n))
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*', unpack(ARGV, 11, 10 + n))
 end
 return 1
 """
 )
+
+TERMINAL_RESULT_LUA = (
+    OWNED_LUA
+    + f"""
+-- On a cluster, the job-slot half of a terminal write (the entry half is ENTRY_DONE_LUA, sent after it).
+-- KEYS[1] result key, KEYS[2] (when in the same slot) reply stream; ARGV[1] entry ref (the reply stream's
+-- owner), ARGV[2] event JSON, ARGV[3] result TTL (s), ARGV[4] reply TTL (s), ARGV[5] reply MAXLEN,
+-- ARGV[6] '1' to append to the reply stream. Returns 1 if it ended the job, 0 if a result existed.
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+if #KEYS > 1 and ARGV[6] == '1' and owned(KEYS[2], ARGV[1]) then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', '{EVENT_FIELD}', ARGV[2], '{OWNER_FIELD}', ARGV[1])
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+end
+return 1
+"""
+)
+
+REPLY_EVENT_LUA = (
+    OWNED_LUA
+    + f"""
+-- On a cluster, a terminal event for a granted reply_to in another slot than the job's keys, sent once
+-- TERMINAL_RESULT_LUA ended the job. KEYS[1] reply stream; ARGV[1] entry ref, ARGV[2] event JSON,
+-- ARGV[3] reply TTL (s), ARGV[4] reply MAXLEN.
+if not owned(KEYS[1], ARGV[1]) then
+  return 0
+end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', '{EVENT_FIELD}', ARGV[2], '{OWNER_FIELD}', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+)
+
+ENTRY_DONE_LUA = """
+-- On a cluster, the entry half of a terminal write, sent only after its result half was confirmed (so an
+-- entry is never acked without its result). KEYS[1] jobs stream, KEYS[2] its dead-letter stream (same
+-- slot); ARGV[1] group, ARGV[2] entry id, ARGV[3] '1' if the result half ended the job, ARGV[4] dead-letter
+-- MAXLEN, ARGV[5] number of dead-letter field/value strings that follow. The dead letter goes out with the
+-- ack that removed the entry from the group, so a retried write adds none.
+local acked = 0
+if ARGV[2] ~= '' then
+  acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+  redis.call('XDEL', KEYS[1], ARGV[2])
+end
+local n = tonumber(ARGV[5])
+if n > 0 and (acked == 1 or (ARGV[2] == '' and ARGV[3] == '1')) then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 6, 5 + n))
+end
+return 1
+"""
 
 DEAD_ONLY_LUA = """
 -- A job without a usable id: no result key, no reply; only a dead letter and the ack.
@@ -154,6 +209,7 @@ class Terminal:
     dead: DeadLetter | None = None
     written: bool | None = None  # after flush: True if it ended the job, False if a result already existed
     failures: int = 0  # flushes that Redis refused (the sender retries, then degrades)
+    result_written: bool | None = None  # on a cluster: the result half's answer, once Redis confirmed it
 
 
 @dataclass
@@ -201,7 +257,9 @@ class Outbox:
 
 
 class Publisher:
-    """Flushes an :class:`Outbox` to Redis in one MULTI/EXEC round trip."""
+    """Flushes an :class:`Outbox` to Redis in one MULTI/EXEC round trip; on a cluster, where a script's
+    keys must share a slot and a transaction cannot span slots, in two pipelined round trips (see
+    :meth:`_flush_cluster`)."""
 
     def __init__(
         self,
@@ -223,6 +281,11 @@ class Publisher:
         self._terminal: Script = client.register_script(TERMINAL_LUA)
         self._dead_only: Script = client.register_script(DEAD_ONLY_LUA)
         self._ack: Script = client.register_script(ACK_LUA)
+        self.cluster = is_cluster_client(client)
+        if self.cluster:
+            self._terminal_result: Script = client.register_script(TERMINAL_RESULT_LUA)
+            self._reply_event: Script = client.register_script(REPLY_EVENT_LUA)
+            self._entry_done: Script = client.register_script(ENTRY_DONE_LUA)
 
     def flush(self, outbox: Outbox) -> list[tuple[Unit, BaseException]]:
         """Write and clear ``outbox``; returns the units Redis refused, each with its error.
@@ -234,6 +297,8 @@ class Publisher:
         units = outbox.units()
         if not units:
             return []
+        if self.cluster:
+            return self._flush_cluster(outbox)
         try:
             results = self._execute(units)
         except redis.ResponseError:
@@ -250,6 +315,106 @@ class Publisher:
             elif isinstance(unit, Terminal):
                 unit.written = bool(result)
         return failed
+
+    def _run(self, script: Script, *, keys: list[Any], args: list[Any], client: Any) -> None:
+        """Queue a script on a pipeline. On a cluster by its text (EVAL), not its SHA: a replica promoted by
+        a failover has never loaded it, and a cluster pipeline does not load a missing script itself."""
+        if self.cluster:
+            client.execute_command("EVAL", script.script, len(keys), *keys, *args)
+        else:
+            script(keys=keys, args=args, client=client)
+
+    def _flush_cluster(self, outbox: Outbox) -> list[tuple[Unit, BaseException]]:
+        """Two pipelined round trips, each script in one slot: first the token events and each terminal's
+        result half (result key + own reply stream: the job's hash tag), then, for terminals whose result
+        is confirmed, the entry half (ack + delete + dead letter: the shard's hash tag), dead-only letters
+        and acks. So an entry is never acked before its result exists, and the result key still decides
+        which delivery ends a job. A connection error leaves in ``outbox`` what was not confirmed; token
+        events of the first trip may then go out twice (readers see each event's text once per attempt
+        only through the client, which follows the result key: README, "Scaling out")."""
+        failed: list[tuple[Unit, BaseException]] = []
+        first: list[TokenWrite | Terminal] = [
+            *outbox.tokens,
+            *(t for t in outbox.terminals if t.result_written is None),
+        ]
+        if first:
+            pipe = self.client.pipeline(transaction=False)
+            for unit in first:
+                self._queue_first(pipe, unit)
+            results = list(pipe.execute(raise_on_error=False))
+            for unit, result in zip(first, results, strict=True):
+                if isinstance(result, redis.ConnectionError | redis.TimeoutError):
+                    raise result
+                if isinstance(result, BaseException):
+                    failed.append((unit, result))
+                    _remove(outbox, unit)
+                elif isinstance(unit, TokenWrite):
+                    unit.written = not (isinstance(result, int) and result < 0)
+                    outbox.tokens.remove(unit)
+                else:
+                    unit.result_written = bool(result)
+        second: list[Unit] = [*outbox.terminals, *outbox.dead_only, *outbox.acks]
+        if second:
+            pipe = self.client.pipeline(transaction=False)
+            for queued in second:
+                self._queue_second(pipe, queued)
+            results = list(pipe.execute(raise_on_error=False))
+            for later, reply in zip(second, _per_unit(second, results), strict=True):
+                if isinstance(reply, redis.ConnectionError | redis.TimeoutError):
+                    raise reply
+                if isinstance(reply, BaseException):
+                    failed.append((later, reply))
+                elif isinstance(later, Terminal):
+                    later.written = bool(later.result_written)
+        outbox.clear()
+        return failed
+
+    def _queue_first(self, pipe: Any, unit: TokenWrite | Terminal) -> None:
+        if isinstance(unit, TokenWrite):
+            self._run(
+                self._tokens, keys=[unit.reply_to], args=[unit.entry_id, self.reply_maxlen, *unit.payloads], client=pipe
+            )
+            return
+        result_key = self.keys.result(unit.job_id)
+        same_slot = key_slot(unit.reply_to.encode()) == key_slot(result_key.encode())
+        self._run(
+            self._terminal_result,
+            keys=[result_key, unit.reply_to] if same_slot else [result_key],
+            args=[
+                unit.entry_id,
+                unit.payload,
+                self.result_ttl_s,
+                self.reply_ttl_s,
+                self.reply_maxlen,
+                "1" if unit.write_reply else "0",
+            ],
+            client=pipe,
+        )
+
+    def _queue_second(self, pipe: Any, unit: Unit) -> None:
+        if not isinstance(unit, Terminal):
+            self._queue(pipe, unit)  # dead-only letters and acks: one shard's keys already
+            return
+        shard, entry_id = split_entry_ref(unit.entry_id)
+        result_key = self.keys.result(unit.job_id)
+        foreign = key_slot(unit.reply_to.encode()) != key_slot(result_key.encode())
+        if unit.result_written and unit.write_reply and foreign:
+            args: list[Any] = [unit.entry_id, unit.payload, self.reply_ttl_s, self.reply_maxlen]
+            self._run(self._reply_event, keys=[unit.reply_to], args=args, client=pipe)
+        dead_fields = _flatten(unit.dead.to_fields()) if unit.dead is not None else []
+        self._run(
+            self._entry_done,
+            keys=[self.keys.jobs_shard(shard), self.keys.dead_shard(shard)],
+            args=[
+                GROUP,
+                entry_id,
+                "1" if unit.result_written else "0",
+                self.dead_maxlen,
+                len(dead_fields),
+                *dead_fields,
+            ],
+            client=pipe,
+        )
 
     def _execute(self, units: Sequence[Unit]) -> list[object]:
         pipe = self.client.pipeline(transaction=True)
@@ -273,13 +438,18 @@ class Publisher:
     def _queue(self, pipe: redis.client.Pipeline, unit: Unit) -> None:
         keys = self.keys
         if isinstance(unit, TokenWrite):
-            self._tokens(keys=[unit.reply_to], args=[unit.entry_id, self.reply_maxlen, *unit.payloads], client=pipe)
+            self._run(
+                self._tokens, keys=[unit.reply_to], args=[unit.entry_id, self.reply_maxlen, *unit.payloads], client=pipe
+            )
         elif isinstance(unit, Terminal):
+            shard, entry_id = split_entry_ref(unit.entry_id)
             dead_fields = _flatten(unit.dead.to_fields()) if unit.dead is not None else []
-            self._terminal(
-                keys=[keys.jobs, keys.result(unit.job_id), unit.reply_to, keys.dead],
+            self._run(
+                self._terminal,
+                keys=[keys.jobs_shard(shard), keys.result(unit.job_id), unit.reply_to, keys.dead_shard(shard)],
                 args=[
                     GROUP,
+                    entry_id,
                     unit.entry_id,
                     unit.payload,
                     self.result_ttl_s,
@@ -293,13 +463,16 @@ class Publisher:
                 client=pipe,
             )
         elif isinstance(unit, DeadOnly):
-            self._dead_only(
-                keys=[keys.jobs, keys.dead],
-                args=[GROUP, unit.entry_id, self.dead_maxlen, *_flatten(unit.dead.to_fields())],
+            shard, entry_id = split_entry_ref(unit.entry_id)
+            self._run(
+                self._dead_only,
+                keys=[keys.jobs_shard(shard), keys.dead_shard(shard)],
+                args=[GROUP, entry_id, self.dead_maxlen, *_flatten(unit.dead.to_fields())],
                 client=pipe,
             )
         else:
-            self._ack(keys=[keys.jobs], args=[GROUP, unit], client=pipe)
+            shard, entry_id = split_entry_ref(unit)
+            self._run(self._ack, keys=[keys.jobs_shard(shard)], args=[GROUP, entry_id], client=pipe)
 
     def terminal(self, t: Terminal) -> bool:
         """Write one terminal event now; True if it ended the job, False if a result already existed."""
@@ -307,6 +480,25 @@ class Publisher:
         if failed:
             raise failed[0][1]
         return bool(t.written)
+
+
+def _per_unit(units: Sequence[Unit], results: list[Any]) -> list[Any]:
+    """The second cluster trip's replies, one per unit: a terminal whose reply event went to a foreign
+    slot sent two scripts, and answers with the entry half's reply (or the first error of the two)."""
+    out: list[Any] = []
+    replies = iter(results)
+    for unit in units:
+        reply = next(replies)
+        # Mirrors _queue_second: the reply event was queued first when its stream is in another slot.
+        if isinstance(unit, Terminal) and unit.result_written and unit.write_reply and _foreign_slot(unit):
+            entry_reply = next(replies)
+            reply = reply if isinstance(reply, BaseException) else entry_reply
+        out.append(reply)
+    return out
+
+
+def _foreign_slot(unit: Terminal) -> bool:
+    return key_slot(unit.reply_to.encode()) != key_slot(f"{{{unit.job_id}}}".encode())
 
 
 def _remove(outbox: Outbox, unit: Unit) -> None:

@@ -11,13 +11,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis.commands.core import Script
 
-from schemas.keys import GROUP, Keys
+from schemas.keys import GROUP, Keys, entry_ref, split_entry_ref
+
+MULTI_SHARD_BLOCK_MS = 100
+"""Longest blocking read of an idle worker of a sharded queue: it waits on one shard only (a blocking read
+of several slots is refused by a cluster), so it comes back soon to look at the others."""
 
 KEEP_FRESH_LUA = """
 -- KEYS[1] jobs stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids held by the consumer.
@@ -121,92 +126,165 @@ return 1
 
 @dataclass
 class Delivery:
-    """One delivery of a stream entry to this worker; ``fields`` is None when the entry was deleted."""
+    """One delivery of a stream entry to this worker; ``fields`` is None when the entry was deleted.
+
+    ``entry_id`` is the entry's ref (:func:`schemas.keys.entry_ref`): the stream entry id on shard 0,
+    ``<id>@<k>`` on shard ``k``."""
 
     entry_id: str
     fields: dict[str, str] | None
     attempt: int
 
 
-def ensure_group(client: redis.Redis, keys: Keys) -> None:
-    """Create the stream and the ``workers`` group (reading from the start) unless they exist."""
-    try:
-        client.xgroup_create(keys.jobs, GROUP, id="0", mkstream=True)
-    except redis.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
+def ensure_group(client: Any, keys: Keys) -> None:
+    """Create every job stream of the queue and its ``workers`` group (reading from the start) unless they
+    exist."""
+    for stream in keys.job_streams:
+        try:
+            client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+
+def by_shard(refs: Iterable[str]) -> dict[int, list[str]]:
+    """Entry refs grouped by shard, as plain entry ids (each shard is its own stream, often its own slot)."""
+    grouped: dict[int, list[str]] = {}
+    for ref in refs:
+        shard, entry_id = split_entry_ref(ref)
+        grouped.setdefault(shard, []).append(entry_id)
+    return grouped
 
 
 class Reclaimer:
-    """Pending-entry bookkeeping for one consumer (a worker) of one queue."""
+    """Pending-entry bookkeeping for one consumer (a worker) of one queue, over every shard of it.
 
-    def __init__(self, client: redis.Redis, keys: Keys, consumer: str, *, reclaim_idle_s: float) -> None:
+    Each shard is a stream of its own (on Redis Cluster, maybe on another node), so every command names one
+    shard; entry refs say which."""
+
+    def __init__(self, client: Any, keys: Keys, consumer: str, *, reclaim_idle_s: float) -> None:
         self.client = client
         self.keys = keys
         self.consumer = consumer
         self.min_idle_ms = int(reclaim_idle_s * 1000)
-        self._cursor = "0-0"
+        self._cursors = ["0-0"] * keys.shards  # XAUTOCLAIM cursor per shard
+        self._next_autoclaim_shard = 0
         self._keep_fresh: Script = client.register_script(KEEP_FRESH_LUA)
         self._release: Script = client.register_script(RELEASE_LUA)
         self._autoclaim_ids: Script = client.register_script(AUTOCLAIM_IDS_LUA)
         self._rewind: Script = client.register_script(REWIND_LUA)
 
-    def _counts(self, ids: list[str]) -> dict[str, int]:
-        """Delivery counts of entries (one round trip)."""
+    def _counts(self, shard: int, ids: list[str]) -> dict[str, int]:
+        """Delivery counts of entries of one shard (one round trip)."""
         if not ids:
             return {}
+        stream = self.keys.jobs_shard(shard)
         pipe = self.client.pipeline(transaction=False)
         for entry_id in ids:
-            pipe.xpending_range(self.keys.jobs, GROUP, min=entry_id, max=entry_id, count=1)
+            pipe.xpending_range(stream, GROUP, min=entry_id, max=entry_id, count=1)
         counts: dict[str, int] = {}
         for entry_id, rows in zip(ids, pipe.execute(), strict=True):
             counts[entry_id] = int(rows[0]["times_delivered"]) if rows else 1
         return counts
 
-    def _deliveries(self, entries: list[Any]) -> list[Delivery]:
+    def _deliveries(self, shard: int, entries: list[Any]) -> list[Delivery]:
         parsed = [(_s(e[0]), _fields(e[1])) for e in entries if e and e[0] is not None]
-        counts = self._counts([entry_id for entry_id, _ in parsed])
-        return [Delivery(entry_id, fields, counts.get(entry_id, 1)) for entry_id, fields in parsed]
+        counts = self._counts(shard, [entry_id for entry_id, _ in parsed])
+        return [Delivery(entry_ref(shard, entry_id), fields, counts.get(entry_id, 1)) for entry_id, fields in parsed]
 
-    def read_new(self, count: int, block_ms: int | None) -> list[Delivery]:
-        """Entries never delivered to anyone (``>``); attempt 1."""
-        reply: Any = self.client.xreadgroup(GROUP, self.consumer, {self.keys.jobs: ">"}, count=count, block=block_ms)
+    def read_new(self, count: int, block_ms: int | None, shards: Sequence[int] | None = None) -> list[Delivery]:
+        """Entries never delivered to anyone (``>``); attempt 1. ``shards`` (default: all, in order) are read
+        one after the other until ``count`` entries came, so a worker never takes more than its capacity;
+        only the first is waited on (``block_ms``) when none had any, since a blocking read of streams in
+        different cluster slots is refused."""
+        order = list(range(self.keys.shards)) if shards is None else list(shards)
+        out: list[Delivery] = []
+        for shard in order:
+            if len(out) >= count:
+                break
+            reply: Any = self.client.xreadgroup(
+                GROUP, self.consumer, {self.keys.jobs_shard(shard): ">"}, count=count - len(out)
+            )
+            out.extend(self._new(shard, reply))
+        if not out and block_ms is not None and order:
+            if self.keys.shards > 1:
+                block_ms = min(block_ms, MULTI_SHARD_BLOCK_MS)
+            reply = self.client.xreadgroup(
+                GROUP, self.consumer, {self.keys.jobs_shard(order[0]): ">"}, count=count, block=block_ms
+            )
+            out.extend(self._new(order[0], reply))
+        return out
+
+    def server_time(self) -> float:
+        """The Redis server's clock (entry ids are stamped with it)."""
+        secs, micros = self.client.time()
+        return float(secs) + float(micros) / 1e6
+
+    def oldest_unread_age_s(self, shard: int, now: float) -> float:
+        """How long the oldest entry of ``shard`` not yet delivered to the group has waited (0 when none)."""
+        stream = self.keys.jobs_shard(shard)
+        try:
+            groups: Any = self.client.xinfo_groups(stream)
+        except redis.ResponseError:
+            return 0.0  # no stream or group yet: nothing waits
+        delivered = next((_s(g["last-delivered-id"]) for g in groups if _s(g["name"]) == GROUP), "0-0")
+        first: Any = self.client.xrange(stream, min="(" + delivered, count=1)
+        if not first:
+            return 0.0
+        return max(0.0, now - int(_s(first[0][0]).split("-", 1)[0]) / 1000.0)
+
+    @staticmethod
+    def _new(shard: int, reply: Any) -> list[Delivery]:
         out: list[Delivery] = []
         for _stream, entries in reply or []:
-            out.extend(Delivery(_s(e[0]), _fields(e[1]), 1) for e in entries)
+            out.extend(Delivery(entry_ref(shard, _s(e[0])), _fields(e[1]), 1) for e in entries)
         return out
 
     def read_own_pending(self, after: str, count: int) -> tuple[list[Delivery], str | None]:
-        """The next ``count`` entries of this consumer's own PEL after id ``after``.
+        """The next ``count`` entries of this consumer's own PEL after entry ref ``after`` (start: ``"0"``).
 
-        Returns the deliveries and the cursor to continue from, or None once the PEL has been walked.
-        Reading history counts as a delivery (the attempt goes up): the previous process may have died
-        because of the job.
+        Returns the deliveries and the ref to continue from, or None once the PEL of every shard has been
+        walked. Reading history counts as a delivery (the attempt goes up): the previous process may have
+        died because of the job.
         """
-        reply: Any = self.client.xreadgroup(GROUP, self.consumer, {self.keys.jobs: after}, count=count)
+        shard, entry_id = split_entry_ref(after)
+        reply: Any = self.client.xreadgroup(GROUP, self.consumer, {self.keys.jobs_shard(shard): entry_id}, count=count)
         entries = reply[0][1] if reply else []
         if not entries:
-            return [], None
-        deliveries = self._deliveries(entries)
-        return deliveries, _s(entries[-1][0])
+            next_shard = shard + 1
+            return [], (entry_ref(next_shard, "0") if next_shard < self.keys.shards else None)
+        deliveries = self._deliveries(shard, entries)
+        return deliveries, entry_ref(shard, _s(entries[-1][0]))
 
     def autoclaim(self, count: int) -> list[Delivery]:
-        """Take over up to ``count`` entries idle for ``reclaim_idle_s`` (their consumer is presumed dead).
+        """Take over up to ``count`` entries idle for ``reclaim_idle_s`` (their consumer is presumed dead),
+        from each shard in turn (one shard a call: reclaim runs every few seconds).
 
         ``XAUTOCLAIM ... JUSTID`` picks them (without counting a delivery), then ``XCLAIM`` counts the
         delivery and fetches each body. Entries deleted meanwhile (their job already ended) are acked:
         Redis 6.2 would otherwise leave them in the PEL with no id to act on.
         """
+        out: list[Delivery] = []
+        for _ in range(self.keys.shards):
+            shard = self._next_autoclaim_shard
+            self._next_autoclaim_shard = (shard + 1) % self.keys.shards
+            out += self._autoclaim_shard(shard, count - len(out))
+            if len(out) >= count:
+                break
+        return out
+
+    def _autoclaim_shard(self, shard: int, count: int) -> list[Delivery]:
+        stream = self.keys.jobs_shard(shard)
         reply: Any = self._autoclaim_ids(
-            keys=[self.keys.jobs], args=[GROUP, self.consumer, self.min_idle_ms, self._cursor, count]
+            keys=[stream], args=[GROUP, self.consumer, self.min_idle_ms, self._cursors[shard], count]
         )
-        self._cursor = _s(reply[0]) if reply and reply[0] else "0-0"
+        self._cursors[shard] = _s(reply[0]) if reply and reply[0] else "0-0"
         ids = [_s(x) for x in reply[1]]
         if not ids:
             return []
         pipe = self.client.pipeline(transaction=False)
         for entry_id in ids:
-            pipe.xclaim(self.keys.jobs, GROUP, self.consumer, 0, [entry_id])
+            pipe.xclaim(stream, GROUP, self.consumer, 0, [entry_id])
         entries, gone = [], []
         for entry_id, claimed in zip(ids, pipe.execute(), strict=True):
             if claimed and claimed[0] and claimed[0][0] is not None and _fields(claimed[0][1]) is not None:
@@ -214,53 +292,63 @@ class Reclaimer:
             else:
                 gone.append(entry_id)
         if gone:
-            self.client.xack(self.keys.jobs, GROUP, *gone)
-        return self._deliveries(entries)
+            self.client.xack(stream, GROUP, *gone)
+        return self._deliveries(shard, entries)
 
-    def keep_fresh(self, entry_ids: list[str]) -> list[str]:
-        """Reset the idle time of entries still owned; return those no longer owned by this worker."""
-        if not entry_ids:
-            return []
-        lost = self._keep_fresh(keys=[self.keys.jobs], args=[GROUP, self.consumer, *entry_ids])
-        return [_s(x) for x in lost or []]
+    def keep_fresh(self, entry_refs: list[str]) -> list[str]:
+        """Reset the idle time of entries still owned; return the refs of those no longer owned by this
+        worker (one script per shard: a script's keys must share a slot)."""
+        lost: list[str] = []
+        for shard, ids in by_shard(entry_refs).items():
+            gone = self._keep_fresh(keys=[self.keys.jobs_shard(shard)], args=[GROUP, self.consumer, *ids])
+            lost += [entry_ref(shard, _s(x)) for x in gone or []]
+        return lost
 
-    def retry(self, entry_id: str) -> Delivery | None:
+    def retry(self, ref: str) -> Delivery | None:
         """Count a new delivery of an entry this worker holds (after a failed attempt); None if gone."""
-        entries: Any = self.client.xclaim(self.keys.jobs, GROUP, self.consumer, 0, [entry_id])
+        shard, entry_id = split_entry_ref(ref)
+        entries: Any = self.client.xclaim(self.keys.jobs_shard(shard), GROUP, self.consumer, 0, [entry_id])
         if not entries or entries[0] is None or entries[0][0] is None or _fields(entries[0][1]) is None:
             return None
-        deliveries = self._deliveries(entries)
+        deliveries = self._deliveries(shard, entries)
         return deliveries[0] if deliveries else None
 
     def release(self, entries: dict[str, int | None]) -> int:
         """Hand entries back to the group, claimable by any worker at once.
 
-        ``entries`` maps entry id to the delivery count to set (so a job released before it produced
+        ``entries`` maps entry ref to the delivery count to set (so a job released before it produced
         anything does not use up an attempt) or None to keep the count.
         """
-        if not entries:
-            return 0
-        args: list[Any] = [GROUP, self.consumer, 10 * self.min_idle_ms + 3_600_000]
-        for entry_id, count in entries.items():
-            args += [entry_id, "" if count is None else max(count, 0)]
-        return int(self._release(keys=[self.keys.jobs], args=args))
+        released = 0
+        grouped: dict[int, list[Any]] = {}
+        for ref, count in entries.items():
+            shard, entry_id = split_entry_ref(ref)
+            grouped.setdefault(shard, []).extend([entry_id, "" if count is None else max(count, 0)])
+        for shard, pairs in grouped.items():
+            args: list[Any] = [GROUP, self.consumer, 10 * self.min_idle_ms + 3_600_000, *pairs]
+            released += int(self._release(keys=[self.keys.jobs_shard(shard)], args=args))
+        return released
 
     def rewind_future_ids(self, tolerance_s: float) -> bool:
-        """Bring the stream's automatic ids back to the clock after entries with future ids were answered
-        (see :data:`REWIND_LUA`); True if it did."""
-        return bool(self._rewind(keys=[self.keys.jobs], args=[int(tolerance_s * 1000)]))
+        """Bring each shard's automatic ids back to the clock after entries with future ids were answered
+        (see :data:`REWIND_LUA`); True if it did for any."""
+        rewound = [
+            bool(self._rewind(keys=[stream], args=[int(tolerance_s * 1000)])) for stream in self.keys.job_streams
+        ]
+        return any(rewound)
 
     def forget_dead_consumers(self, live: set[str]) -> list[str]:
         """Delete consumers with no pending entries and no heartbeat (``live``), keeping the group tidy."""
         removed = []
-        for info in self.client.xinfo_consumers(self.keys.jobs, GROUP):
-            name = _s(info["name"])
-            if name == self.consumer or name in live or int(info["pending"]) > 0:
-                continue
-            if int(info.get("idle", 0)) < self.min_idle_ms:
-                continue
-            self.client.xgroup_delconsumer(self.keys.jobs, GROUP, name)
-            removed.append(name)
+        for stream in self.keys.job_streams:
+            for info in self.client.xinfo_consumers(stream, GROUP):
+                name = _s(info["name"])
+                if name == self.consumer or name in live or int(info["pending"]) > 0:
+                    continue
+                if int(info.get("idle", 0)) < self.min_idle_ms:
+                    continue
+                self.client.xgroup_delconsumer(stream, GROUP, name)
+                removed.append(name)
         return removed
 
 

@@ -19,16 +19,28 @@ from redis.retry import Retry
 from schemas.keys import Keys
 from worker.backoff import Backoff
 from worker.reclaimer import ensure_group
+from worker.redis_url import connect
 
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError, OSError)
+REDIS_DOWN = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    ConnectionError,
+    TimeoutError,
+    OSError,
+    # A cluster in failover: a slot without a primary yet, a node that says to try again.
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.RedisClusterException,
+)
 """Exceptions that mean "Redis is unreachable right now" (retry later), not "the command was wrong"."""
 
 
-def redis_client(url: str, block_s: float) -> redis.Redis:
+def redis_client(url: str, block_s: float) -> Any:
     """The worker's Redis client: str values, invalid UTF-8 kept byte-exact, no hidden retries (the loop
     does its own backoff, and a silent retry could duplicate token events). ``block_s`` is the longest
     blocking read the loop makes; the socket timeout leaves room for it."""
-    return redis.Redis.from_url(
+    return connect(
         url,
         decode_responses=True,
         encoding_errors="surrogateescape",

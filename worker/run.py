@@ -96,7 +96,7 @@ def run_worker(settings: Settings) -> int:
     health: HealthServer | None = None
     try:
         if settings.metrics_port:  # before the model loads: /healthz answers, /readyz says "loading"
-            keys = Keys(settings.namespace, settings.queue)
+            keys = Keys(settings.namespace, settings.queue, settings.queue_shards)
             health = start_health_server(settings.metrics_host, settings.metrics_port, url, keys)
             log.info("worker.metrics", host=settings.metrics_host, port=health.port)
         engine = build_engine(settings)

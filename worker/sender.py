@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.keys import GROUP, Keys
+from schemas.keys import GROUP, Keys, split_entry_ref
 from worker.keeper import OwnedEntries
 from worker.publisher import DeadOnly, Outbox, Publisher, Terminal, TokenWrite, Unit
 from worker.reclaimer import Reclaimer
@@ -61,8 +61,9 @@ class Sender:
             claims, self.claims = self.claims, []
             try:
                 pipe = self.redis.pipeline(transaction=False)
-                for entry_id in claims:
-                    pipe.xclaim(self.keys.jobs, GROUP, self.name, 0, [entry_id])
+                for ref in claims:
+                    shard, entry_id = split_entry_ref(ref)
+                    pipe.xclaim(self.keys.jobs_shard(shard), GROUP, self.name, 0, [entry_id])
                 pipe.execute()
             except BaseException:
                 self.claims = claims + self.claims

@@ -11,12 +11,13 @@ import re
 import socket
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import unquote_plus, urlsplit
+from urllib.parse import unquote_plus
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from schemas.keys import check_name
+from schemas.keys import MAX_QUEUE_SHARDS, check_name
+from worker.redis_url import parse_redis_url
 
 ENV_PREFIX = "PAGEDQ_"
 
@@ -43,11 +44,28 @@ class Settings(BaseSettings):
 
     # --- Redis and wire protocol
     redis_url: str | None = Field(
-        None, description="redis://, rediss:// or unix:// URL; unset starts an embedded Redis in data_dir"
+        None,
+        description="redis://, rediss://, unix://, or redis+cluster://host:port[,host:port...] (rediss+cluster:// "
+        "for TLS) for Redis Cluster; unset starts an embedded Redis in data_dir",
     )
     data_dir: Path = Field(default_factory=default_data_dir, description="embedded Redis data (AOF) folder")
     namespace: str = Field("pagedq", description="prefix of every Redis key")
-    queue: str = Field("default", description="queue name: jobs are read from <namespace>:jobs:<queue>")
+    queue: str = Field(
+        "default", description="queue name: jobs are read from <namespace>:jobs:{<queue>:<k>} (k < queue_shards)"
+    )
+    queue_shards: int = Field(
+        1,
+        ge=1,
+        le=MAX_QUEUE_SHARDS,
+        description="job streams the queue is split into (producers must use the same number); the worker reads "
+        "all of them, its home shards first",
+    )
+    steal_after_s: float = Field(
+        2.0,
+        ge=0,
+        description="a worker with free capacity takes jobs from a shard that is not one of its homes only once "
+        "that shard's oldest unread job has waited this long (prefix affinity: homes keep their prefixes warm)",
+    )
     name: str = Field(default_factory=default_worker_name, description="consumer name of this worker")
 
     # --- model and engine
@@ -179,21 +197,7 @@ class Settings(BaseSettings):
     def _redis_url(cls, value: str | None) -> str | None:
         if value is None or value == "":
             return None
-        parts = urlsplit(value)
-        if parts.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError("must start with redis://, rediss:// or unix://")
-        if parts.scheme == "unix" and not parts.path:
-            raise ValueError("a unix:// URL needs a socket path")
-        if parts.scheme != "unix":
-            try:
-                port = parts.port
-            except ValueError as exc:
-                raise ValueError(f"bad port: {exc}") from None
-            if not parts.hostname or (port is not None and port == 0):
-                raise ValueError("needs a host (and a non-zero port, if any)")
-            db = parts.path.lstrip("/")
-            if db and not db.isdigit():
-                raise ValueError(f"database must be a number, got {db!r}")
+        parse_redis_url(value)  # ValueError with a clear message (never the password)
         return value
 
     @field_validator("dtype")

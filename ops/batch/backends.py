@@ -20,11 +20,11 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Protocol
 
-import redis
-
 from ops.batch.responses import TerminalEvent, TokenText, load_token_text, token_id_text
+from schemas.affinity import shard_for_job
 from schemas.jobs import JobRequest, TokenEvent, parse_event
 from schemas.keys import EVENT_FIELD, JOB_FIELD, Keys
+from worker.redis_url import connect, is_cluster_client
 from worker.settings import Settings
 
 
@@ -65,8 +65,8 @@ class QueueBackend:
     """
 
     def __init__(self, url: str, settings: Settings, tokenizer: str | None) -> None:
-        self.client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30)
-        self.keys = Keys(settings.namespace, settings.queue)
+        self.client = connect(url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30)
+        self.keys = Keys(settings.namespace, settings.queue, settings.queue_shards)
         self.default_model = settings.model or "pagedq"
         self._tokenizer = tokenizer  # --tokenizer: chosen by the user, so it wins over what workers report
         self._fallback_tokenizer = settings.model
@@ -79,16 +79,22 @@ class QueueBackend:
     def submit(self, jobs: list[JobRequest]) -> None:
         if not jobs:
             return
-        pipe = self.client.pipeline(transaction=True)  # all or nothing: a retry after an error adds no duplicates
+        # All or nothing on one server: a retry after an error adds no duplicates. A cluster cannot make one
+        # transaction of several shards' streams; there a retry may queue a job twice, which its id makes
+        # harmless (one terminal event per id).
+        pipe = self.client.pipeline(transaction=not is_cluster_client(self.client))
         for job in jobs:
-            pipe.xadd(self.keys.jobs, {JOB_FIELD: job.to_json()})
+            pipe.xadd(self.keys.jobs_shard(shard_for_job(job, self.keys.shards)), {JOB_FIELD: job.to_json()})
         pipe.execute()
 
     def _results(self, ids: list[str]) -> list[TerminalEvent]:
         out: list[TerminalEvent] = []
         for start in range(0, len(ids), 500):
             chunk = ids[start : start + 500]
-            for raw in self.client.mget([self.keys.result(i) for i in chunk]):
+            pipe = self.client.pipeline(transaction=False)  # one GET per key: each job's keys have their own slot
+            for job_id in chunk:
+                pipe.get(self.keys.result(job_id))
+            for raw in pipe.execute():
                 if raw is not None:
                     event = parse_event(raw)
                     if not isinstance(event, TokenEvent):

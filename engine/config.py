@@ -11,9 +11,11 @@ _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "f
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "w8a8")
 """``EngineConfig.quantization`` values: ``int8`` is symmetric per-output-channel int8 weights for every decoder
-linear, activations unchanged (weight-only; kernels/int8_linear). GGUF checkpoints need none: they are
+linear, activations unchanged (weight-only; kernels/int8_linear). ``w8a8`` quantises the same weights and,
+on CPU, each linear's input per token too, multiplying in int8 on the CPU's int8 dot products
+(kernels/w8a8_linear); it fails at load where that cannot run. GGUF checkpoints need none: they are
 loaded in their own quantisation."""
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.kernel_dispatch import Ops
 from engine.model_config import RopeScaling
-from kernels import cpu_linear, int8_linear
+from kernels import cpu_linear, int8_linear, w8a8_linear
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
@@ -51,6 +51,8 @@ class Linear(nn.Module):
         # Either replaces the dense weight, which is then freed.
         self.int8: int8_linear.Int8Weight | None = None
         self.int8_packed: int8_linear.PackedInt8 | None = None
+        # quantization="w8a8": the int8 weight reordered for oneDNN's int8 matmul, inputs quantised per token.
+        self.w8a8: w8a8_linear.PackedW8A8 | None = None
 
     def set_int8(self, weight: int8_linear.Int8Weight) -> None:
         """Hold ``weight`` (an int8 copy of this layer's weight) instead of the dense one."""
@@ -62,9 +64,15 @@ class Linear(nn.Module):
         self.int8 = weight
         self.weight.data = self.weight.data.new_empty(0)
 
-    def quantize_int8(self) -> None:
-        """Symmetric per-output-channel int8 from the loaded dense weight (``quantization="int8"``)."""
+    def quantize_int8(self, int8_activations: bool = False) -> None:
+        """Symmetric per-output-channel int8 from the loaded dense weight (``quantization="int8"``);
+        ``int8_activations``: packed for W8A8 too (``quantization="w8a8"``), where :mod:`kernels.w8a8_linear`
+        can run (else the weight stays weight-only int8)."""
         self.set_int8(int8_linear.quantize_per_channel(self.weight))
+        if int8_activations and self.int8 is not None and self.weight.device.type == "cpu":
+            self.w8a8 = w8a8_linear.pack(self.int8)
+            if self.w8a8 is not None:
+                self.int8 = None
 
     @property
     def weight_bytes(self) -> int:
@@ -72,7 +80,7 @@ class Linear(nn.Module):
         total = sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)
         if self.packed is not None:
             total += self.packed.data.numel() * self.packed.data.element_size()
-        for quantised in (self.int8, self.int8_packed):
+        for quantised in (self.int8, self.int8_packed, self.w8a8):
             total += quantised.nbytes if quantised is not None else 0
         return total
 
@@ -93,6 +101,8 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w8a8 is not None:
+            return w8a8_linear.linear(x, self.w8a8, self.bias)
         if self.packed is not None:
             return cpu_linear.linear(x, self.packed, self.bias)
         if self.int8_packed is not None:
@@ -105,6 +115,8 @@ class Linear(nn.Module):
         packed = f", {self.packed.kind}" if self.packed is not None else ""
         if self.int8 is not None or self.int8_packed is not None:
             packed = ", int8"
+        if self.w8a8 is not None:
+            packed = ", w8a8"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{packed}"
 
 

@@ -75,8 +75,8 @@ class ModelRunner:
         self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.backend, tp)
         # A GGUF's linears arrive int8 already; quantization="int8" then quantises any left in float.
         self.quantization = self.model.source_quantization or config.quantization
-        if config.quantization == "int8":
-            self.model.quantize_int8()
+        if config.quantization in ("int8", "w8a8"):
+            self.model.quantize_int8(int8_activations=config.quantization == "w8a8")
         if self.device.type == "cpu" and config.cpu_weight_prepack:
             self.model.prepack_cpu_weights(config.matmul_weight_dtype)
         self.block_size = config.block_size

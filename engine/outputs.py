@@ -94,4 +94,4 @@ class EngineStats:
     # allocated to the KV cache; a quantised model leaves more of a memory budget to KV blocks.
     weight_bytes: int = 0
     kv_cache_bytes: int = 0
-    quantization: str | None = None  # "int8", a GGUF's "gguf:Q4_1" (its predominant type), or None
+    quantization: str | None = None  # "int8", "w8a8", a GGUF's "gguf:Q4_1" (its predominant type), or None

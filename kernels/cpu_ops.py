@@ -23,8 +23,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
     lib.rotary_neox_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i32]
-    lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i32]
-    for fn in (lib.rms_norm_f32, lib.rotary_neox_f32, lib.silu_and_mul_f32):
+    lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, i32]
+    lib.quantize_rows_s8.argtypes = [ptr, i64, ptr, ptr, i64, i64, i32]
+    for fn in (lib.rms_norm_f32, lib.rotary_neox_f32, lib.silu_and_mul_f32, lib.quantize_rows_s8):
         fn.restype = None
 
 
@@ -115,12 +116,50 @@ def rotary_embedding_cpu(
     return q, k
 
 
-def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
-    """:func:`kernels.activation.silu_and_mul_torch` in one pass."""
+def silu_and_mul_cpu(x: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`kernels.activation.silu_and_mul_torch` in one pass; ``row_scale`` ``[rows]`` (fp32), if given,
+    multiplies each row of ``x`` first (a W8A8 gate_up's per-token scale, folded in instead of a pass)."""
     lib = _load()
-    if lib is None or x.dim() != 2 or not _f32_cpu(x) or x.stride(-1) != 1:
-        return silu_and_mul_torch(x)
+    scale_ok = row_scale is None or (
+        _f32_cpu(row_scale) and row_scale.is_contiguous() and row_scale.numel() == x.shape[0]
+    )
+    if lib is None or x.dim() != 2 or not _f32_cpu(x) or x.stride(-1) != 1 or not scale_ok:
+        return silu_and_mul_torch(x if row_scale is None else x * row_scale.reshape(-1, 1))
     n, m = x.shape[0], x.shape[1] // 2
     out = torch.empty((n, m), dtype=x.dtype)
-    lib.silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), n, m, torch.get_num_threads())
+    lib.silu_and_mul_f32(
+        x.data_ptr(),
+        x.stride(0),
+        row_scale.data_ptr() if row_scale is not None else None,
+        out.data_ptr(),
+        n,
+        m,
+        torch.get_num_threads(),
+    )
     return out
+
+
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 of ``x [rows, k]``: ``(q int8 [rows, k], scales fp32 [rows])`` with
+    ``x ~= q * scales[:, None]``; the reference for :func:`quantize_rows_cpu` (same fp32 ops, same rounding:
+    one multiply by ``127 / amax``, then round half to even). A zero row gets scale 0."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    # A true division (torch's ``127.0 / tensor`` is ``reciprocal() * 127``: a second rounding the C kernel
+    # does not make, which moved a product from -47.499996 to -47.5 and its code by one).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, amax / 127.0
+
+
+def quantize_rows_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows_torch` in two reads of each row (its max, then the rounding from L1)."""
+    lib = _load()
+    if lib is None or x.dim() != 2 or not _f32_cpu(x) or x.stride(-1) != 1:
+        return quantize_rows_torch(x)
+    n, k = x.shape
+    q = torch.empty((n, k), dtype=torch.int8)
+    scales = torch.empty((n,), dtype=torch.float32)
+    if n:
+        lib.quantize_rows_s8(x.data_ptr(), x.stride(0), q.data_ptr(), scales.data_ptr(), n, k, torch.get_num_threads())
+    return q, scales

@@ -232,8 +232,9 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--quantization",
         default=None,
-        choices=["none", "int8"],
-        help="int8: per-channel int8 weights for every decoder linear, quantised at load (default none)",
+        choices=["none", "int8", "w8a8"],
+        help="int8: per-channel int8 weights for every decoder linear, quantised at load; w8a8: the same plus "
+        "int8 activations per token on the CPU's int8 dot products (default none)",
     )
     p.add_argument("--no-chat", dest="chat", action="store_false", help="send prompts raw, no chat template")
     p.set_defaults(func=_cmd_generate)

@@ -110,7 +110,7 @@ def test_linear_layer_holds_int8_and_frees_the_dense_weight() -> None:
 
 
 def test_unsupported_quantization_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="quantization must be one of none, int8; got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, w8a8; got 'int4'"):
         EngineConfig(quantization="int4")
     assert EngineConfig(quantization="INT8").quantization == "int8"
     assert EngineConfig(quantization="none").quantization is None
@@ -145,7 +145,7 @@ def test_worker_setting_and_cli_flag() -> None:
 
     assert load_settings(quantization="int8").quantization == "int8"
     assert load_settings(quantization="none").quantization is None
-    with pytest.raises(SettingsError, match=r"quantization.*must be none or one of int8"):
+    with pytest.raises(SettingsError, match=r"quantization.*must be none or one of int8, w8a8"):
         load_settings(quantization="q4_k")
     args = build_parser("generate").parse_args(["generate", "--quantization", "int8", "hi"])
     assert args.quantization == "int8"

@@ -79,7 +79,8 @@ class Settings(BaseSettings):
     quantization: str | None = Field(
         None,
         description="int8: symmetric per-channel int8 weights for every decoder linear, applied at load "
-        "(weight-only); unset: none. A .gguf model is served in its own quantisation",
+        "(weight-only); w8a8: the same weights with each linear's input quantised per token, multiplied on the "
+        "CPU's int8 dot products (AMX, VNNI); unset: none. A .gguf model is served in its own quantisation",
     )
     max_num_seqs: int = Field(16, gt=0, le=4096, description="sequences the engine runs at once")
     max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one engine step")
@@ -212,7 +213,7 @@ class Settings(BaseSettings):
     @classmethod
     def _quantization(cls, value: str | None) -> str | None:
         # engine.config.QUANTIZATIONS, spelt out: settings load without torch (EngineConfig checks it again)
-        allowed = ("int8",)
+        allowed = ("int8", "w8a8")
         if value is None or value.strip().lower() in ("", "none"):
             return None
         value = value.strip().lower()

@@ -34,7 +34,7 @@ from engine.parallel_layers import (
     VocabParallelEmbedding,
     gather_logits,
 )
-from kernels import cpu_linear, int8_linear
+from kernels import cpu_linear, cpu_ops, int8_linear, w8a8_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -121,6 +121,8 @@ class LlamaMLP(nn.Module):
         """Pack gate_up with its activation fused (``cpu_linear.pack_gated``, or the int8 kernel's glu
         panels for an int8 gate_up); False where unsupported (the fused fp kernel is fp32: a bf16 gate_up
         is packed as a plain linear)."""
+        if self.gate_up_proj.w8a8 is not None:  # stays a W8A8 linear; gate_up_act fuses its row scale
+            return False
         quantised = self.gate_up_proj.int8
         if quantised is not None:
             self.gated_int8 = int8_linear.pack(quantised, glu=True)
@@ -140,6 +142,9 @@ class LlamaMLP(nn.Module):
         """``silu(x @ gate.T) * (x @ up.T)``: one fused matmul when packed gated, else matmul then op."""
         if self.gated is not None:
             return cpu_linear.linear(x, self.gated, None)
+        if self.gate_up_proj.w8a8 is not None:  # the per-token scale applied inside the SiLU-and-mul pass
+            product, row_scales = w8a8_linear.matmul_unscaled(x, self.gate_up_proj.w8a8)
+            return cpu_ops.silu_and_mul_cpu(product, row_scale=row_scales).view(*x.shape[:-1], -1)
         if self.gated_int8 is not None:
             return int8_linear.linear(x, self.gated_int8, None)
         return self.ops.silu_and_mul(self.gate_up_proj(x))
@@ -245,13 +250,23 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
         return count + (self.lm_head_packed is not None)
 
-    def quantize_int8(self) -> int:
+    def quantize_int8(self, int8_activations: bool = False) -> int:
         """Every decoder linear to symmetric per-output-channel int8 (``quantization="int8"``), before
         :meth:`prepack_cpu_weights`; returns how many. The lm_head (and the embedding it may share) stays in
-        the activation dtype: it is one matmul of many, and the logits are what sampling reads directly."""
+        the activation dtype: it is one matmul of many, and the logits are what sampling reads directly.
+
+        ``int8_activations`` (``quantization="w8a8"``): each linear also quantises its input per token and
+        multiplies in int8 (:mod:`kernels.w8a8_linear`); a ValueError names why where that cannot run."""
+        if int8_activations:
+            if self.embed_tokens.weight.device.type != "cpu":
+                raise ValueError("quantization='w8a8' runs on CPU only; use 'int8' (weight-only) on CUDA")
+            if not w8a8_linear.available():
+                raise ValueError(
+                    f"quantization='w8a8' cannot run here: {w8a8_linear.unavailable_reason()}; 'int8' (weight-only) can"
+                )
         linears = [m for m in self.layers.modules() if isinstance(m, Linear) and m.weight.numel()]
         for linear in linears:
-            linear.quantize_int8()
+            linear.quantize_int8(int8_activations)
         return len(linears)
 
     def weight_bytes(self) -> int:

@@ -72,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default=None,
-        choices=("none", "int8"),
-        help="pagedq systems: int8 weights for every decoder linear, quantised at load (default none)",
+        choices=("none", "int8", "w8a8"),
+        help="pagedq systems: int8 weights for every decoder linear, quantised at load; w8a8: int8 activations "
+        "too (default none)",
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: the CPUs usable: affinity, cgroup quota)"

@@ -43,7 +43,7 @@ class BenchContext:
     work_dir: Path
     num_speculative_tokens: int | None = None  # pagedq: None -> the engine's default
     tensor_parallel_size: int = 1  # pagedq offline systems: the model split over this many ranks
-    quantization: str | None = None  # pagedq systems: EngineConfig.quantization ("int8"); others load as given
+    quantization: str | None = None  # pagedq systems: EngineConfig.quantization ("int8", "w8a8"); others load as given
     redis_stream: bool = False
     request_timeout_s: float = 1800.0
     repeat: int = 1  # rounds of every system on an offline workload; the fastest run of each is reported

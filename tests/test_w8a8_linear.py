@@ -1,0 +1,131 @@
+"""W8A8 (kernels/w8a8_linear, ``quantization="w8a8"``): the per-token activation quantisation in C per ISA
+variant against its torch reference (bit for bit), the SiLU-and-mul that folds the row scale in, oneDNN's
+int8 product against the exact integer math, and a tiny model end to end against its fp32 self."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig
+from engine.layers import Linear
+from engine.perplexity import perplexity
+from kernels import cpu_ops, int8_linear, w8a8_linear
+from kernels.activation import silu_and_mul_torch
+from schemas.sampling import SamplingParams
+
+needs_w8a8 = pytest.mark.skipif(not w8a8_linear.available(), reason=w8a8_linear.unavailable_reason())
+
+
+@pytest.mark.usefixtures("isa_variant")
+@pytest.mark.parametrize(("rows", "width"), [(1, 1), (3, 7), (5, 33), (64, 576), (130, 1536)])
+def test_quantize_rows_is_the_reference_bit_for_bit(rows: int, width: int) -> None:
+    if not cpu_ops.available():
+        pytest.skip("no C compiler: the reference runs here")
+    g = torch.Generator().manual_seed(rows * width)
+    x = torch.randn(rows, width, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+    x[0] = 0.0  # a zero row: scale 0, codes 0
+    q, scales = cpu_ops.quantize_rows_cpu(x)
+    q_ref, scales_ref = cpu_ops.quantize_rows_torch(x)
+    assert torch.equal(q, q_ref) and torch.equal(scales, scales_ref)
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127 and scales[0] == 0 and not q[0].any()
+    nonzero = x[1:] if rows > 1 else x[:0]
+    if nonzero.numel():  # every other row uses the full range: its max maps to +-127
+        assert torch.equal(q[1:].abs().amax(dim=1), torch.full((rows - 1,), 127, dtype=torch.int8))
+    # within half a step of the input
+    assert torch.all((q.float() * scales[:, None] - x).abs() <= scales[:, None] * 0.5 + 1e-6)
+    strided = torch.randn(4, width + 6, generator=g)[:, 3 : 3 + width]  # a column slice, like the model's views
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(cpu_ops.quantize_rows_cpu(strided), cpu_ops.quantize_rows_torch(strided), strict=True)
+    )
+
+
+@pytest.mark.usefixtures("isa_variant")
+@pytest.mark.parametrize("width", [5, 16, 37, 1536])
+def test_silu_and_mul_folds_the_row_scale(width: int) -> None:
+    g = torch.Generator().manual_seed(width)
+    x, row_scale = torch.randn(9, 2 * width, generator=g), torch.rand(9, generator=g) * 4
+    want = silu_and_mul_torch(x * row_scale[:, None])
+    torch.testing.assert_close(cpu_ops.silu_and_mul_cpu(x, row_scale=row_scale), want, atol=2e-5, rtol=2e-6)
+
+
+@needs_w8a8
+@pytest.mark.parametrize(("n", "k"), [(32, 64), (200, 96), (960, 576), (576, 1536)])
+def test_w8a8_linear_is_the_exact_integer_product(n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    weight = int8_linear.quantize_per_channel(torch.randn(n, k, generator=g))
+    packed = w8a8_linear.pack(weight)
+    assert packed is not None and packed.out_features == n and packed.in_features == k
+    bias = torch.randn(n, generator=g)
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, k, generator=g) * 3
+        torch.testing.assert_close(
+            w8a8_linear.linear(x, packed, bias), w8a8_linear.linear_reference(x, weight, bias), atol=1e-4, rtol=1e-5
+        )
+    x3 = torch.randn(2, 3, k, generator=g)  # any leading dimensions
+    assert w8a8_linear.linear(x3, packed, None).shape == (2, 3, n)
+    assert w8a8_linear.linear(torch.empty(0, k), packed, None).shape == (0, n)
+    with pytest.raises(ValueError, match="features"):
+        w8a8_linear.linear(torch.randn(2, k + 1), packed, None)
+    # close to the float product: per-token int8 activations cost ~1 % relative error per linear
+    x = torch.randn(64, k, generator=g)
+    exact = x @ weight.dequantize().T
+    rel = float((w8a8_linear.linear(x, packed, None) - exact).norm() / exact.norm())
+    assert rel < 0.02, rel
+
+
+@needs_w8a8
+def test_only_symmetric_per_channel_weights_qualify() -> None:
+    g = torch.Generator().manual_seed(1)
+    grouped = int8_linear.Int8Weight(
+        torch.randint(-127, 128, (16, 64), generator=g, dtype=torch.int8), torch.rand(16, 2, generator=g), None, 32
+    )
+    assert not w8a8_linear.qualifies(grouped) and w8a8_linear.pack(grouped) is None
+    with pytest.raises(ValueError, match="per-output-channel"):
+        w8a8_linear.linear_reference(torch.randn(2, 64), grouped, None)
+
+
+@needs_w8a8
+def test_tiny_model_w8a8_against_fp32(tiny_model: Callable[[str], Path]) -> None:
+    """Every decoder linear runs W8A8 (gate_up through the row-scaled SiLU-and-mul), and the model stays close
+    to its fp32 self: random weights have thin argmax gaps, so agreement and perplexity are the measures."""
+    path = tiny_model("llama_gqa")
+    fp32 = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    w8a8 = LLM(str(path), dtype="float32", num_kv_blocks=64, quantization="w8a8")
+    linears = [m for m in w8a8.engine.runner.model.layers.modules() if isinstance(m, Linear)]
+    assert linears and all(m.w8a8 is not None and m.int8 is None and not m.weight.numel() for m in linears)
+    assert "w8a8" in repr(linears[0])
+    g = torch.Generator().manual_seed(0)
+    prompts: list[list[int]] = [torch.randint(3, 500, (12,), generator=g).tolist() for _ in range(48)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in fp32.generate(prompts, params)]
+    first_w8a8 = [o.outputs[0].token_ids for o in w8a8.generate(prompts, params)]
+    agreement = sum(a == b for a, b in zip(first, first_w8a8, strict=True)) / len(prompts)
+    assert agreement >= 0.8, agreement
+    text: list[int] = torch.randint(3, 500, (600,), generator=g).tolist()
+    ppl, ppl_w8a8 = perplexity(fp32.engine, text, 200), perplexity(w8a8.engine, text, 200)
+    assert math.isfinite(ppl) and abs(ppl_w8a8 / ppl - 1) < 0.03, (ppl, ppl_w8a8)
+    stats = w8a8.stats()
+    assert stats.quantization == "w8a8" and stats.weight_bytes < 0.7 * fp32.stats().weight_bytes
+
+
+def test_w8a8_where_it_cannot_run_is_a_clear_error(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert EngineConfig(quantization="W8A8").quantization == "w8a8"
+    monkeypatch.setenv("PAGEDQ_DISABLE_W8A8", "1")
+    with pytest.raises(ValueError, match="quantization='w8a8' cannot run here: PAGEDQ_DISABLE_W8A8 is set"):
+        LLM(str(tiny_model("llama_gqa")), dtype="float32", num_kv_blocks=16, quantization="w8a8")
+
+
+def test_worker_setting_and_cli_flag() -> None:
+    from ops.cli import build_parser
+    from worker.settings import load_settings
+
+    assert load_settings(quantization="W8A8").quantization == "w8a8"
+    assert build_parser("generate").parse_args(["generate", "--quantization", "w8a8", "hi"]).quantization == "w8a8"

@@ -115,4 +115,24 @@ def probe() -> tuple[str, ...]:
         if result.returncode != 0:  # SIGILL shows as -4; 2: the kernel refused AMX tile state
             break
         runnable.append(level)
+    _cap_onednn(tuple(runnable))
     return tuple(runnable)
+
+
+# oneDNN's names for the levels: the most it may use when the probe stopped short of what the flags claim.
+_ONEDNN_ISA = {"avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16"}
+
+
+def _cap_onednn(runnable: tuple[str, ...]) -> None:
+    """oneDNN (bf16 and int8 matmuls) picks its kernels from cpuid alone, so on a guest that lists AMX but
+    faults on it, its AMX kernels would kill the process. Where the probe found a level fail that the flags
+    claim, ``ONEDNN_MAX_CPU_ISA`` caps oneDNN at the last level that ran (an operator's own setting wins).
+    oneDNN reads the variable when it first dispatches: the engine probes before it multiplies anything."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return
+    claimed_amx = "amx_tile" in flags
+    if runnable and claimed_amx and "amx" not in runnable and runnable[-1] in _ONEDNN_ISA:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_ISA[runnable[-1]])

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -77,3 +78,16 @@ def test_each_variant_is_its_own_build(isa_variant: str) -> None:
         assert uses_ymm and not uses_zmm
     else:
         assert uses_zmm
+
+
+def test_onednn_is_capped_where_listed_amx_does_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guest that lists AMX but faults on it: oneDNN (which trusts cpuid) is held to the last level that ran."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    listed = "amx_tile" in Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
+    cpu_isa._cap_onednn(("avx2", "avx512", "avx512_bf16", "amx"))  # AMX ran: nothing to cap
+    assert os.environ.get("ONEDNN_MAX_CPU_ISA") is None
+    cpu_isa._cap_onednn(("avx2", "avx512", "avx512_bf16"))
+    assert os.environ.get("ONEDNN_MAX_CPU_ISA") == ("AVX512_CORE_BF16" if listed else None)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the operator's own cap wins
+    cpu_isa._cap_onednn(("avx2", "avx512"))
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"

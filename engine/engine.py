@@ -24,7 +24,7 @@ import structlog
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine import cpu_runtime
+from engine import cpu_runtime, smoothing
 from engine.block_pool import NoFreeBlocks
 from engine.checkpoint import checkpoint_folder, gguf_file
 from engine.config import EngineConfig
@@ -93,7 +93,12 @@ class Engine:
 
             self.runner = DistributedModelRunner(config, str(self.model_path), self.step_stats)
         else:
-            self.runner = ModelRunner(config, str(self.model_path), self.step_stats)
+            calibration = None
+            if config.quantization == "w8a8":  # the activation smoothing's calibration text, tokenised
+                calibration = smoothing.calibration_ids(
+                    lambda text: list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                )
+            self.runner = ModelRunner(config, str(self.model_path), self.step_stats, calibration_ids=calibration)
         mc = self.model_config = self.runner.model_config
         capacity = self.runner.num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len, capacity)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import smoothing
 from engine.attention_metadata import AttentionMetadata
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -62,10 +63,12 @@ class ModelRunner:
         tp: TensorParallel = SINGLE,
         device: torch.device | None = None,
         agree: Callable[[int], int] | None = None,
+        calibration_ids: list[int] | None = None,
     ) -> None:
         """``stats``: where :meth:`execute` adds its input-preparation and forward times (the engine's own).
         ``tp``: this rank's place under tensor parallelism; ``device``: its device (default the config's);
-        ``agree``: turns this rank's affordable KV block count into the one every rank uses."""
+        ``agree``: turns this rank's affordable KV block count into the one every rank uses;
+        ``calibration_ids``: tokens for W8A8's activation smoothing (:mod:`engine.smoothing`)."""
         self.config = config
         self.tp = tp
         self.stats = stats if stats is not None else StepStats()
@@ -76,6 +79,10 @@ class ModelRunner:
         # A GGUF's linears arrive int8 already; quantization="int8" then quantises any left in float.
         self.quantization = self.model.source_quantization or config.quantization
         if config.quantization in ("int8", "w8a8"):
+            if config.quantization == "w8a8" and calibration_ids:
+                # SmoothQuant: the activations' outlier channels moved into the weights before quantising.
+                amax = smoothing.input_amax(self.model, calibration_ids, self.kv_dtype)
+                smoothing.smooth(self.model, amax)
             self.model.quantize_int8(int8_activations=config.quantization == "w8a8")
         if self.device.type == "cpu" and config.cpu_weight_prepack:
             self.model.prepack_cpu_weights(config.matmul_weight_dtype)

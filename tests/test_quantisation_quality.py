@@ -5,8 +5,8 @@ text of 20,480 tokens (tests/perplexity_text.py) and greedy agreement on the com
 - the Q4_1 GGUF loaded natively (int8 repacking, C kernel): within 0.5 % of transformers' perplexity on
   the same GGUF dequantised by transformers (the prepared fp32 folder *is* that dequantisation, loaded
   here straight from the GGUF to leave no doubt);
-- W8A8 (``quantization="w8a8"``, where the CPU runs it): per-token int8 activations cost more, measured
-  +3.3 %; the bound (5 %) catches a broken path, the README records the figure.
+- W8A8 (``quantization="w8a8"``, where the CPU runs it): per-token int8 activations cost more; measured
+  +1.1 % with the activation smoothing (engine/smoothing.py; +3.3 % without), bound at 2 %.
 
 Run with ``-s`` to print the figures the README records.
 """
@@ -112,7 +112,9 @@ def test_greedy_agreement(figures: dict[str, float]) -> None:
 
 
 @pytest.mark.skipif(not w8a8_linear.available(), reason=w8a8_linear.unavailable_reason())
-def test_w8a8_within_five_percent_of_fp32(figures: dict[str, float]) -> None:
-    assert abs(figures["pagedq_w8a8"] / figures["pagedq_fp32"] - 1) < 0.05
+def test_w8a8_within_two_percent_of_fp32(figures: dict[str, float]) -> None:
+    # Measured 8.8886 against fp32's 8.7912 (+1.1 %) and 16 of 64 identical continuations (int8 weight-only:
+    # 26); without smoothing 9.0851 (+3.3 %) and 7 of 64.
+    assert abs(figures["pagedq_w8a8"] / figures["pagedq_fp32"] - 1) < 0.02
     assert figures["pagedq_w8a8_weight_bytes"] < 0.6 * figures["pagedq_fp32_weight_bytes"]
-    assert figures["pagedq_w8a8_agreement"] >= 0.1
+    assert figures["pagedq_w8a8_agreement"] >= 0.15

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, EngineConfig
+from engine import LLM, EngineConfig, smoothing
 from engine.layers import Linear
 from engine.perplexity import perplexity
 from kernels import cpu_ops, int8_linear, w8a8_linear
@@ -129,3 +129,28 @@ def test_worker_setting_and_cli_flag() -> None:
 
     assert load_settings(quantization="W8A8").quantization == "w8a8"
     assert build_parser("generate").parse_args(["generate", "--quantization", "w8a8", "hi"]).quantization == "w8a8"
+
+
+def test_smoothing_leaves_the_dense_model_unchanged(tiny_model: Callable[[str], Path]) -> None:
+    """SmoothQuant's folds (1/s into the norms and the up rows, s into the weights' columns) are exact in real
+    arithmetic: the unquantised model scores a text as before, to fp32 rounding, while its activations' range
+    per channel evens out."""
+    path = tiny_model("llama_gqa")
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, cpu_weight_prepack=False)
+    model = llm.engine.runner.model
+    g = torch.Generator().manual_seed(3)
+    text: list[int] = torch.randint(3, 500, (300,), generator=g).tolist()
+    before = perplexity(llm.engine, text, 100)
+    ids = smoothing.calibration_ids(lambda t: list(llm.tokenizer(t, add_special_tokens=False)["input_ids"]))
+    assert len(ids) == smoothing.CALIBRATION_TOKENS
+    amax = smoothing.input_amax(model, ids, torch.float32)
+    linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    assert set(amax) == set(linears) and all(a.shape == (m.in_features,) for m, a in amax.items())
+    assert smoothing.smooth(model, amax) == 4 * len(model.layers)  # qkv, gate_up, down, o_proj per layer
+    after = perplexity(llm.engine, text, 100)
+    assert abs(after / before - 1) < 1e-4, (before, after)
+    spread = [float(a.max() / a.clamp(min=1e-6).median()) for a in amax.values()]
+    smoothed = smoothing.input_amax(model, ids, torch.float32)
+    qkv = next(m for m in model.layers.modules() if isinstance(m, Linear))  # layer 0's qkv_proj
+    assert float(smoothed[qkv].max() / smoothed[qkv].median()) < float(amax[qkv].max() / amax[qkv].median())
+    assert all(math.isfinite(x) for x in spread)

@@ -13,9 +13,8 @@ import torch.nn.functional as F
 
 from engine import LLM, EngineConfig
 from engine.layers import Linear
-from engine.perplexity import perplexity
 from kernels import int8_linear
-from schemas.sampling import SamplingParams
+from tests.quantised_agreement import agreement_and_perplexities
 
 
 def _weight(n: int, k: int, group: int, offsets: bool, seed: int) -> int8_linear.Int8Weight:
@@ -122,15 +121,8 @@ def test_tiny_model_int8_against_fp32(tiny_model: Callable[[str], Path]) -> None
     path = tiny_model("llama_gqa")
     fp32 = LLM(str(path), dtype="float32", num_kv_blocks=64)
     int8 = LLM(str(path), dtype="float32", num_kv_blocks=64, quantization="int8")
-    g = torch.Generator().manual_seed(0)
-    prompts: list[list[int]] = [torch.randint(3, 500, (12,), generator=g).tolist() for _ in range(48)]
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    first = [o.outputs[0].token_ids for o in fp32.generate(prompts, params)]
-    first_int8 = [o.outputs[0].token_ids for o in int8.generate(prompts, params)]
-    agreement = sum(a == b for a, b in zip(first, first_int8, strict=True)) / len(prompts)
+    agreement, ppl, ppl_int8 = agreement_and_perplexities(fp32, int8)
     assert agreement >= 0.9, agreement
-    text: list[int] = torch.randint(3, 500, (600,), generator=g).tolist()
-    ppl, ppl_int8 = perplexity(fp32.engine, text, 200), perplexity(int8.engine, text, 200)
     assert math.isfinite(ppl) and abs(ppl_int8 / ppl - 1) < 0.01, (ppl, ppl_int8)
     stats, stats_int8 = fp32.stats(), int8.stats()
     assert stats_int8.quantization == "int8" and stats.quantization is None

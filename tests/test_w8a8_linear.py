@@ -16,7 +16,7 @@ from engine.layers import Linear
 from engine.perplexity import perplexity
 from kernels import cpu_ops, int8_linear, w8a8_linear
 from kernels.activation import silu_and_mul_torch
-from schemas.sampling import SamplingParams
+from tests.quantised_agreement import agreement_and_perplexities
 
 needs_w8a8 = pytest.mark.skipif(not w8a8_linear.available(), reason=w8a8_linear.unavailable_reason())
 
@@ -100,15 +100,8 @@ def test_tiny_model_w8a8_against_fp32(tiny_model: Callable[[str], Path]) -> None
     linears = [m for m in w8a8.engine.runner.model.layers.modules() if isinstance(m, Linear)]
     assert linears and all(m.w8a8 is not None and m.int8 is None and not m.weight.numel() for m in linears)
     assert "w8a8" in repr(linears[0])
-    g = torch.Generator().manual_seed(0)
-    prompts: list[list[int]] = [torch.randint(3, 500, (12,), generator=g).tolist() for _ in range(48)]
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    first = [o.outputs[0].token_ids for o in fp32.generate(prompts, params)]
-    first_w8a8 = [o.outputs[0].token_ids for o in w8a8.generate(prompts, params)]
-    agreement = sum(a == b for a, b in zip(first, first_w8a8, strict=True)) / len(prompts)
+    agreement, ppl, ppl_w8a8 = agreement_and_perplexities(fp32, w8a8)
     assert agreement >= 0.8, agreement
-    text: list[int] = torch.randint(3, 500, (600,), generator=g).tolist()
-    ppl, ppl_w8a8 = perplexity(fp32.engine, text, 200), perplexity(w8a8.engine, text, 200)
     assert math.isfinite(ppl) and abs(ppl_w8a8 / ppl - 1) < 0.03, (ppl, ppl_w8a8)
     stats = w8a8.stats()
     assert stats.quantization == "w8a8" and stats.weight_bytes < 0.7 * fp32.stats().weight_bytes

@@ -163,7 +163,7 @@ def _bind_amx(lib: ctypes.CDLL) -> None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.int8_amx_init.argtypes = []
     lib.int8_amx_init.restype = i32
-    lib.gemm_int8_amx.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32]
+    lib.gemm_int8_amx.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32]
     lib.gemm_int8_amx.restype = i32
 
 
@@ -241,14 +241,15 @@ def amx_supported(weight: Int8Weight) -> bool:
 
 
 def _pack_amx(weight: Int8Weight, out_features: int, glu: bool) -> PackedInt8:
-    """The weight in AMX tile order: per block of 32 columns and chunk of 32 k, two B tiles of
-    [16 k-pairs][16 columns][2] int8 (``csrc/cpu_int8_amx.c``), so widening to bf16 is elementwise."""
+    """The weight in AMX tile order: per block of 32 columns and chunk of 32 k, two B tiles of 16 rows of
+    k-pairs, each row the pairs' 16 first elements then their 16 second ones (``csrc/cpu_int8_amx.c``
+    widens a row into the tile's [16 columns][2] bf16 without a cross-lane shuffle)."""
     n, k = weight.values.shape
     rows = _amx_rows(out_features, glu).clamp(max=n)
     padded = torch.cat((weight.values, torch.zeros(1, k, dtype=torch.int8)))
     picked = padded.index_select(0, rows)  # [blocks * 32, K]: row b*32 + 16t + j
-    # [b, t, j, c, p, e] (k = 32c + 2p + e) -> [b, c, t, p, j, e]
-    tiles = picked.view(-1, 2, 16, k // AMX_K, AMX_K // 2, 2).permute(0, 3, 1, 4, 2, 5)
+    # [b, t, j, c, p, e] (k = 32c + 2p + e) -> [b, c, t, p, e, j]
+    tiles = picked.view(-1, 2, 16, k // AMX_K, AMX_K // 2, 2).permute(0, 3, 1, 4, 5, 2)
     values = host_memory.empty((picked.shape[0] // AMX_BLOCK, k, AMX_BLOCK), torch.int8)
     values.view(tiles.shape).copy_(tiles)
     scales_src = torch.cat((weight.scales[:, 0], torch.ones(1)))
@@ -325,16 +326,18 @@ def _linear_amx(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None) 
             raise ValueError("int8 linear: a gated (glu) packed weight takes no bias")
         bias = bias.detach().float().contiguous()
     x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.dtype != torch.float32:
+        x2 = x2.contiguous().float()
     m = x2.shape[0]
     out = torch.empty((m, n), dtype=torch.float32)
     if m:
-        padded = -(-m // AMX_ROWS) * AMX_ROWS
-        xb = torch.empty((padded, k), dtype=torch.bfloat16)
-        xb[:m].copy_(x2)  # round to nearest even, as x.to(bfloat16) on the bf16 path
-        xb[m:].zero_()
+        # The kernel rounds x to bf16 into this (rows padded to a tile's 16), as x.to(bfloat16) on the bf16 path.
+        xb = torch.empty((-(-m // AMX_ROWS) * AMX_ROWS, k), dtype=torch.bfloat16)
         lib = _amx_lib()
         assert lib is not None, "AMX-packed int8 weight without its kernel"
         rc = lib.gemm_int8_amx(
+            x2.data_ptr(),
+            x2.stride(0),
             xb.data_ptr(),
             m,
             packed.values.data_ptr(),

@@ -86,9 +86,10 @@ class Linear(nn.Module):
 
     def prepack(self, dtype: torch.dtype | None = None) -> bool:
         """Pack the loaded weight for the CPU kernel (stored in ``dtype``, default its own; an int8 weight
-        stays int8); False (and nothing changed) where unsupported."""
+        stays int8, multiplied on AMX bf16 tiles where ``dtype`` is bf16 and the CPU has them); False (and
+        nothing changed) where unsupported."""
         if self.int8 is not None:
-            self.int8_packed = int8_linear.pack(self.int8)
+            self.int8_packed = int8_linear.pack(self.int8, matmul_dtype=dtype)
             if self.int8_packed is None:
                 return False
             self.int8 = None

@@ -16,22 +16,29 @@ every format, and a decode step still streams a quarter of fp32's weight bytes.
 
 The matmul is weight-only: activations stay in their dtype (fp32 on CPU), the weight is dequantised inside
 the tile and products accumulate in fp32 (``csrc/cpu_int8_gemm.c``, built per ISA variant; the Triton
-kernel for CUDA is :mod:`kernels.int8_linear_triton`). :func:`linear_reference` (dequantise, then
-``F.linear``) is the reference every kernel is tested against.
+kernel for CUDA is :mod:`kernels.int8_linear_triton`). Where the model multiplies in bf16 anyway
+(``EngineConfig.matmul_weight_dtype``) and the CPU runs AMX, a per-channel weight runs on AMX bf16 tiles
+instead (``csrc/cpu_int8_amx.c``): the activations rounded to bf16, as the bf16 path rounds them, the int8
+values widened to bf16 exactly, the scale applied to the fp32 sum. :func:`linear_reference` (dequantise,
+then ``F.linear``) is the reference every kernel is tested against.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kernels import c_build, cpu_linear, host_memory
+from kernels import c_build, cpu_isa, cpu_linear, host_memory
 
 PANEL = 16  # output columns per panel (gemm_tile.h NR)
+AMX_BLOCK = 32  # output columns per AMX column block (two 16-column tiles); glu: 16 gate + 16 up
+AMX_K = 32  # bf16 k-elements per tile row: in_features must be a multiple
+AMX_ROWS = 16  # rows per x tile: the bf16 copy of x is padded to a multiple
 INT8_MAX = 127
 
 
@@ -128,7 +135,8 @@ def linear_reference(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | N
 @dataclass(frozen=True, eq=False)
 class PackedInt8:
     """An :class:`Int8Weight` in the C kernel's panels (opaque to torch); ``glu``: a merged gate/up weight
-    whose product is ``silu(gate) * up``, ``out_features`` wide."""
+    whose product is ``silu(gate) * up``, ``out_features`` wide. ``amx``: in the AMX kernel's tile order
+    (``values`` int8 [blocks, K, 32], ``scales`` float32 [blocks, 32]; see ``csrc/cpu_int8_amx.c``)."""
 
     values: torch.Tensor  # int8 [panels, K, 16]
     scales: torch.Tensor  # float32 [panels, K // group_size, 16]
@@ -137,6 +145,7 @@ class PackedInt8:
     out_features: int
     in_features: int
     glu: bool = False
+    amx: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -148,6 +157,32 @@ def _bind(lib: ctypes.CDLL) -> None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.gemm_int8_panels.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32]
     lib.gemm_int8_panels.restype = ctypes.c_int
+
+
+def _bind_amx(lib: ctypes.CDLL) -> None:
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.int8_amx_init.argtypes = []
+    lib.int8_amx_init.restype = i32
+    lib.gemm_int8_amx.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32]
+    lib.gemm_int8_amx.restype = i32
+
+
+@functools.cache
+def _amx_lib() -> ctypes.CDLL | None:
+    """The avx512 build of ``cpu_int8_amx`` with AMX tile permission granted to this process, or None.
+    Held once loaded: an AMX-packed weight keeps running on it if the ``PAGEDQ_CPU_ISA`` cap moves later."""
+    lib = c_build.load("cpu_int8_amx", _bind_amx)
+    if lib is None or lib.int8_amx_init() != 0:
+        return None
+    return lib
+
+
+def amx_available() -> bool:
+    """Whether per-channel int8 weights can run on AMX bf16 tiles here: AMX probed runnable and allowed by
+    the ``PAGEDQ_CPU_ISA`` cap, the avx512 kernel build, and the kernel's permission for tile data."""
+    if os.environ.get("PAGEDQ_DISABLE_INT8_KERNEL") or "amx" not in cpu_isa.current().levels:
+        return False
+    return c_build.variant() == "avx512" and _amx_lib() is not None
 
 
 def kernel_available() -> bool:
@@ -183,15 +218,59 @@ def _to_panels(t: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch
     return out
 
 
-def pack(weight: Int8Weight, glu: bool = False) -> PackedInt8 | None:
+def _amx_rows(out_features: int, glu: bool) -> torch.Tensor:
+    """Source row of each AMX block column, ``2 * out_features`` (clamped onto a zero row) for padding.
+    With glu, block b holds gate rows 16b..16b+15 in columns 0-15 and the matching up rows in 16-31."""
+    if not glu:
+        blocks = -(-out_features // AMX_BLOCK)
+        rows = torch.arange(blocks * AMX_BLOCK)
+        return torch.where(rows < out_features, rows, torch.full_like(rows, 2 * out_features))
+    half = AMX_BLOCK // 2
+    blocks = -(-out_features // half)
+    col = torch.arange(blocks)[:, None] * half + torch.arange(half)[None, :]
+    pad = torch.full_like(col, 2 * out_features)
+    gate = torch.where(col < out_features, col, pad)
+    up = torch.where(col < out_features, col + out_features, pad)
+    return torch.cat((gate, up), dim=1).reshape(-1)
+
+
+def amx_supported(weight: Int8Weight) -> bool:
+    """Whether ``weight`` fits the AMX kernel: symmetric per-output-channel (the scale factors out of the
+    K sum) and ``in_features`` a multiple of a tile row's 32 bf16. GGUF's group-wise weights are not."""
+    return weight.offsets is None and weight.group_size == weight.in_features and weight.in_features % AMX_K == 0
+
+
+def _pack_amx(weight: Int8Weight, out_features: int, glu: bool) -> PackedInt8:
+    """The weight in AMX tile order: per block of 32 columns and chunk of 32 k, two B tiles of 16 rows of
+    k-pairs, each row the pairs' 16 first elements then their 16 second ones (``csrc/cpu_int8_amx.c``
+    widens a row into the tile's [16 columns][2] bf16 without a cross-lane shuffle)."""
+    n, k = weight.values.shape
+    rows = _amx_rows(out_features, glu).clamp(max=n)
+    padded = torch.cat((weight.values, torch.zeros(1, k, dtype=torch.int8)))
+    picked = padded.index_select(0, rows)  # [blocks * 32, K]: row b*32 + 16t + j
+    # [b, t, j, c, p, e] (k = 32c + 2p + e) -> [b, c, t, p, e, j]
+    tiles = picked.view(-1, 2, 16, k // AMX_K, AMX_K // 2, 2).permute(0, 3, 1, 4, 5, 2)
+    values = host_memory.empty((picked.shape[0] // AMX_BLOCK, k, AMX_BLOCK), torch.int8)
+    values.view(tiles.shape).copy_(tiles)
+    scales_src = torch.cat((weight.scales[:, 0], torch.ones(1)))
+    scales = scales_src.index_select(0, rows).view(-1, AMX_BLOCK).contiguous()
+    return PackedInt8(values, scales, None, k, out_features, k, glu, amx=True)
+
+
+def pack(weight: Int8Weight, glu: bool = False, matmul_dtype: torch.dtype | None = None) -> PackedInt8 | None:
     """``weight`` in panels for :func:`linear`, or None where the C kernel cannot run (callers keep
-    :func:`linear_reference`). ``glu``: ``weight`` is a merged ``[gate; up]`` (``2i`` rows)."""
+    :func:`linear_reference`). ``glu``: ``weight`` is a merged ``[gate; up]`` (``2i`` rows).
+
+    ``matmul_dtype`` bf16 (the model multiplies in bf16: activations are rounded to bf16 anyway) puts a
+    per-channel weight on AMX tiles where the CPU runs them; otherwise (fp32: the exact kernel) panels."""
     if weight.values.device.type != "cpu" or not kernel_available():
         return None
     n = weight.out_features
     if glu and n % 2:
         return None
     out_features = n // 2 if glu else n
+    if matmul_dtype == torch.bfloat16 and amx_supported(weight) and amx_available():
+        return _pack_amx(weight, out_features, glu)
     # A merged gate/up has 2 * out_features rows: the padding index of _panel_rows is >= n, clamped to n.
     rows = _panel_rows(out_features, glu)
     return PackedInt8(
@@ -208,6 +287,8 @@ def pack(weight: Int8Weight, glu: bool = False) -> PackedInt8 | None:
 def linear(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` (or ``silu(gate) * up`` for glu) with ``packed`` from :func:`pack`."""
     n, k = packed.out_features, packed.in_features
+    if packed.amx:
+        return _linear_amx(x, packed, bias)
     x2, out, bias = cpu_linear.panel_operands(x, n, k, bias, packed.glu, "int8 linear")
     m = x2.shape[0]
     if m:
@@ -231,6 +312,46 @@ def linear(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None) -> to
         )
         if rc:
             raise MemoryError("int8 linear: no memory for the dequantisation buffer")
+    return out.view(*x.shape[:-1], n).to(x.dtype)
+
+
+def _linear_amx(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear` for an AMX-packed weight: ``x`` rounded to bf16 (rows padded to a tile's 16 with
+    zeros), products summed in fp32, the fp32 result returned in ``x``'s dtype."""
+    n, k = packed.out_features, packed.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"int8 linear: input has {x.shape[-1]} features, the weight expects {k}")
+    if bias is not None:
+        if packed.glu:
+            raise ValueError("int8 linear: a gated (glu) packed weight takes no bias")
+        bias = bias.detach().float().contiguous()
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.dtype != torch.float32:
+        x2 = x2.contiguous().float()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32)
+    if m:
+        # The kernel rounds x to bf16 into this (rows padded to a tile's 16), as x.to(bfloat16) on the bf16 path.
+        xb = torch.empty((-(-m // AMX_ROWS) * AMX_ROWS, k), dtype=torch.bfloat16)
+        lib = _amx_lib()
+        assert lib is not None, "AMX-packed int8 weight without its kernel"
+        rc = lib.gemm_int8_amx(
+            x2.data_ptr(),
+            x2.stride(0),
+            xb.data_ptr(),
+            m,
+            packed.values.data_ptr(),
+            packed.scales.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            out.data_ptr(),
+            n,
+            n,
+            k,
+            int(packed.glu),
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise MemoryError("int8 linear: no memory for the AMX weight buffer")
     return out.view(*x.shape[:-1], n).to(x.dtype)
 
 

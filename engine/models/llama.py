@@ -125,7 +125,7 @@ class LlamaMLP(nn.Module):
             return False
         quantised = self.gate_up_proj.int8
         if quantised is not None:
-            self.gated_int8 = int8_linear.pack(quantised, glu=True)
+            self.gated_int8 = int8_linear.pack(quantised, glu=True, matmul_dtype=dtype)  # bf16: AMX tiles
             if self.gated_int8 is None:
                 return False
             self.gate_up_proj.int8 = None

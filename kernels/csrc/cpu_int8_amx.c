@@ -1,0 +1,249 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for a symmetric per-output-channel int8 weight on AMX bf16 tiles.
+ *
+ * Why: quantization="int8" halves the bytes a bf16 step streams, but the fp32 kernel it ran on
+ * (cpu_int8_gemm.c: int8 -> fp32 panels, fp32 FMAs) is bound by arithmetic at compass-sized steps (~100
+ * rows), where ~300 GFLOP/s of fp32 FMAs lose to oneDNN's bf16 AMX matmul (1-2.7 TFLOP/s). Where the
+ * model multiplies in bf16 anyway (EngineConfig.matmul_weight_dtype), this kernel multiplies the int8
+ * weight on the same AMX tiles:
+ *   w[n, k] = scale[n] * q[n, k], so y[m, n] = scale[n] * sum_k bf16(x[m, k]) * q[n, k].
+ * The scale factors out of the K sum and every int8 value is a bf16 (8 significant bits), so widening q to
+ * bf16 is exact: the only rounding is x to bf16 (what the bf16 path does) and the fp32 sum's order.
+ *
+ * Layout (packed in kernels/int8_linear.py, K a multiple of 32): ceil(N / 32) column blocks of 32 outputs
+ * (with glu: 16 gate and the 16 matching up columns, 16 outputs), each int8 [K / 32][2][16][16][2] = per
+ * 32-deep K chunk two B tiles (columns 0-15, 16-31), each 16 rows of k-pairs x 16 columns x the pair: the
+ * tile's VNNI order, except that within a tile row the first elements of the 16 pairs come first, then the
+ * second ones (see widen_block), so the per-call dequantisation is a cheap int8 -> bf16 widening. Scales
+ * fp32 [blocks][32].
+ *
+ * Per thread and column block: the block's K x 32 weight is widened once into a private bf16 buffer (K=1536:
+ * 96 KB, L2-resident), then reused by every 32-row block of x (MB rows at a time): a 2 x 2 tile block,
+ * 4 fp32 accumulator tiles (tmm0-3), 2 x tiles (tmm4-5), 2 weight tiles (tmm6-7): 4 tile loads per 4
+ * TDPBF16PS. The accumulators go through a 4 KB fp32 scratch to the epilogue (scale, bias or
+ * silu(gate) * up), which writes fp32 rows straight into y.
+ *
+ * Measured (2-vCPU Xeon, family 6 model 167, 2 threads, shared with other work; GFLOP/s through the
+ * Python entry points, x fp32 in and out; oneDNN bf16 = torch.ops.mkldnn._linear_pointwise on a
+ * _reorder_linear_weight bf16 weight, its x.to(bfloat16) included):
+ *                  M:     8    64   256  2048
+ *   qkv 576x960 oneDNN   268   921  1404  1791 | int8 fp32 panels  144  263  285  261 | this  184   952  1594  1364
+ *   o 576x576   oneDNN   186   709  1047  1480 | int8 fp32 panels  126  247  277  274 | this  145   764  1246  1214
+ *   gate_up 576x3072     345  1250  1783  1574 |                   172  262  275  247 |       263  1142  1632  1492
+ *   down 1536x576        352  1090  1058  1696 |                   146  252  266  262 |       234  1050  1441  1394
+ * (gate_up here is the plain linear; with glu the SiLU-and-mul rides in the epilogue, where the bf16 path
+ * runs it as a separate pass: a compass-like run spent 0.82 s in the fused int8 gate_up against 1.30 s in
+ * oneDNN's.) The kernel alone (no Python): 2.0-2.5 TFLOP/s at 192-256 rows, ~1 TFLOP/s at 36; widening the
+ * weight is ~15 % of its time at 256 rows, ~40 % at 36 and ~60 % at 8 (the same call with widening skipped),
+ * so small steps stay below oneDNN's bf16 and the int8 weight's win is its bytes and the fused epilogue.
+ * MB = 1024 instead of 256 changed nothing measurable at 2048 rows.
+ * The compass workload (pagedq bench, SmolLM2-135M, 64 requests, one quiet round 11:19-11:30 UTC
+ * 2026-12-02): int8 here 550 and 540 tok/s; fp32 217; bf16 (no quantisation) 454; int8 on the fp32-panel
+ * kernel (PAGEDQ_CPU_ISA=avx512_bf16) 262. So 2.5x fp32 and 1.2x bf16. Contended rounds that day ran
+ * 317-513 (int8 here) against 134-224 (fp32) and 255-442 (bf16).
+ *
+ * Only the avx512 build (kernels/c_build.py) holds the kernel, compiled with the AMX targets on top; Python
+ * calls it only where kernels/cpu_isa.py probed AMX runnable and the PAGEDQ_CPU_ISA cap allows "amx". Other
+ * builds export stubs that refuse.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd_math.h"
+
+#if defined(PAGEDQ_AVX512)
+#pragma GCC target("amx-tile,amx-bf16,avx512bf16")
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* ask the kernel for an XSAVE feature's state (AMX tile data) */
+#define XFEATURE_XTILEDATA 18
+
+#ifndef MB
+/* Rows of x per block: the bf16 rows a block reads (MB x K x 2 bytes: 768 KB at K=1536) stay in the 2 MB
+ * L2 across the column blocks, and the widening is paid once per MB rows (at most ~10 % of the tile time
+ * at K=1536, 256 rows). */
+#define MB 256
+#endif
+
+struct tile_config {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* The kernel's permission for AMX tile data in this process (once; idempotent). 0, or -1 if refused. */
+int int8_amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1; }
+
+/* Tile config is per thread: every tile 16 rows x 64 bytes (16 fp32, 32 bf16, or 16 bf16 pairs). */
+static void configure_tiles(void)
+{
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* The block's int8 widened to bf16, exactly: int8 -> int32 -> fp32 is exact and an fp32 holding at most 8
+ * significant bits is its own bf16, its top 16 bits. The pack stores each 32-byte tile row as the 16 first
+ * elements of the column pairs, then the 16 second ones, so one 32-bit lane of fp32 bits makes one
+ * pair: (second & 0xFFFF0000) | (first >> 16), one vpternlogd, no pack across lanes. 2 vpmovsxbd, 2
+ * vcvtdq2ps, a shift and a ternlog per 32 weights: 5-10 % faster at 36-256 rows than vcvtne2ps2bf16 on
+ * [p][j][e]-ordered bytes (a contended 2-vCPU Xeon). n a multiple of 32. */
+static void widen_block(const int8_t *src, uint16_t *dst, int64_t n)
+{
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t i = 0; i < n; i += 32) {
+        const __m128i first = _mm_loadu_si128((const __m128i *)(src + i));
+        const __m128i second = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        const __m512i lo = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)));
+        const __m512i hi = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)));
+        /* 0xCA: high ? hi : lo >> 16, bit by bit */
+        _mm512_store_si512((__m512i *)(dst + i), _mm512_ternarylogic_epi32(high, hi, _mm512_srli_epi32(lo, 16), 0xCA));
+    }
+}
+
+/* xb [rows] = bf16(x rows), round to nearest even (vcvtneps2bf16, as oneDNN's bf16 path; it flushes fp32
+ * denormals to zero); rows past m zeroed. k a multiple of 32. */
+static void round_rows(const float *x, int64_t ldx, uint16_t *xb, int64_t m, int64_t padded, int64_t k)
+{
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < padded; r++) {
+        uint16_t *dst = xb + r * k;
+        if (r >= m) {
+            memset(dst, 0, (size_t)k * sizeof(uint16_t));
+            continue;
+        }
+        const float *src = x + r * ldx;
+        for (int64_t i = 0; i < k; i += 32) {
+            const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+            _mm512_storeu_si512((__m512i *)(dst + i), (__m512i)b);
+        }
+    }
+}
+
+/* acc [32][32] fp32 = x rows r0.. (two 16-row tiles, or one when rows <= 16) @ the widened block. */
+static void tile_block(const uint16_t *x, int64_t k, const uint16_t *panel, int rows, float *acc)
+{
+    const int64_t stride = k * (int64_t)sizeof(uint16_t);
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rows > 16) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kc = 0; kc < k; kc += 32) {
+            _tile_loadd(4, x + kc, stride);
+            _tile_loadd(5, x + 16 * k + kc, stride);
+            _tile_loadd(6, panel + kc * 32, 64);
+            _tile_loadd(7, panel + kc * 32 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, acc + 16 * 32, 128);
+        _tile_stored(3, acc + 16 * 32 + 16, 128);
+    } else {
+        for (int64_t kc = 0; kc < k; kc += 32) {
+            _tile_loadd(4, x + kc, stride);
+            _tile_loadd(6, panel + kc * 32, 64);
+            _tile_loadd(7, panel + kc * 32 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, acc, 128);
+    _tile_stored(1, acc + 16, 128);
+}
+
+/* y rows = acc rows * scale (+ bias), or silu(gate * scale) * (up * scale) with glu; ncols valid outputs. */
+static void epilogue(const float *acc, int rows, const float *scales, const float *bias, float *y, int64_t ldy,
+                     int ncols, int glu)
+{
+    const __m512 s0 = _mm512_loadu_ps(scales), s1 = _mm512_loadu_ps(scales + 16);
+    if (glu) {
+        const __mmask16 mask = lanes16(ncols);
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (int r = 0; r < rows; r++) {
+            const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(acc + r * 32), s0);
+            const __m512 u = _mm512_mul_ps(_mm512_loadu_ps(acc + r * 32 + 16), s1);
+            const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+        }
+        return;
+    }
+    const __mmask16 m0 = lanes16(ncols), m1 = lanes16(ncols > 16 ? ncols - 16 : 0);
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_fmadd_ps(_mm512_loadu_ps(acc + r * 32), s0, b0));
+        if (m1)
+            _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_fmadd_ps(_mm512_loadu_ps(acc + r * 32 + 16), s1, b1));
+    }
+}
+
+/* y [m, n] (row stride ldy) = x @ W^T * scale + bias; x fp32 [m, k] (row stride ldx), k a multiple of 32;
+ * with glu y [m, n] = silu(gate) * up and no bias. xb: room for x in bf16, [ceil(m / 16) * 16, k]: x is
+ * rounded here, inside the parallel region (a torch op in between would wake torch's own OpenMP pool, whose
+ * spinning threads then compete with this one's: 30-50 % slower at 36-256 rows). Returns 0, or -1 if a
+ * buffer could not be had. int8_amx_init must have succeeded in this process. */
+int gemm_int8_amx(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const int8_t *values, const float *scales,
+                  const float *bias, float *y, int64_t ldy, int64_t n, int64_t k, int glu, int num_threads)
+{
+    const int64_t width = glu ? 16 : 32; /* outputs per column block */
+    const int64_t blocks = (n + width - 1) / width;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) if (blocks > 1)
+    {
+        round_rows(x_f32, ldx, x, m, (m + 15) / 16 * 16, k); /* ends in a barrier: every row ready */
+        uint16_t *panel = aligned_alloc(64, (size_t)(k * 32 * (int64_t)sizeof(uint16_t)));
+        float *acc = aligned_alloc(64, 32 * 32 * sizeof(float));
+        if (!panel || !acc) {
+            #pragma omp atomic write
+            failed = 1;
+        } else {
+            configure_tiles();
+        }
+        for (int64_t m0 = 0; m0 < m; m0 += MB) {
+            const int64_t m1 = m0 + MB < m ? m0 + MB : m;
+            #pragma omp for schedule(static) nowait
+            for (int64_t b = 0; b < blocks; b++) {
+                if (!panel || !acc)
+                    continue;
+                const int64_t col = b * width;
+                const int ncols = (int)(n - col < width ? n - col : width);
+                widen_block(values + b * k * 32, panel, k * 32);
+                for (int64_t r0 = m0; r0 < m1; r0 += 32) {
+                    const int rows = (int)(m1 - r0 < 32 ? m1 - r0 : 32);
+                    tile_block(x + r0 * k, k, panel, rows, acc);
+                    epilogue(acc, rows, scales + b * 32, bias && !glu ? bias + col : NULL, y + r0 * ldy + col, ldy,
+                             ncols, glu);
+                }
+            }
+        }
+        if (panel && acc)
+            _tile_release();
+        free(panel);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}
+
+#else /* not the avx512 build: no AMX here */
+
+int int8_amx_init(void) { return -1; }
+
+int gemm_int8_amx(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const int8_t *values, const float *scales,
+                  const float *bias, float *y, int64_t ldy, int64_t n, int64_t k, int glu, int num_threads)
+{
+    (void)x_f32, (void)ldx, (void)x, (void)m, (void)values, (void)scales, (void)bias, (void)y, (void)ldy, (void)n, (void)k, (void)glu;
+    (void)num_threads;
+    return -2;
+}
+
+#endif

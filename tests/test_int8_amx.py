@@ -1,0 +1,130 @@
+"""int8 weights on AMX bf16 tiles (kernels/csrc/cpu_int8_amx.c): against the torch reference on bf16-rounded
+inputs, every partial tile, the cases that keep the exact fp32 kernel, and a bf16 tiny model end to end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM
+from engine.layers import Linear
+from engine.models.llama import LlamaMLP
+from kernels import cpu_isa, int8_linear
+from schemas.sampling import SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite caps the ISA below bf16 (tests/conftest.py): lifted here, as tests/test_bf16.py does."""
+    monkeypatch.delenv(cpu_isa.ENV_CAP, raising=False)
+    if not int8_linear.amx_available():
+        probed = list(cpu_isa.current().probed)
+        pytest.skip(f"AMX not runnable here (probed: {probed}): int8 weights keep the fp32 kernel")
+
+
+ROWS = (1, 5, 16, 17, 33, 300)  # one tile row, partial 16-row tiles, one and two 32-row blocks, several
+
+
+def _weight(n: int, k: int, seed: int) -> int8_linear.Int8Weight:
+    g = torch.Generator().manual_seed(seed)
+    return int8_linear.quantize_per_channel(torch.randn(n, k, generator=g))
+
+
+def _on_amx(weight: int8_linear.Int8Weight, matmul_dtype: torch.dtype | None = None) -> bool:
+    packed = int8_linear.pack(weight, matmul_dtype=matmul_dtype)
+    assert packed is not None
+    return packed.amx
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
+    """Only the fp32 summation order differs (products of bf16 by int8 are exact in fp32): the error grows
+    with the sum's length and the terms' size, not the result's."""
+    torch.testing.assert_close(got, want, atol=2e-6 * k, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (200, 96), (33, 576), (70, 1536)])
+def test_amx_matches_reference_on_bf16_inputs(n: int, k: int) -> None:
+    # n: one partial block, several with a partial last one, a last block of one column
+    weight = _weight(n, k, seed=n * k)
+    bias = torch.randn(n)
+    packed = int8_linear.pack(weight, matmul_dtype=torch.bfloat16)
+    assert packed is not None and packed.amx
+    assert packed.values.nbytes == -(-n // 32) * 32 * k  # still one byte per weight
+    g = torch.Generator().manual_seed(k)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=g)
+        rounded = x.bfloat16().float()
+        _close(int8_linear.linear(x, packed, bias), int8_linear.linear_reference(rounded, weight, bias), k)
+        _close(int8_linear.linear(x, packed, None), int8_linear.linear_reference(rounded, weight, None), k)
+    assert int8_linear.linear(torch.empty(0, k), packed, None).shape == (0, n)
+    strided = torch.randn(3, 2, k + 10, generator=g)[..., 5 : 5 + k]  # leading dims and a column slice
+    want = int8_linear.linear_reference(strided.bfloat16().float(), weight, None)
+    _close(int8_linear.linear(strided, packed, None), want, k)
+    with pytest.raises(ValueError, match="features"):
+        int8_linear.linear(torch.randn(2, k + 1), packed, None)
+
+
+@pytest.mark.parametrize(("inter", "k"), [(40, 64), (24, 576)])
+def test_amx_gated_matches_reference(inter: int, k: int) -> None:
+    weight = _weight(2 * inter, k, seed=inter)
+    packed = int8_linear.pack(weight, glu=True, matmul_dtype=torch.bfloat16)
+    assert packed is not None and packed.amx and packed.out_features == inter
+    g = torch.Generator().manual_seed(inter)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=g)
+        ref = int8_linear.linear_reference(x.bfloat16().float(), weight, None)
+        want = F.silu(ref[:, :inter]) * ref[:, inter:]
+        torch.testing.assert_close(int8_linear.linear(x, packed, None), want, atol=1e-4 * k, rtol=1e-4)
+    with pytest.raises(ValueError, match="glu"):
+        int8_linear.linear(torch.randn(2, k), packed, torch.zeros(inter))
+
+
+def test_amx_only_where_the_matmul_is_bf16_and_the_weight_per_channel(monkeypatch: pytest.MonkeyPatch) -> None:
+    per_channel = _weight(48, 64, seed=1)
+    assert _on_amx(per_channel, torch.bfloat16)
+    assert not _on_amx(per_channel) and not _on_amx(per_channel, torch.float32)  # fp32: the exact kernel
+    group_wise = int8_linear.Int8Weight(per_channel.values, per_channel.scales.repeat(1, 2), None, 32)  # GGUF-like
+    assert not _on_amx(group_wise, torch.bfloat16)
+    assert not _on_amx(_weight(48, 48, seed=2), torch.bfloat16)  # K not a multiple of a tile row's 32
+    monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512_bf16")  # the operator's cap keeps AMX off
+    assert not int8_linear.amx_available()
+    assert not _on_amx(per_channel, torch.bfloat16)
+
+
+def test_linear_layer_packs_for_amx_under_bf16() -> None:
+    torch.manual_seed(3)
+    layer = Linear(96, 50, True, torch.float32)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()  # type: ignore[union-attr]
+    layer.quantize_int8()
+    assert layer.int8 is not None
+    x = torch.randn(7, 96)
+    want = int8_linear.linear_reference(x.bfloat16().float(), layer.int8, layer.bias)
+    assert layer.prepack(torch.bfloat16)
+    assert layer.int8_packed is not None and layer.int8_packed.amx
+    _close(layer(x), want, 96)
+
+
+def test_tiny_model_bf16_int8_runs_on_amx(tiny_model: Callable[[str], Path]) -> None:
+    """Every decoder linear of a bf16 model with int8 weights is AMX-packed, and greedy first tokens mostly
+    agree with fp32 (a random-weight model has thin argmax gaps: the share is the measure)."""
+    path = tiny_model("llama_gqa")
+    fp32 = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    int8 = LLM(str(path), dtype="bfloat16", num_kv_blocks=64, quantization="int8")
+    layers = int8.engine.runner.model.layers
+    linears = [m for m in layers.modules() if isinstance(m, Linear) and m.int8_packed is not None]
+    mlps = [m for m in layers.modules() if isinstance(m, LlamaMLP)]
+    assert len(linears) == 3 * len(mlps) and all(m.int8_packed.amx for m in linears)  # type: ignore[union-attr]
+    assert all(m.gated_int8 is not None and m.gated_int8.amx for m in mlps)  # SiLU-and-mul fused
+    g = torch.Generator().manual_seed(0)
+    prompts: list[list[int]] = [torch.randint(3, 500, (12,), generator=g).tolist() for _ in range(48)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in fp32.generate(prompts, params)]
+    first_int8 = [o.outputs[0].token_ids for o in int8.generate(prompts, params)]
+    agreement = sum(a == b for a, b in zip(first, first_int8, strict=True)) / len(prompts)
+    assert agreement >= 0.85, agreement

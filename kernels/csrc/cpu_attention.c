@@ -508,25 +508,36 @@ static inline void prefetch_lines(prefetcher *p, int64_t k)
     }
 }
 
-/* Scores of NQ (<= 4) query heads (rows qs, qs + D, ...: scaled, fp32) against 4 keys kr[0..3] (bf16, in
- * place): 16 accumulator chains, one per (head, key), reduced by hsum16x16; head g's 4 scores go to
- * sc[g * stride + 0..nk-1]. */
-static inline __attribute__((always_inline)) void scores_4keys(const int NQ, const float *qs, int64_t D,
+/* 32 bf16 values (the low `m` of them; the rest read as 0) widened in two registers: *even gets values
+ * 0, 2, ..., 30 and *odd 1, 3, ..., 31, a shift and an and, where widening in order takes a shuffle and a
+ * shift per 16 (the 512-bit ports are the kernel's bottleneck with K/V in the caches). The dot products
+ * and output sums below work in this order: q permuted once per task, the outputs restored at the end. */
+static inline void widen32_bf16(const uint16_t *p, __mmask32 m, __m512 *even, __m512 *odd)
+{
+    const __m512i x = _mm512_maskz_loadu_epi16(m, p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline __mmask32 lanes32(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1u); }
+
+/* Scores of NQ (<= 4) query heads (rows qs, qs + D32, ...: scaled, fp32, even/odd order per 32 columns)
+ * against 4 keys kr[0..3] (bf16, in place): 16 accumulator chains, one per (head, key), reduced by
+ * hsum16x16; head g's 4 scores go to sc[g * stride + 0..nk-1]. */
+static inline __attribute__((always_inline)) void scores_4keys(const int NQ, const float *qs, int64_t D, int64_t D32,
                                                                const uint16_t *const kr[4], float *sc,
                                                                int64_t stride, int64_t nk)
 {
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D; c += 16) {
-        const __mmask16 m = lanes16(D - c);
-        const __m512 k0 = load16_bf16(kr[0] + c, m), k1 = load16_bf16(kr[1] + c, m);
-        const __m512 k2 = load16_bf16(kr[2] + c, m), k3 = load16_bf16(kr[3] + c, m);
+    for (int64_t c = 0; c < D; c += 32) {
+        const __mmask32 m = lanes32(D - c);
+        __m512 ke[4], ko[4];
+        for (int i = 0; i < 4; i++) widen32_bf16(kr[i] + c, m, &ke[i], &ko[i]);
         for (int g = 0; g < NQ; g++) {
-            const __m512 qv = _mm512_maskz_loadu_ps(m, qs + g * D + c);
-            acc[4 * g] = _mm512_fmadd_ps(qv, k0, acc[4 * g]);
-            acc[4 * g + 1] = _mm512_fmadd_ps(qv, k1, acc[4 * g + 1]);
-            acc[4 * g + 2] = _mm512_fmadd_ps(qv, k2, acc[4 * g + 2]);
-            acc[4 * g + 3] = _mm512_fmadd_ps(qv, k3, acc[4 * g + 3]);
+            const __m512 qe = _mm512_loadu_ps(qs + g * D32 + c), qo = _mm512_loadu_ps(qs + g * D32 + c + 16);
+            for (int i = 0; i < 4; i++)
+                acc[4 * g + i] = _mm512_fmadd_ps(qo, ko[i], _mm512_fmadd_ps(qe, ke[i], acc[4 * g + i]));
         }
     }
     const __m512 w = hsum16x16(acc);
@@ -538,35 +549,36 @@ static inline __attribute__((always_inline)) void scores_4keys(const int NQ, con
 }
 
 /* o[g] += sum over rows t < n of p[g * stride + t] * v_t, for NQ (<= 4) query heads, over columns
- * c0..c0+63 (the first nd <= 4 vectors, the last masked by mlast) of the rows vr + t * rs (bf16, in place):
- * the NQ x nd output vectors stay in registers over the block. */
+ * c0..c0+63 (nc <= 2 chunks of 32, the last masked by mlast) of the rows vr + t * rs (bf16, in place);
+ * o rows of D32 floats in even/odd order. The NQ x 4 output vectors stay in registers over the block. */
 static inline __attribute__((always_inline)) void accumulate_block(const int NQ, const float *p, int64_t stride,
                                                                    const uint16_t *vr, int64_t rs, int64_t n,
-                                                                   float *o, int64_t D, int nd, __mmask16 mlast,
+                                                                   float *o, int64_t D32, int nc, __mmask32 mlast,
                                                                    prefetcher *pf, int64_t pf_per_row)
 {
     __m512 acc[4][4];
     for (int g = 0; g < NQ; g++)
-        for (int j = 0; j < 4; j++)
-            acc[g][j] = j < nd ? _mm512_maskz_loadu_ps(j == nd - 1 ? mlast : 0xFFFF, o + g * D + 16 * j) : _mm512_setzero_ps();
+        for (int j = 0; j < 4; j++) acc[g][j] = j < 2 * nc ? _mm512_loadu_ps(o + g * D32 + 16 * j) : _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t++) {
         prefetch_lines(pf, pf_per_row);
         const uint16_t *v = vr + t * rs;
         __m512 vv[4];
-        for (int j = 0; j < 4; j++) vv[j] = j < nd ? load16_bf16(v + 16 * j, j == nd - 1 ? mlast : 0xFFFF) : _mm512_setzero_ps();
+        widen32_bf16(v, nc == 1 ? mlast : 0xFFFFFFFFu, &vv[0], &vv[1]);
+        if (nc == 2) widen32_bf16(v + 32, mlast, &vv[2], &vv[3]);
+        else vv[2] = vv[3] = _mm512_setzero_ps();
         for (int g = 0; g < NQ; g++) {
             const __m512 pv = _mm512_set1_ps(p[g * stride + t]);
             for (int j = 0; j < 4; j++)
-                if (j < nd) acc[g][j] = _mm512_fmadd_ps(pv, vv[j], acc[g][j]);
+                if (j < 2 * nc) acc[g][j] = _mm512_fmadd_ps(pv, vv[j], acc[g][j]);
         }
     }
     for (int g = 0; g < NQ; g++)
         for (int j = 0; j < 4; j++)
-            if (j < nd) _mm512_mask_storeu_ps(o + g * D + 16 * j, j == nd - 1 ? mlast : 0xFFFF, acc[g][j]);
+            if (j < 2 * nc) _mm512_storeu_ps(o + g * D32 + 16 * j, acc[g][j]);
 }
 
 /* Kv heads h0..h1-1 of sequence s over a bf16 cache, any head_dim and group. `scratch` holds
- * nh * (len + D + 2) floats (no staging).
+ * nh * (len + 2 * D32 + 2) floats (D32: head_dim rounded up to 32).
  *
  * The other tasks widen each block into fp32 staging and compute from the copy: a pass that writes
  * twice the bytes it reads and reads them back. Here K and V are widened in registers as the dot
@@ -597,12 +609,19 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
     const int32_t *table = tv.table;
     const uint16_t *kc = (const uint16_t *)a->k_cache, *vc = (const uint16_t *)a->v_cache;
     float *acc = tv.acc;
-    float *scores = scratch, *qs = scores + nh * len, *mxs = qs + nh * D, *sums = mxs + nh;
+    const int64_t D32 = (D + 31) / 32 * 32;
+    float *scores = scratch, *qs = scores + nh * len, *os = qs + nh * D32, *mxs = os + nh * D32, *sums = mxs + nh;
     const __m512 vscale = _mm512_set1_ps(a->scale);
-    for (int64_t r = 0; r < nh; r++)
-        for (int64_t c = 0; c < D; c += 16)
-            _mm512_mask_storeu_ps(qs + r * D + c, lanes16(D - c),
-                                  _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c), tv.qg + r * a->q_head + c), vscale));
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t r = 0; r < nh; r++)  /* scaled, and in even/odd order per 32 columns (widen32_bf16) */
+        for (int64_t c = 0; c < D; c += 32) {
+            const float *src = tv.qg + r * a->q_head + c;
+            const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c), src), vscale);
+            const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c - 16 < 0 ? 0 : D - c - 16), src + 16), vscale);
+            _mm512_storeu_ps(qs + r * D32 + c, _mm512_permutex2var_ps(lo, even, hi));
+            _mm512_storeu_ps(qs + r * D32 + c + 16, _mm512_permutex2var_ps(lo, odd, hi));
+        }
     const int64_t col0 = h0 * D, cols = (h1 - h0) * D;
 
     const int64_t quads = (block_size + 3) / 4, gchunks = (group + 3) / 4;
@@ -626,17 +645,17 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
                     for (int j = 0; j < 4; j++) kr[j] = kb + h * D + (j < nk ? t + j : 0) * rs;
                     float *sc = scores + r * len + base + t;
                     switch (nq) {
-                    case 1: scores_4keys(1, qs + r * D, D, kr, sc, len, nk); break;
-                    case 2: scores_4keys(2, qs + r * D, D, kr, sc, len, nk); break;
-                    case 3: scores_4keys(3, qs + r * D, D, kr, sc, len, nk); break;
-                    default: scores_4keys(4, qs + r * D, D, kr, sc, len, nk); break;
+                    case 1: scores_4keys(1, qs + r * D32, D, D32, kr, sc, len, nk); break;
+                    case 2: scores_4keys(2, qs + r * D32, D, D32, kr, sc, len, nk); break;
+                    case 3: scores_4keys(3, qs + r * D32, D, D32, kr, sc, len, nk); break;
+                    default: scores_4keys(4, qs + r * D32, D, D32, kr, sc, len, nk); break;
                     }
                 }
             }
         prefetch_lines(&pf, pf.lines); /* what a short block left */
     }
     softmax_rows512(scores, len, nh, mxs, sums);
-    memset(acc, 0, sizeof(float) * nh * D);
+    memset(os, 0, sizeof(float) * nh * D32);
     for (int64_t b = b0; b < nblocks; b++) {
         const int64_t base = b * block_size - first;
         const int64_t n = base + block_size <= len ? block_size : len - base;
@@ -649,20 +668,29 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
                 const int nq = group - g0 < 4 ? (int)(group - g0) : 4;
                 const int64_t r = (h - h0) * group + g0;
                 for (int64_t c0 = 0; c0 < D; c0 += 64) {
-                    const int nd = D - c0 >= 64 ? 4 : (int)((D - c0 + 15) / 16);
-                    const __mmask16 mlast = lanes16(D - c0 - 16 * (nd - 1));
+                    const int nc = D - c0 > 32 ? 2 : 1;
+                    const __mmask32 mlast = lanes32(D - c0 - 32 * (nc - 1));
                     const float *p = scores + r * len + base;
                     const uint16_t *vr = vb + h * D + c0;
-                    float *o = acc + r * D + c0;
+                    float *o = os + r * D32 + c0;
                     switch (nq) {
-                    case 1: accumulate_block(1, p, len, vr, rs, n, o, D, nd, mlast, &pf, v_per_row); break;
-                    case 2: accumulate_block(2, p, len, vr, rs, n, o, D, nd, mlast, &pf, v_per_row); break;
-                    case 3: accumulate_block(3, p, len, vr, rs, n, o, D, nd, mlast, &pf, v_per_row); break;
-                    default: accumulate_block(4, p, len, vr, rs, n, o, D, nd, mlast, &pf, v_per_row); break;
+                    case 1: accumulate_block(1, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
+                    case 2: accumulate_block(2, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
+                    case 3: accumulate_block(3, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
+                    default: accumulate_block(4, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
                     }
                 }
             }
     }
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    for (int64_t r = 0; r < nh; r++)  /* back to column order */
+        for (int64_t c = 0; c < D; c += 32) {
+            const __m512 oe = _mm512_loadu_ps(os + r * D32 + c), oo = _mm512_loadu_ps(os + r * D32 + c + 16);
+            _mm512_mask_storeu_ps(acc + r * D + c, lanes16(D - c), _mm512_permutex2var_ps(oe, lo_idx, oo));
+            _mm512_mask_storeu_ps(acc + r * D + c + 16, lanes16(D - c - 16 < 0 ? 0 : D - c - 16),
+                                  _mm512_permutex2var_ps(oe, hi_idx, oo));
+        }
     finish_rows512(a, s, h0 * group, nh, b0 > 0, mxs, sums, acc);
 }
 #endif
@@ -926,6 +954,8 @@ void paged_decode_attention_f32(
     {
         const int64_t staging = per_task == num_kv_heads || kv_bf16 ? block_size * num_kv_heads * head_dim : 0;
         size_t floats = (size_t)(per_task * group * (max_len + head_dim + 2) + staging + 8);
+        /* task_bf16_avx512: q and the outputs in rows of head_dim rounded up to 32, no staging */
+        if (kv_bf16) floats += (size_t)(per_task * group * 2 * ((head_dim + 31) / 32 * 32));
 #ifdef PAGEDQ_AVX2
         if (prefix_tiles && flash_tile_floats(QT * group, head_dim) > floats) floats = flash_tile_floats(QT * group, head_dim);
 #endif

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from engine.layers import build_cos_sin_cache
-from kernels import cpu_attention, cpu_isa, cpu_ops
+from kernels import cpu_attention, cpu_isa, cpu_ops, host_memory
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, BLOCK = 9, 3, 64, 576, 1536, 16  # SmolLM2-135M
 
@@ -33,7 +33,11 @@ def _paged_cache(
     for i, nb in enumerate(blocks):
         tables[i, :nb] = torch.tensor([order.pop() for _ in range(nb)], dtype=torch.int32)
     shape = (sum(blocks) + 1, BLOCK, KV_HEADS, head_dim)
-    return torch.randn(shape).to(kv_dtype), torch.randn(shape).to(kv_dtype), tables
+    # In huge pages where the kernel grants them, as the engine's cache (kernels/host_memory.py).
+    k_cache, v_cache = host_memory.empty(shape, kv_dtype), host_memory.empty(shape, kv_dtype)
+    k_cache.copy_(torch.randn(shape))
+    v_cache.copy_(torch.randn(shape))
+    return k_cache, v_cache, tables
 
 
 def decode_case(

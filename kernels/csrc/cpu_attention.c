@@ -368,7 +368,7 @@ static void finish_rows512(const attn_args *a, int64_t s, int64_t r0, int64_t nh
  * where the AVX2 task needs D % 8 == 0 and leaves other sizes to the portable loops. Same staging,
  * same order of work; 8 keys' scores at a time, each a zmm chain folded to 8 lanes then hsum8x8.
  *
- * The avx512 build runs it only where head_dim % 8 != 0. Measured on an Intel Xeon (family 6 model 167,
+ * The avx512 build runs it only for a float32 cache where head_dim % 8 != 0 (bf16: task_bf16_avx512). Measured on an Intel Xeon (family 6 model 167,
  * 2 threads, ops/bench/kernel_timing.py, ms, AVX2 task -> this one): head_dim 64, 64 sequences x 350
  * positions 1.383 -> 1.437, x 700 3.042 -> 3.310, 1 x 2000 0.118 -> 0.108; head_dim 80, 32 x 350
  * 0.853 -> 0.863: no gain where the AVX2 task runs (the step reads K/V at memory speed, and the folds
@@ -599,7 +599,11 @@ static inline __attribute__((always_inline)) void accumulate_block(const int NQ,
  *   prefetching 2 blocks ahead, or into L2 only (T2): within the noise (1.06-1.14 ms); rows in memory
  *   order (all kv heads of 4 rows, then the next 4) instead of head by head: the same.
  * With K/V in the caches (one layer, called again and again) the task ran at 23 GB/s (was 16), and at
- * 30 GB/s (0.73 -> 0.57 ms) once widen32_bf16 halved the widening work; from memory, the same 16 GB/s. */
+ * 30 GB/s (0.73 -> 0.57 ms) once widen32_bf16 halved the widening work; from memory, the same 16 GB/s.
+ * The whole kernel_timing decode table, avx512 build, bf16, ms, main -> this task: 64 x 350 1.084 -> 0.594,
+ * 64 x 700 2.312 -> 1.157, 64 x 350 over 30 layers 1.51 -> 0.978, 1 x 2000 0.107 -> 0.059, head_dim 80
+ * (32 x 350) 0.626 -> 0.398, head_dim 20 0.292 -> 0.146. In the compass bench (bf16, no speculation,
+ * 7710 calls) the kernel's time fell from 5.93-5.96 s (12.4 GB/s of K/V) to 4.07-4.15 s (18 GB/s). */
 static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
 {
     const task_view tv = view_of(a, s, h0);

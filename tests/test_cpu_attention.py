@@ -109,8 +109,12 @@ def test_matches_reference(
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-# head_dim 20: the avx512 build's masked-tail task (other builds: the portable loops).
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 32), (6, 2, 16), (6, 2, 20)])
+# head_dim 20: the avx512 build's masked-tail task (other builds: the portable loops). The avx512 build's
+# bf16 task takes query heads 4 at a time and columns 64 at a time: groups of 5 (4 + 1) and 8 (4 + 4),
+# head_dim 100 (64 + 36: a short, masked second chunk).
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 32), (6, 2, 16), (6, 2, 20), (10, 2, 100)]
+)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_decode_task_shapes_agree(

@@ -1,7 +1,8 @@
 """Quantisation quality on the real default model (README, "Quantisation"): perplexity on a fixed English
 text of 20,480 tokens (tests/perplexity_text.py) and greedy agreement on the compass workload.
 
-- int8 weight-only (``quantization="int8"`` on the fp32 checkpoint): perplexity within 1 % of fp32;
+- int8 weight-only (``quantization="int8"`` on the fp32 checkpoint, and under bf16 matmuls where the CPU has
+  them): perplexity within 1 % of fp32;
 - the Q4_1 GGUF loaded natively (int8 repacking, C kernel): within 0.5 % of transformers' perplexity on
   the same GGUF dequantised by transformers (the prepared fp32 folder *is* that dequantisation, loaded
   here straight from the GGUF to leave no doubt);
@@ -22,7 +23,7 @@ import torch
 from engine import LLM
 from engine.default_model import find_default_gguf, prepare_default_model
 from engine.perplexity import perplexity, windows
-from kernels import w8a8_linear
+from kernels import cpu_isa, w8a8_linear
 from ops.bench.workloads import compass
 from schemas.sampling import SamplingParams
 from tests.perplexity_text import build_tokens
@@ -70,6 +71,8 @@ def figures() -> dict[str, float]:
     ]
     if w8a8_linear.available():
         loaders.append(("pagedq_w8a8", lambda: LLM(str(folder), dtype="float32", quantization="w8a8")))
+    if cpu_isa.current().bf16_matmul:  # int8 weights under bf16 matmuls: the AMX tile kernel where AMX runs
+        loaders.append(("pagedq_int8_bf16", lambda: LLM(str(folder), dtype="bfloat16", quantization="int8")))
     for name, llm in loaders:
         engine = llm()
         out[name] = perplexity(engine.engine, ids, WINDOW)
@@ -96,6 +99,8 @@ def test_pagedq_fp32_matches_transformers(figures: dict[str, float]) -> None:
 def test_int8_weight_only_within_one_percent_of_fp32(figures: dict[str, float]) -> None:
     assert abs(figures["pagedq_int8"] / figures["pagedq_fp32"] - 1) < 0.01
     assert figures["pagedq_int8_weight_bytes"] < 0.6 * figures["pagedq_fp32_weight_bytes"]
+    if "pagedq_int8_bf16" in figures:  # the same weights with bf16-rounded activations (AMX tiles)
+        assert abs(figures["pagedq_int8_bf16"] / figures["pagedq_fp32"] - 1) < 0.01
 
 
 def test_gguf_native_within_half_percent_of_transformers(figures: dict[str, float]) -> None:

@@ -246,7 +246,11 @@ def test_pagedq_variants_override_the_bench_flags() -> None:
 
 def test_runner_lists_the_same_systems_without_importing_torch() -> None:
 
+    from ops.bench.registry import make_system
+
     assert runner.SYSTEM_NAMES == SYSTEM_NAMES
+    assert [make_system(name).name for name in SYSTEM_NAMES] == list(SYSTEM_NAMES)  # every name builds
+    assert set(runner.DEFAULT_SYSTEMS) <= set(SYSTEM_NAMES)
     code = "import sys, ops.bench; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0
 

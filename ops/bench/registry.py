@@ -16,21 +16,9 @@ from collections.abc import Callable
 from ops.bench.hf_systems import HFContinuousSystem, HFStaticSystem
 from ops.bench.pagedq_redis_system import PagedqRedisSystem
 from ops.bench.pagedq_system import PagedqSystem
+from ops.bench.runner import SYSTEM_NAMES  # the names live with the argument parser, which must not load torch
 from ops.bench.system import System
 from ops.bench.vllm_system import VLLMCPUSystem, VLLMSystem
-
-SYSTEM_NAMES: tuple[str, ...] = (
-    "pagedq",
-    "pagedq-redis",
-    "pagedq-fp32",
-    "pagedq-int8",
-    "pagedq-w8a8",
-    "pagedq-gguf",
-    "hf-static",
-    "hf-cb",
-    "vllm",
-    "vllm-cpu",
-)
 
 
 def make_system(name: str) -> System:

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 
     from ops.bench.system import BenchContext, System, SystemResult
 
-# Kept in sync with registry.SYSTEM_NAMES (checked by the tests); listed here so that parsing arguments does
-# not import torch, which must not happen before the OpenMP wait policy is chosen (see ``run``).
+# Every ``--systems`` name (ops.bench.registry builds them); here so that parsing arguments does not import
+# torch, which must not happen before the OpenMP wait policy is chosen (see ``run``).
 SYSTEM_NAMES: tuple[str, ...] = (
     "pagedq",
     "pagedq-redis",

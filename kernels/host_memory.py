@@ -7,10 +7,11 @@ mode (the common default), decode attention over 30 cold layers streamed ~8 GB/s
 against ~6.5 without. Linux only; elsewhere, or if the kernel refuses, the buffer is ordinary memory.
 
 Huge pages can also cost far more than they save: where free memory is fragmented, the kernel compacts
-memory on every huge-page fault (THP ``defrag`` = ``madvise``). On a KVM guest on 2026-12-02 zeroing a
-2 GiB KV cache took 8.8 s with huge pages against 0.43 s without (0.24 vs 5 GB/s), which every engine
-start paid. So the first 32 MB of a large buffer are touched right away and timed: slower than 1 GB/s, the
-rest of the buffer, and every later one in this process, goes back to ordinary pages.
+memory on huge-page faults (THP ``defrag`` = ``madvise``). On a KVM guest on 2026-12-02 zeroing a 2 GiB
+KV cache took 8.8-9.6 s with huge pages against 0.43 s without (~0.22 vs 5 GB/s), which every engine start
+paid; the first few huge pages still came fast, the later ones slowly. So a large buffer is touched right
+away in 64 MB chunks, each timed: the first chunk slower than 1 GB/s sends the rest of the buffer, and
+every later one in this process, back to ordinary pages.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import torch
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_NOHUGEPAGE = 15
-PROBE_BYTES = 32 << 20  # touched and timed first: 16 huge pages
+CHUNK_BYTES = 64 << 20  # a large buffer is first touched in chunks this big, each one timed
 SLOW_BYTES_PER_S = 1 << 30  # huge-page faults slower than this: the kernel is compacting memory for them
-_huge_pages_slow = False  # measured once slow in this process: later buffers do not ask
+_huge_pages_slow = False  # measured slow once in this process: later buffers do not ask
 
 
 def _madvise() -> Callable[[int, int, int], int] | None:
@@ -47,23 +48,39 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 _madvise_fn = _madvise()
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty`` on the CPU, asking for huge pages before the memory is first touched (unless they
-    measured slow in this process; see the module docstring)."""
-    global _huge_pages_slow
-    t = torch.empty(shape, dtype=dtype)
+def _interior(t: torch.Tensor) -> tuple[int, int]:
+    """The 2 MB-aligned interior ``[start, end)`` of ``t``'s memory (empty when it holds no huge page)."""
     nbytes = t.numel() * t.element_size()
-    if _madvise_fn is None or nbytes < 2 * _HUGE or _huge_pages_slow:
-        return t
-    start = -(-t.data_ptr() // _HUGE) * _HUGE  # the 2 MB-aligned interior of the buffer
-    end = (t.data_ptr() + nbytes) // _HUGE * _HUGE
+    start = -(-t.data_ptr() // _HUGE) * _HUGE
+    return start, max(start, (t.data_ptr() + nbytes) // _HUGE * _HUGE)
+
+
+def _advise_and_zero(start: int, end: int) -> None:
+    """Ask for huge pages over ``[start, end)`` and zero it chunk by chunk, timing each chunk: the first one
+    slower than ``SLOW_BYTES_PER_S`` sends the rest (and later buffers) back to ordinary pages."""
+    global _huge_pages_slow
+    assert _madvise_fn is not None
     _madvise_fn(start, end - start, _MADV_HUGEPAGE)  # advisory: a refusal leaves 4 KB pages
-    if end - start >= 4 * PROBE_BYTES:
+    at = start
+    while at < end:
+        size = min(CHUNK_BYTES, end - at)
         began = time.perf_counter()
-        ctypes.memset(start, 0, PROBE_BYTES)  # the contents of an empty tensor are anyone's
-        if PROBE_BYTES / max(time.perf_counter() - began, 1e-9) < SLOW_BYTES_PER_S:
+        ctypes.memset(at, 0, size)
+        at += size
+        if at < end and size / max(time.perf_counter() - began, 1e-9) < SLOW_BYTES_PER_S:
             _huge_pages_slow = True
-            _madvise_fn(start + PROBE_BYTES, end - start - PROBE_BYTES, _MADV_NOHUGEPAGE)
+            _madvise_fn(at, end - at, _MADV_NOHUGEPAGE)
+            ctypes.memset(at, 0, end - at)
+            return
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty`` on the CPU, in huge pages where the kernel grants them quickly (see the module
+    docstring); a large buffer comes back already touched (its interior zeroed)."""
+    t = torch.empty(shape, dtype=dtype)
+    start, end = _interior(t)
+    if _madvise_fn is not None and end - start >= 2 * _HUGE and not _huge_pages_slow:
+        _advise_and_zero(start, end)
     return t
 
 
@@ -73,4 +90,12 @@ def huge_pages_measured_slow() -> bool:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return empty(shape, dtype).zero_()
+    t = torch.empty(shape, dtype=dtype)
+    start, end = _interior(t)
+    if _madvise_fn is None or end - start < 2 * _HUGE or _huge_pages_slow:
+        return t.zero_()
+    _advise_and_zero(start, end)
+    head, tail = start - t.data_ptr(), t.data_ptr() + t.numel() * t.element_size() - end
+    ctypes.memset(t.data_ptr(), 0, head)
+    ctypes.memset(end, 0, tail)
+    return t

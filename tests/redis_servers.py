@@ -44,10 +44,31 @@ def debian_redis_server() -> str | None:
     return None
 
 
-def free_port() -> int:
+CLUSTER_BUS_OFFSET = 10_000  # a Redis Cluster node also listens on port + 10000 (its bus): port <= 55535
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(cluster_bus: bool = False) -> int:
+    """A port free on loopback now. ``cluster_bus``: one a Redis Cluster node can take, low enough for its
+    bus port and with that free too (redis-server refuses a port above 55535: a CI run lost a cluster node
+    to an ephemeral port of 56xxx)."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not cluster_bus:
+            return port
+        if port + CLUSTER_BUS_OFFSET <= 65535 and _bindable(port + CLUSTER_BUS_OFFSET):
+            return port
+    raise RuntimeError("no free loopback port for a cluster node")
 
 
 def unique_namespace() -> str:
@@ -123,7 +144,8 @@ class DebianServer(RedisServer):
         super().__init__(data_dir)
         self.executable = executable
         self.extra_args = list(extra_args)
-        self.port = free_port()
+        self.cluster_bus = "--cluster-enabled" in self.extra_args
+        self.port = free_port(self.cluster_bus)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -153,7 +175,7 @@ class DebianServer(RedisServer):
             if self._wait_ready():
                 return
             self.kill()
-            self.port = free_port()  # lost a race for the port: take another
+            self.port = free_port(self.cluster_bus)  # lost a race for the port: take another
         raise RuntimeError(f"redis-server did not start; see {self.data_dir / 'redis.log'}")
 
     def _wait_ready(self, timeout_s: float = 20.0) -> bool:

@@ -121,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the full report as JSON here")
     parser.add_argument("--chart", type=Path, default=None, help="PNG of the ratios (default: next to --json)")
     parser.add_argument("--work-dir", type=Path, default=None, help="scratch folder (default: a temp dir)")
-    parser.add_argument("--profile", type=Path, default=None, help="also profile pagedq on mixed into this folder")
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="profile pagedq here too (mixed, else the first workload)"
+    )
     parser.add_argument(
         "--omp-wait-policy",
         choices=("brief", "passive", "active", "default"),
@@ -407,14 +409,11 @@ def run(args: argparse.Namespace) -> int:
             "model": {"matmul_params": flops.matmul_params, "lm_head_params": flops.lm_head_params},
             "workloads": {},
         }
-        pagedq_mixed: SystemResult | None = None
         all_results = []
         announced: set[tuple[str, str]] = set()
         for workload in workloads:
             results, workload = _run_workload(workload, systems, unavailable, ctx, announced)
             all_results.append((workload, results))
-            if workload.name == "mixed":
-                pagedq_mixed = results.get("pagedq")
         # Measured again at the end: other tenants come and go; the better of the two is what this machine
         # can do, so utilisation is not flattered by a peak taken while someone else was busy.
         peak_end = measure_matmul_peak(mc, args.device, ctx.torch_dtype, tokens=128 if args.quick else 512)
@@ -443,12 +442,14 @@ def run(args: argparse.Namespace) -> int:
         meta["loadavg_end"] = _loadavg()
         report["targets"] = rep.targets(report)
 
-        if args.profile is not None and pagedq_mixed is not None and "mixed" in workload_names:
-            from ops.bench.profile import profile_pagedq
+        if args.profile is not None:
+            # mixed is the usual profile; a run without it (e.g. compass only) profiles its first workload.
+            profiled = next((w for w in workloads if w.name == "mixed"), workloads[0] if workloads else None)
+            if profiled is not None:
+                from ops.bench.profile import profile_pagedq
 
-            mixed_wl = next(w for w in workloads if w.name == "mixed")
-            log(f"profiling pagedq on mixed into {args.profile}")
-            report["profile"] = profile_pagedq(mixed_wl, ctx, args.profile)
+                log(f"profiling pagedq on {profiled.name} into {args.profile}")
+                report["profile"] = profile_pagedq(profiled, ctx, args.profile)
 
         print(rep.format_table(report))
         if args.json is not None:

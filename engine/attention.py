@@ -54,13 +54,62 @@ class _PrefillBatch:
 
 
 @dataclass
-class _TorchPlan:
-    decode_rows: torch.Tensor  # int64 [Sd] query rows of single-token sequences
+class _Split:
+    """The step's sequences split between the C decode kernel (query chunks of at most ``decode_max_q``
+    tokens) and the prefill kernel (longer chunks)."""
+
+    decode_rows: torch.Tensor  # int64 [Sd] first query row of each decode-kernel sequence
+    decode_q_lens: torch.Tensor | None  # int32 [Sd]; None: one query each
     decode_seq_lens: torch.Tensor  # int32 [Sd]
     decode_tables: torch.Tensor  # int32 [Sd, max_blocks]
     decode_max_len: int
-    prefills: list[_Prefill]
     prefill_batch: _PrefillBatch | None
+
+
+# Query chunks of up to this many tokens go to the decode kernel where it takes several per sequence
+# (cpu_attention.multi_query_supported: the avx512 build over a bf16 cache): speculative verification
+# (1 + up to 8 drafts) and short prefill tails. Measured in kernels/csrc/cpu_attention.c
+# (paged_decode_attention_f32's comment) against the prefill kernel.
+MULTI_QUERY_MAX = 12
+
+
+@dataclass
+class _TorchPlan:
+    meta: AttentionMetadata
+    q_lens: list[int]
+    seq_lens: list[int]
+    single: _Split  # decode kernel for single-token queries only
+    prefills: list[_Prefill]
+    multi: _Split | None = None  # decode kernel up to MULTI_QUERY_MAX tokens; made on first use in a step
+
+    def multi_query(self) -> _Split:
+        if self.multi is None:
+            self.multi = _split(self.meta, self.q_lens, self.seq_lens, MULTI_QUERY_MAX)
+        return self.multi
+
+
+def _split(meta: AttentionMetadata, q_lens: list[int], seq_lens: list[int], decode_max_q: int) -> _Split:
+    dec = [i for i, n in enumerate(q_lens) if n <= decode_max_q]
+    pre = [i for i, n in enumerate(q_lens) if n > decode_max_q]
+    idx = torch.tensor(dec, dtype=torch.long)
+    batch = None
+    if pre and meta.block_tables.device.type == "cpu":
+        pre_idx = torch.tensor(pre, dtype=torch.long)
+        batch = _PrefillBatch(
+            q_starts=meta.query_start_loc.long()[pre_idx].contiguous(),
+            q_lens=torch.tensor([q_lens[i] for i in pre], dtype=torch.int32),
+            seq_lens=meta.seq_lens[pre_idx].to(torch.int32).contiguous(),
+            tables=meta.block_tables[pre_idx].to(torch.int32).contiguous(),
+        )
+    multi = decode_max_q > 1 and any(q_lens[i] > 1 for i in dec)
+    return _Split(
+        decode_rows=meta.query_start_loc.long()[idx].contiguous(),
+        decode_q_lens=torch.tensor([q_lens[i] for i in dec], dtype=torch.int32) if multi else None,
+        decode_seq_lens=meta.seq_lens[idx].contiguous(),
+        decode_tables=meta.block_tables[idx].contiguous(),
+        decode_max_len=max((seq_lens[i] for i in dec), default=0),
+        prefill_batch=batch,
+    )
 
 
 class TorchAttention:
@@ -71,7 +120,9 @@ class TorchAttention:
     them; without a compiler, for queries other than float32 or head sizes the prefill kernel does not
     cover, torch paths gather the blocks instead (decode: one batched SDPA; prefill: one per chunk).
     The cache may hold a narrower dtype than the queries (bf16 under fp32 activations: half the bytes):
-    the K/V are written rounded to nearest even, and read back widened to the queries' dtype.
+    the K/V are written rounded to nearest even, and read back widened to the queries' dtype. Over a bf16
+    cache in the avx512 build, chunks of up to :data:`MULTI_QUERY_MAX` queries (speculative verification)
+    go to the decode kernel too, which reads every K/V row once for all of a sequence's queries.
     """
 
     name = "torch"
@@ -80,8 +131,6 @@ class TorchAttention:
         q_lens = meta.query_lens_cpu or (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
         starts = meta.query_start_loc.tolist()
-        dec = [i for i, n in enumerate(q_lens) if n == 1]
-        idx = torch.tensor(dec, dtype=torch.long)
         prefills = [
             _Prefill(
                 slice(starts[i], starts[i] + q_lens[i]),
@@ -92,23 +141,7 @@ class TorchAttention:
             for i, n in enumerate(q_lens)
             if n > 1
         ]
-        pre = torch.tensor([i for i, n in enumerate(q_lens) if n > 1], dtype=torch.long)
-        batch = None
-        if len(pre) and meta.block_tables.device.type == "cpu":
-            batch = _PrefillBatch(
-                q_starts=meta.query_start_loc.long()[pre].contiguous(),
-                q_lens=torch.tensor([q_lens[i] for i in pre.tolist()], dtype=torch.int32),
-                seq_lens=meta.seq_lens[pre].to(torch.int32).contiguous(),
-                tables=meta.block_tables[pre].to(torch.int32).contiguous(),
-            )
-        meta.backend_state = _TorchPlan(
-            decode_rows=meta.query_start_loc.long()[idx].contiguous(),
-            decode_seq_lens=meta.seq_lens[idx].contiguous(),
-            decode_tables=meta.block_tables[idx].contiguous(),
-            decode_max_len=max((seq_lens[i] for i in dec), default=0),
-            prefills=prefills,
-            prefill_batch=batch,
-        )
+        meta.backend_state = _TorchPlan(meta, q_lens, seq_lens, _split(meta, q_lens, seq_lens, 1), prefills)
 
     def forward(
         self,
@@ -123,26 +156,42 @@ class TorchAttention:
         write_kv_cache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
         plan: _TorchPlan = meta.backend_state
         out = q.new_empty(q.shape)
-        if plan.decode_rows.numel():
-            if (
-                q.dtype == torch.float32
-                and q.stride(-1) == 1
-                and k_cache.dtype in cpu_attention.KV_DTYPES
-                and cpu_attention.available()
-            ):
+        c_decode = (
+            q.dtype == torch.float32
+            and q.stride(-1) == 1
+            and k_cache.dtype in cpu_attention.KV_DTYPES
+            and cpu_attention.available()
+        )
+        split = plan.single
+        if c_decode and plan.prefills and cpu_attention.multi_query_supported(k_cache.dtype):
+            split = plan.multi_query()
+        if split.decode_rows.numel():
+            if c_decode:
                 cpu_attention.paged_decode_attention(
-                    q, k_cache, v_cache, out, plan.decode_rows, plan.decode_seq_lens, plan.decode_tables, scale
+                    q,
+                    k_cache,
+                    v_cache,
+                    out,
+                    split.decode_rows,
+                    split.decode_seq_lens,
+                    split.decode_tables,
+                    scale,
+                    q_lens=split.decode_q_lens,
                 )
             else:
-                out[plan.decode_rows] = _decode_torch(q[plan.decode_rows], k_cache, v_cache, plan, scale)
-        if plan.prefill_batch is not None and _c_prefill_ok(q, k_cache):
-            b = plan.prefill_batch
+                out[split.decode_rows] = _decode_torch(q[split.decode_rows], k_cache, v_cache, split, scale)
+        if split.prefill_batch is not None and _c_prefill_ok(q, k_cache):
+            b = split.prefill_batch
             cpu_attention.paged_prefill_attention(
                 q, k_cache, v_cache, out, b.q_starts, b.q_lens, b.seq_lens, b.tables, scale
             )
-        else:
+        elif split is plan.single:
             for p in plan.prefills:
                 out[p.rows] = _prefill_torch(q[p.rows], k_cache, v_cache, p, scale)
+        else:  # only the chunks the decode kernel did not take
+            for p in plan.prefills:
+                if p.rows.stop - p.rows.start > MULTI_QUERY_MAX:
+                    out[p.rows] = _prefill_torch(q[p.rows], k_cache, v_cache, p, scale)
         return out
 
 
@@ -173,7 +222,7 @@ def _context(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_torch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _TorchPlan, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Split, scale: float
 ) -> torch.Tensor:
     block_size = k_cache.shape[1]
     num_blocks = -(-plan.decode_max_len // block_size)

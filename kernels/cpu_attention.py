@@ -23,9 +23,11 @@ def _bind(lib: ctypes.CDLL) -> None:
     query_and_cache: list[Any] = [ptr, i64, i64, ptr, ptr, ptr]  # what _query_and_cache passes
     shapes_and_scale: list[Any] = [i64, i64, i64, i64, i64, i64, f32]
     # Then kv_bf16 (the caches hold bfloat16, else float32).
-    decode = lib.paged_decode_attention_f32  # + rows, seq_lens, block_tables; kv_bf16, cascade, num_threads
-    decode.argtypes = [*query_and_cache, ptr, ptr, ptr, *shapes_and_scale, c_int, c_int, c_int]
-    decode.restype = None
+    decode = lib.paged_decode_attention_f32  # + rows, seq_lens, block_tables, q_lens; kv_bf16, cascade, num_threads
+    decode.argtypes = [*query_and_cache, ptr, ptr, ptr, ptr, *shapes_and_scale, c_int, c_int, c_int]
+    decode.restype = c_int
+    lib.paged_decode_multi_query_supported.argtypes = [c_int]
+    lib.paged_decode_multi_query_supported.restype = c_int
     prefill = lib.paged_prefill_attention_f32  # + q_starts, q_lens, seq_lens, block_tables; kv_bf16, num_threads
     prefill.argtypes = [*query_and_cache, ptr, ptr, ptr, ptr, *shapes_and_scale, c_int, c_int]
     prefill.restype = None
@@ -76,8 +78,14 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     scale: float,
     cascade: bool = True,
+    q_lens: torch.Tensor | None = None,
 ) -> None:
     """Write into ``out[rows]`` the attention of the single-token queries ``q[rows]`` over their contexts.
+
+    With ``q_lens`` (int32, contiguous; only where :func:`multi_query_supported`), sequence ``i`` has
+    ``q_lens[i]`` queries, rows ``rows[i]...``, at its last ``q_lens[i]`` positions (causal among them): a
+    short prefill chunk or the verification rows of speculative drafts, read like a decode step (each K/V
+    row once, in place) instead of through the prefill kernel's tiles.
 
     ``q [N, H, D]`` float32 with a unit last stride; ``rows`` int64, ``seq_lens``/``block_tables``
     int32, all contiguous CPU tensors; caches contiguous ``[num_blocks, block_size, KVH, D]``, float32
@@ -88,16 +96,26 @@ def paged_decode_attention(
     """
     lib = c_build.load(_NAME, _bind)
     assert lib is not None, "call available() first"
-    lib.paged_decode_attention_f32(
+    failed = lib.paged_decode_attention_f32(
         *_query_and_cache(q, k_cache, v_cache, out),
         rows.data_ptr(),
         seq_lens.data_ptr(),
         block_tables.data_ptr(),
+        q_lens.data_ptr() if q_lens is not None else None,
         *_shapes_and_scale(rows.shape[0], block_tables, q, k_cache, scale),
         _kv_bf16(k_cache, v_cache),
         int(cascade),
         torch.get_num_threads(),
     )
+    if failed:
+        raise ValueError(f"paged_decode_attention: q_lens over a {k_cache.dtype} cache need multi_query_supported()")
+
+
+def multi_query_supported(kv_dtype: torch.dtype) -> bool:
+    """Whether :func:`paged_decode_attention` takes ``q_lens`` for a cache of ``kv_dtype`` here (the avx512
+    build over a bf16 cache)."""
+    lib = c_build.load(_NAME, _bind)
+    return lib is not None and bool(lib.paged_decode_multi_query_supported(int(kv_dtype == torch.bfloat16)))
 
 
 def cascade_blocks(seq_lens: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor, num_heads: int) -> int:

@@ -245,9 +245,13 @@ def test_bf16_cache(
     rng = random.Random(head_dim * 13 + block_size)
     torch.manual_seed(rng.randrange(1000))
     shared = 48 // block_size
+    verify_lens = [rng.randint(20, 90) for _ in range(7)] + [40]
     cases = [  # decodes and prefill chunks mixed; then six decodes behind a shared prefix (the cascade)
         ([rng.randint(1, 90) for _ in range(4)] + [70, 33], [1, 1, 1, 1, 70, 12], 0),
         ([shared * block_size + rng.randint(1, 60) for _ in range(6)], [1] * 6, shared),
+        # speculative verification (1 + drafts query tokens each; the avx512 build's decode kernel takes
+        # them over a bf16 cache, tokens x heads rows 4 at a time), chunks of 12 (the most it takes) and 13
+        (verify_lens + [16, 17], [1, 2, 3, 4, 5, 7, 9, 1, 12, 13], 0),
     ]
     for seq_lens, q_lens, shared_blocks in cases:
         meta, q, k, v, k32, v32 = make_batch(
@@ -269,6 +273,26 @@ def test_bf16_cache(
         k32.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
         v32.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
         torch.testing.assert_close(out, paged_attention_torch(q, k32, v32, *args, *lens), atol=3e-2, rtol=2e-2)
+
+
+def test_multi_query_only_where_supported() -> None:
+    # Several queries per sequence in the decode kernel: the avx512 build over a bf16 cache; elsewhere the
+    # call is refused (nothing written), never computed as if each sequence had one query.
+    if not cpu_attention.available():
+        pytest.skip("no C compiler: the torch fallback is what runs here")
+    meta, q, _, _, k_cache, v_cache = make_batch([9, 5], [3, 1], 2, 1, 16, 4)
+    out = torch.zeros_like(q)
+    rows, q_lens = torch.tensor([0, 3]), torch.tensor([3, 1], dtype=torch.int32)
+    args = (rows, meta.seq_lens, meta.block_tables, 0.25)
+    with pytest.raises(ValueError, match="multi_query_supported"):
+        cpu_attention.paged_decode_attention(q, k_cache, v_cache, out, *args, q_lens=q_lens)
+    assert not cpu_attention.multi_query_supported(torch.float32)
+    assert not out.any()
+    if cpu_attention.multi_query_supported(torch.bfloat16):
+        k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
+        cpu_attention.paged_decode_attention(q, k16, v16, out, *args, q_lens=q_lens)
+        ref = paged_attention_torch(q, k16.float(), v16.float(), meta.query_start_loc, *args[1:], 3, 9)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
 def test_cache_dtypes_must_match() -> None:

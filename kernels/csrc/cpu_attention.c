@@ -69,6 +69,10 @@ typedef struct {
     int64_t prefix_blocks;
     float *prefix_o, *prefix_m, *prefix_l;
     int kv_bf16;
+    /* Query tokens per sequence (NULL: one each). Sequence s's q_lens[s] queries are rows rows[s]... at its
+       last q_lens[s] positions, causal among themselves: the verification rows of speculative drafts, or a
+       short prefill chunk. Only task_bf16_avx512 takes more than one (paged_decode_multi_query_supported). */
+    const int32_t *q_lens;
 } attn_args;
 
 /* One block's rows 0..n-1 (row stride rs floats) of `cache`, columns col0..col0+cols-1 needed, as fp32.
@@ -316,21 +320,26 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, flo
 #endif
 
 #ifdef PAGEDQ_AVX512
-/* Rows 0..nh-1 of `scores` (len each) -> softmax numerators; their max and sum into mxs, sums. */
-static void softmax_rows512(float *scores, int64_t len, int64_t nh, float *mxs, float *sums)
+/* Rows 0..nh-1 of `scores` (len each) -> softmax numerators; their max and sum into mxs, sums. Row r sees
+ * the first len - hidden(r) positions, hidden(r) = nq - 1 - (r % gq) / group (its query token's place among
+ * the task's nq; 0 for every row of a decode task): the numerators past them are stored as 0, so the sums
+ * over V may run over the whole context. */
+static void softmax_rows512(float *scores, int64_t len, int64_t nh, float *mxs, float *sums, int64_t gq,
+                            int64_t group, int64_t nq)
 {
     for (int64_t r = 0; r < nh; r++) {
         float *sc = scores + r * len;
+        const int64_t vis = len - (nq - 1 - (r % gq) / group);
         __m512 vmx = _mm512_set1_ps(-INFINITY);
-        for (int64_t pos = 0; pos < len; pos += 16)
-            vmx = _mm512_mask_max_ps(vmx, lanes16(len - pos), vmx, _mm512_maskz_loadu_ps(lanes16(len - pos), sc + pos));
+        for (int64_t pos = 0; pos < vis; pos += 16)
+            vmx = _mm512_mask_max_ps(vmx, lanes16(vis - pos), vmx, _mm512_maskz_loadu_ps(lanes16(vis - pos), sc + pos));
         const float mx = _mm512_reduce_max_ps(vmx);
         const __m512 vm = _mm512_set1_ps(mx);
         __m512 vsum = _mm512_setzero_ps();
         for (int64_t pos = 0; pos < len; pos += 16) {
-            const __mmask16 m = lanes16(len - pos);
+            const __mmask16 m = lanes16(vis - pos > 0 ? vis - pos : 0);
             const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + pos), vm)));
-            _mm512_mask_storeu_ps(sc + pos, m, e);
+            _mm512_mask_storeu_ps(sc + pos, lanes16(len - pos), e);
             vsum = _mm512_add_ps(vsum, e);
         }
         mxs[r] = mx;
@@ -427,7 +436,7 @@ static void task_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, f
             }
         }
     }
-    softmax_rows512(scores, len, nh, mxs, sums);
+    softmax_rows512(scores, len, nh, mxs, sums, group, group, 1);
     memset(acc, 0, sizeof(float) * nh * D);
     for (int64_t b = b0; b < nblocks; b++) {
         const int64_t base = b * block_size - first;
@@ -607,7 +616,10 @@ static inline __attribute__((always_inline)) void accumulate_block(const int NQ,
 static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
 {
     const task_view tv = view_of(a, s, h0);
-    const int64_t group = tv.group, D = a->head_dim, block_size = a->block_size, nh = (h1 - h0) * group;
+    /* nq query tokens (a->q_lens): gq = group * nq rows per kv head, row (h - h0) * gq + i * group + g the
+       query of token i for head h * group + g; every 4 consecutive rows share each K/V vector load. */
+    const int64_t nq = a->q_lens ? a->q_lens[s] : 1, group = tv.group, gq = group * nq;
+    const int64_t D = a->head_dim, block_size = a->block_size, nh = (h1 - h0) * gq;
     const int64_t rs = tv.rs, block_stride = tv.block_stride, nblocks = tv.nblocks;
     const int64_t b0 = a->prefix_blocks, first = b0 * block_size, len = tv.len - first;
     const int32_t *table = tv.table;
@@ -620,7 +632,8 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     for (int64_t r = 0; r < nh; r++)  /* scaled, and in even/odd order per 32 columns (widen32_bf16) */
         for (int64_t c = 0; c < D; c += 32) {
-            const float *src = tv.qg + r * a->q_head + c;
+            const int64_t i = r % gq / group, head = r / gq * group + r % group; /* token, head - h0 * group */
+            const float *src = tv.qg + i * a->q_tok + head * a->q_head + c;
             const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c), src), vscale);
             const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c - 16 < 0 ? 0 : D - c - 16), src + 16), vscale);
             _mm512_storeu_ps(qs + r * D32 + c, _mm512_permutex2var_ps(lo, even, hi));
@@ -628,7 +641,7 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
         }
     const int64_t col0 = h0 * D, cols = (h1 - h0) * D;
 
-    const int64_t quads = (block_size + 3) / 4, gchunks = (group + 3) / 4;
+    const int64_t quads = (block_size + 3) / 4, gchunks = (gq + 3) / 4;
     const int64_t kv_lines = prefetch_plan(kc, block_size, rs, col0, cols).lines;
     const int64_t k_steps = (h1 - h0) * gchunks * quads, k_per_step = (kv_lines + k_steps - 1) / k_steps;
     for (int64_t b = b0; b < nblocks; b++) {
@@ -639,16 +652,16 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
                                       block_size, rs, col0, cols);
         const uint16_t *kb = kc + table[b] * block_stride;
         for (int64_t h = h0; h < h1; h++)
-            for (int64_t g0 = 0; g0 < group; g0 += 4) {
-                const int nq = group - g0 < 4 ? (int)(group - g0) : 4;
-                const int64_t r = (h - h0) * group + g0;
+            for (int64_t g0 = 0; g0 < gq; g0 += 4) {
+                const int nr = gq - g0 < 4 ? (int)(gq - g0) : 4;
+                const int64_t r = (h - h0) * gq + g0;
                 for (int64_t t = 0; t < n; t += 4) {
                     prefetch_lines(&pf, k_per_step);
                     const int64_t nk = n - t < 4 ? n - t : 4;
                     const uint16_t *kr[4]; /* a short block's missing keys: row 0 again, its scores not stored */
                     for (int j = 0; j < 4; j++) kr[j] = kb + h * D + (j < nk ? t + j : 0) * rs;
                     float *sc = scores + r * len + base + t;
-                    switch (nq) {
+                    switch (nr) {
                     case 1: scores_4keys(1, qs + r * D32, D, D32, kr, sc, len, nk); break;
                     case 2: scores_4keys(2, qs + r * D32, D, D32, kr, sc, len, nk); break;
                     case 3: scores_4keys(3, qs + r * D32, D, D32, kr, sc, len, nk); break;
@@ -658,7 +671,7 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
             }
         prefetch_lines(&pf, pf.lines); /* what a short block left */
     }
-    softmax_rows512(scores, len, nh, mxs, sums);
+    softmax_rows512(scores, len, nh, mxs, sums, gq, group, nq);
     memset(os, 0, sizeof(float) * nh * D32);
     for (int64_t b = b0; b < nblocks; b++) {
         const int64_t base = b * block_size - first;
@@ -668,16 +681,16 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
         const int64_t v_per_row = (kv_lines + v_steps - 1) / v_steps;
         const uint16_t *vb = vc + table[b] * block_stride;
         for (int64_t h = h0; h < h1; h++)
-            for (int64_t g0 = 0; g0 < group; g0 += 4) {
-                const int nq = group - g0 < 4 ? (int)(group - g0) : 4;
-                const int64_t r = (h - h0) * group + g0;
+            for (int64_t g0 = 0; g0 < gq; g0 += 4) {
+                const int nr = gq - g0 < 4 ? (int)(gq - g0) : 4;
+                const int64_t r = (h - h0) * gq + g0;
                 for (int64_t c0 = 0; c0 < D; c0 += 64) {
                     const int nc = D - c0 > 32 ? 2 : 1;
                     const __mmask32 mlast = lanes32(D - c0 - 32 * (nc - 1));
                     const float *p = scores + r * len + base;
                     const uint16_t *vr = vb + h * D + c0;
                     float *o = os + r * D32 + c0;
-                    switch (nq) {
+                    switch (nr) {
                     case 1: accumulate_block(1, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
                     case 2: accumulate_block(2, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
                     case 3: accumulate_block(3, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
@@ -688,14 +701,19 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
     }
     const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
-    for (int64_t r = 0; r < nh; r++)  /* back to column order */
+    const int prefix = b0 > 0; /* merged by finish_rows512 (nq is 1 then); else divided by the sum here */
+    for (int64_t r = 0; r < nh; r++) { /* back to column order, into the row's place in out */
+        const int64_t i = r % gq / group, head = r / gq * group + r % group;
+        float *dst = acc + (i * a->num_heads + head) * D;
+        const __m512 inv = _mm512_set1_ps(prefix ? 1.f : 1.f / sums[r]);
         for (int64_t c = 0; c < D; c += 32) {
             const __m512 oe = _mm512_loadu_ps(os + r * D32 + c), oo = _mm512_loadu_ps(os + r * D32 + c + 16);
-            _mm512_mask_storeu_ps(acc + r * D + c, lanes16(D - c), _mm512_permutex2var_ps(oe, lo_idx, oo));
-            _mm512_mask_storeu_ps(acc + r * D + c + 16, lanes16(D - c - 16 < 0 ? 0 : D - c - 16),
-                                  _mm512_permutex2var_ps(oe, hi_idx, oo));
+            _mm512_mask_storeu_ps(dst + c, lanes16(D - c), _mm512_mul_ps(_mm512_permutex2var_ps(oe, lo_idx, oo), inv));
+            _mm512_mask_storeu_ps(dst + c + 16, lanes16(D - c - 16 < 0 ? 0 : D - c - 16),
+                                  _mm512_mul_ps(_mm512_permutex2var_ps(oe, hi_idx, oo), inv));
         }
-    finish_rows512(a, s, h0 * group, nh, b0 > 0, mxs, sums, acc);
+    }
+    if (prefix) finish_rows512(a, s, h0 * group, nh, 1, mxs, sums, acc);
 }
 #endif
 
@@ -922,13 +940,35 @@ int64_t decode_cascade_blocks(const int32_t *seq_lens, const int32_t *block_tabl
     return 0;
 }
 
-void paged_decode_attention_f32(
+/* Whether paged_decode_attention_f32 takes q_lens (several query tokens per sequence) for this cache: the
+ * avx512 build over a bf16 cache (task_bf16_avx512). Measured beside the prefill kernel in
+ * paged_decode_attention_f32's comment. */
+int paged_decode_multi_query_supported(int kv_bf16)
+{
+#ifdef PAGEDQ_AVX512
+    return kv_bf16 != 0;
+#else
+    (void)kv_bf16;
+    return 0;
+#endif
+}
+
+/* Decode: one query token per sequence, or q_lens[s] of them (NULL: one each) where
+ * paged_decode_multi_query_supported(kv_bf16); returns -1 (nothing written) for q_lens it does not take.
+ * q_lens route the short query chunks of a step here rather than to the prefill kernel: the verification
+ * rows of speculative drafts (2-9 tokens) over a whole context, where the prefill kernel's flash tiles,
+ * one kv head per task, copy and transpose every K/V chunk for a handful of rows. */
+int paged_decode_attention_f32(
     const float *q, int64_t q_tok, int64_t q_head,
     const void *k_cache, const void *v_cache, float *out,
-    const int64_t *rows, const int32_t *seq_lens, const int32_t *block_tables,
+    const int64_t *rows, const int32_t *seq_lens, const int32_t *block_tables, const int32_t *q_lens,
     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, float scale, int kv_bf16, int cascade, int num_threads)
 {
+    if (q_lens && !paged_decode_multi_query_supported(kv_bf16)) return -1;
+    int64_t max_q = 1;
+    for (int64_t s = 0; q_lens && s < num_seqs; s++) max_q = q_lens[s] > max_q ? q_lens[s] : max_q;
+    if (max_q > 1) cascade = 0; /* the shared-prefix pass takes one query per sequence */
     const int64_t group = num_heads / num_kv_heads;
     int use_avx2 = 0;
 #if defined(PAGEDQ_AVX512)
@@ -943,7 +983,7 @@ void paged_decode_attention_f32(
     const attn_args a = {q, q_tok, q_head, k_cache, v_cache, out, rows, seq_lens, block_tables,
                          max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale, num_seqs,
                          prefix_blocks, prefix, prefix ? prefix + num_seqs * num_heads * head_dim : NULL,
-                         prefix ? prefix + num_seqs * num_heads * (head_dim + 1) : NULL, kv_bf16};
+                         prefix ? prefix + num_seqs * num_heads * (head_dim + 1) : NULL, kv_bf16, q_lens};
     int64_t max_len = 0;
     for (int64_t s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
     const int64_t prefix_tiles = prefix_blocks ? (num_seqs + QT - 1) / QT : 0;
@@ -957,9 +997,9 @@ void paged_decode_attention_f32(
     #pragma omp parallel num_threads(num_threads)
     {
         const int64_t staging = per_task == num_kv_heads || kv_bf16 ? block_size * num_kv_heads * head_dim : 0;
-        size_t floats = (size_t)(per_task * group * (max_len + head_dim + 2) + staging + 8);
+        size_t floats = (size_t)(per_task * group * max_q * (max_len + head_dim + 2) + staging + 8);
         /* task_bf16_avx512: q and the outputs in rows of head_dim rounded up to 32, no staging */
-        if (kv_bf16) floats += (size_t)(per_task * group * 2 * ((head_dim + 31) / 32 * 32));
+        if (kv_bf16) floats += (size_t)(per_task * group * max_q * 2 * ((head_dim + 31) / 32 * 32));
 #ifdef PAGEDQ_AVX2
         if (prefix_tiles && flash_tile_floats(QT * group, head_dim) > floats) floats = flash_tile_floats(QT * group, head_dim);
 #endif
@@ -987,6 +1027,7 @@ void paged_decode_attention_f32(
         free(scratch);
     }
     free(prefix);
+    return 0;
 }
 
 /* ---- Prefill: causal attention of each sequence's chunk of new queries over its cached context.

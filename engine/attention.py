@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata
 from kernels import cpu_attention
-from kernels.kv_cache import write_kv_cache_torch
 
 
 class AttentionBackend(Protocol):
@@ -153,7 +152,7 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv_cache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+        cpu_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         plan: _TorchPlan = meta.backend_state
         out = q.new_empty(q.shape)
         c_decode = (

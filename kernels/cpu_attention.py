@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kernels import c_build
+from kernels.kv_cache import write_kv_cache_torch
 
 _NAME = "cpu_attention"
 
@@ -33,6 +34,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     prefill.restype = None
     lib.paged_prefill_attention_supported.argtypes = [i64]
     lib.paged_prefill_attention_supported.restype = ctypes.c_int
+    lib.write_kv_cache_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, c_int]
+    lib.write_kv_cache_f32.restype = None
     lib.decode_cascade_blocks.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64]
     lib.decode_cascade_blocks.restype = i64
 
@@ -61,6 +64,48 @@ def _kv_bf16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in KV_DTYPES:
         raise TypeError(f"KV caches must both be float32 or bfloat16, got {k_cache.dtype} and {v_cache.dtype}")
     return int(k_cache.dtype == torch.bfloat16)
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """:func:`kernels.kv_cache.write_kv_cache_torch` in one C call: ``k, v [N, KVH, D]`` float32 (each token's
+    KVH x D values contiguous, tokens at any stride: views of the qkv output) into float32 or bf16 caches,
+    rounded as torch rounds; anything else goes to the torch reference."""
+    lib = c_build.load(_NAME, _bind)
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    ok = (
+        lib is not None
+        and k.dtype == v.dtype == torch.float32
+        and k.device.type == v.device.type == k_cache.device.type == "cpu"
+        and k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in KV_DTYPES
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and all(
+            t.dim() == 3 and t.shape[1:] == (num_kv_heads, head_dim) and t.stride(2) == 1 and t.stride(1) == head_dim
+            for t in (k, v)
+        )
+        and k.shape[0] == v.shape[0] == slot_mapping.shape[0]
+    )
+    if not ok:
+        write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping)
+        return
+    assert lib is not None
+    lib.write_kv_cache_f32(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        k.shape[0],
+        num_kv_heads * head_dim,
+        _kv_bf16(k_cache, v_cache),
+    )
 
 
 def available() -> bool:

@@ -10,6 +10,7 @@ import torch
 from engine.attention import TorchAttention
 from engine.attention_metadata import AttentionMetadata
 from kernels import cpu_attention
+from kernels.kv_cache import write_kv_cache_torch
 from kernels.paged_attention import paged_attention_torch
 
 # Every test here runs once per C-kernel variant the machine can run (tests/conftest.py, isa_variant).
@@ -304,3 +305,30 @@ def test_cache_dtypes_must_match() -> None:
         cpu_attention.paged_decode_attention(
             q, k_cache, v_cache.bfloat16(), out, torch.arange(1), meta.seq_lens, meta.block_tables, 0.25
         )
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_rounds_as_torch(kv_dtype: torch.dtype) -> None:
+    # The C writer stores what torch's index_copy_ of k.to(cache dtype) stores, bit for bit: ties to even,
+    # NaN, infinities, signed zeros, subnormals; k and v read as strided views (the qkv output), padding
+    # slots (-1) skipped.
+    torch.manual_seed(0)
+    num_kv_heads, head_dim, n = 2, 8, 6
+    qkv = torch.randn(n, 5 * num_kv_heads * head_dim)
+    special = torch.tensor(
+        [1.0 + 2**-8, 1.0 + 3 * 2**-8, float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, -3.4e38],
+        dtype=torch.float32,
+    )
+    qkv[0, : special.numel()] = special
+    k = qkv[:, : num_kv_heads * head_dim].view(n, num_kv_heads, head_dim)
+    v = qkv[:, 3 * num_kv_heads * head_dim : 4 * num_kv_heads * head_dim].view(n, num_kv_heads, head_dim)
+    slots = torch.tensor([5, 0, -1, 9, 3, 11])
+    caches = [torch.zeros(3, 4, num_kv_heads, head_dim, dtype=kv_dtype) for _ in range(4)]
+    cpu_attention.write_kv_cache(k, v, caches[0], caches[1], slots)
+    keep = slots >= 0
+    write_kv_cache_torch(k[keep], v[keep], caches[2], caches[3], slots[keep])
+    for ours, torchs in ((caches[0], caches[2]), (caches[1], caches[3])):
+        nan = ours.isnan()
+        assert torch.equal(nan, torchs.isnan())  # NaN stays NaN (torch's own payloads differ by code path)
+        bits = torch.int16 if kv_dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(ours.view(bits)[~nan], torchs.view(bits)[~nan])

@@ -89,7 +89,7 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(n * self.num_kv_heads, self.head_dim))
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)  # a view: the cache writers take token strides
         q, k = self.rotary_emb(positions, q, k)
         k_cache, v_cache = kv_cache
         out = self.ops.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)

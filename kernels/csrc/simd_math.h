@@ -134,4 +134,17 @@ static inline void bf16_to_f32(const uint16_t *restrict src, float *restrict dst
     }
 }
 
+/* fp32 -> bf16 rounded to nearest, ties to even, as torch rounds (the KV cache written here holds what
+ * k.to(bfloat16) holds, bit for bit; NaN stays a quiet NaN: 0x7FC0, as c10's scalar conversion gives; ATen's
+ * vector path gives 0xFFFF). Integer arithmetic, which gcc vectorises at every level. */
+static inline void f32_to_bf16(const float *restrict src, uint16_t *restrict dst, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, src + i, sizeof bits);
+        const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+        dst[i] = (bits & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : (uint16_t)rounded;
+    }
+}
+
 #endif /* PAGEDQ_SIMD_MATH_H */

@@ -38,6 +38,25 @@ static inline __m256 silu_mul8(__m256 g, __m256 u)
 
 #ifdef PAGEDQ_AVX512
 
+/* The tile's epilogue: rows of acc (+ bias) into y, ncols valid columns; with glu, 8 outputs per row:
+ * silu(gate lanes 0-7) * up lanes 8-15, no bias. */
+static inline __attribute__((always_inline)) void tile_store(const __m512 *acc, int rows, float *y, int64_t ldy,
+                                                             const float *bias, int ncols, int glu)
+{
+    const __mmask16 cols = (__mmask16)((1u << ncols) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; r++) {
+        if (r >= rows) break;
+        float *yr = y + r * ldy;
+        if (glu) {
+            const __m256 v = silu_mul8(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
+            _mm256_mask_storeu_ps(yr, (__mmask8)cols, v);
+            continue;
+        }
+        _mm512_mask_storeu_ps(yr, cols, _mm512_add_ps(acc[r], b));
+    }
+}
+
 /* rows x 16 tile, one zmm accumulator per row; partial column counts use masked stores (no bounce). */
 static inline __attribute__((always_inline)) void tile(int rows, const float *x, int64_t ldx,
                                                        const float *panel, int64_t ldw, int64_t k, float *y,
@@ -58,18 +77,43 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *x,
     }
 #undef ROW
     const __m512 acc[MR] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
-    const __mmask16 cols = (__mmask16)((1u << ncols) - 1u);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; r++) {
-        if (r >= rows) break;
-        float *yr = y + r * ldy;
-        if (glu) { /* 8 outputs: silu(gate lanes 0-7) * up lanes 8-15; no bias */
-            const __m256 v = silu_mul8(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
-            _mm256_mask_storeu_ps(yr, (__mmask8)cols, v);
-            continue;
-        }
-        _mm512_mask_storeu_ps(yr, cols, _mm512_add_ps(acc[r], b));
+    tile_store(acc, rows, y, ldy, bias, ncols, glu);
+}
+
+/* Two adjacent panels at once (rows x 32 columns, 24 accumulators): each broadcast of x feeds two FMAs, so
+ * a k step issues 12 broadcasts + 2 weight loads + 2 prefetches for 24 FMAs where two single-panel tiles
+ * issue 26 + 2 for the same work: the load ports, not the FMA units, bound the single tile. panel1's
+ * outputs go to y1 (its ncols1, its own bias slice). Measured in cpu_gemm.c's header. */
+static inline __attribute__((always_inline)) void tile_pair(int rows, const float *x, int64_t ldx,
+                                                            const float *panel0, const float *panel1, int64_t k,
+                                                            float *y0, float *y1, int64_t ldy, const float *bias0,
+                                                            const float *bias1, int ncols0, int ncols1, int glu)
+{
+    __m512 c0a = _mm512_setzero_ps(), c1a = c0a, c2a = c0a, c3a = c0a, c4a = c0a, c5a = c0a;
+    __m512 c6a = c0a, c7a = c0a, c8a = c0a, c9a = c0a, c10a = c0a, c11a = c0a;
+    __m512 c0b = c0a, c1b = c0a, c2b = c0a, c3b = c0a, c4b = c0a, c5b = c0a;
+    __m512 c6b = c0a, c7b = c0a, c8b = c0a, c9b = c0a, c10b = c0a, c11b = c0a;
+    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx,
+                *x5 = x + 5 * ldx, *x6 = x + 6 * ldx, *x7 = x + 7 * ldx, *x8 = x + 8 * ldx, *x9 = x + 9 * ldx,
+                *x10 = x + 10 * ldx, *x11 = x + 11 * ldx;
+#define ROW(r)                                          \
+    if (rows > r) {                                     \
+        const __m512 xb = _mm512_set1_ps(x##r[kk]);     \
+        c##r##a = _mm512_fmadd_ps(xb, w0, c##r##a);     \
+        c##r##b = _mm512_fmadd_ps(xb, w1, c##r##b);     \
     }
+    for (int64_t kk = 0; kk < k; kk++) {
+        const float *wp0 = panel0 + kk * NR, *wp1 = panel1 + kk * NR;
+        _mm_prefetch((const char *)(wp0 + PF * NR), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wp1 + PF * NR), _MM_HINT_T0);
+        const __m512 w0 = _mm512_loadu_ps(wp0), w1 = _mm512_loadu_ps(wp1);
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
+    }
+#undef ROW
+    const __m512 acc0[MR] = {c0a, c1a, c2a, c3a, c4a, c5a, c6a, c7a, c8a, c9a, c10a, c11a};
+    const __m512 acc1[MR] = {c0b, c1b, c2b, c3b, c4b, c5b, c6b, c7b, c8b, c9b, c10b, c11b};
+    tile_store(acc0, rows, y0, ldy, bias0, ncols0, glu);
+    tile_store(acc1, rows, y1, ldy, bias1, ncols1, glu);
 }
 
 #elif defined(PAGEDQ_AVX2)
@@ -153,6 +197,23 @@ static inline void tile_rows(int rows, const float *x, int64_t ldx, const float 
     default: tile(1, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
     }
 #undef TILE_CASE
+}
+#endif
+
+#ifdef PAGEDQ_AVX512
+/* tile_pair, one inlined copy per row count (as tile_rows). */
+static inline void tile_pair_rows(int rows, const float *x, int64_t ldx, const float *panel0, const float *panel1,
+                                  int64_t k, float *y0, float *y1, int64_t ldy, const float *bias0,
+                                  const float *bias1, int ncols0, int ncols1, int glu)
+{
+#define PAIR_CASE(n) \
+    case n: tile_pair(n, x, ldx, panel0, panel1, k, y0, y1, ldy, bias0, bias1, ncols0, ncols1, glu); break;
+    switch (rows) {
+    PAIR_CASE(12) PAIR_CASE(11) PAIR_CASE(10) PAIR_CASE(9) PAIR_CASE(8) PAIR_CASE(7)
+    PAIR_CASE(6) PAIR_CASE(5) PAIR_CASE(4) PAIR_CASE(3) PAIR_CASE(2)
+    default: tile_pair(1, x, ldx, panel0, panel1, k, y0, y1, ldy, bias0, bias1, ncols0, ncols1, glu); break;
+    }
+#undef PAIR_CASE
 }
 #endif
 

@@ -66,7 +66,7 @@ class _Split:
 
 
 # Query chunks of up to this many tokens go to the decode kernel where it takes several per sequence
-# (cpu_attention.multi_query_supported: the avx512 build over a bf16 cache): speculative verification
+# (cpu_attention.multi_query_supported: the avx512 build): speculative verification
 # (1 + up to 8 drafts) and short prefill tails. Measured in kernels/csrc/cpu_attention.c
 # (paged_decode_attention_f32's comment) against the prefill kernel.
 MULTI_QUERY_MAX = 12
@@ -119,9 +119,9 @@ class TorchAttention:
     them; without a compiler, for queries other than float32 or head sizes the prefill kernel does not
     cover, torch paths gather the blocks instead (decode: one batched SDPA; prefill: one per chunk).
     The cache may hold a narrower dtype than the queries (bf16 under fp32 activations: half the bytes):
-    the K/V are written rounded to nearest even, and read back widened to the queries' dtype. Over a bf16
-    cache in the avx512 build, chunks of up to :data:`MULTI_QUERY_MAX` queries (speculative verification)
-    go to the decode kernel too, which reads every K/V row once for all of a sequence's queries.
+    the K/V are written rounded to nearest even, and read back widened to the queries' dtype. In the avx512
+    build, chunks of up to :data:`MULTI_QUERY_MAX` queries (speculative verification) go to the decode
+    kernel too, which reads every K/V row once for all of a sequence's queries.
     """
 
     name = "torch"

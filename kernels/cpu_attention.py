@@ -158,7 +158,7 @@ def paged_decode_attention(
 
 def multi_query_supported(kv_dtype: torch.dtype) -> bool:
     """Whether :func:`paged_decode_attention` takes ``q_lens`` for a cache of ``kv_dtype`` here (the avx512
-    build over a bf16 cache)."""
+    build, whose decode task reads either cache dtype in place)."""
     lib = c_build.load(_NAME, _bind)
     return lib is not None and bool(lib.paged_decode_multi_query_supported(int(kv_dtype == torch.bfloat16)))
 

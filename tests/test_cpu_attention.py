@@ -276,24 +276,25 @@ def test_bf16_cache(
         torch.testing.assert_close(out, paged_attention_torch(q, k32, v32, *args, *lens), atol=3e-2, rtol=2e-2)
 
 
-def test_multi_query_only_where_supported() -> None:
-    # Several queries per sequence in the decode kernel: the avx512 build over a bf16 cache; elsewhere the
-    # call is refused (nothing written), never computed as if each sequence had one query.
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_multi_query_only_where_supported(kv_dtype: torch.dtype) -> None:
+    # Several queries per sequence in the decode kernel: the avx512 build; elsewhere the call is refused
+    # (nothing written), never computed as if each sequence had one query.
     if not cpu_attention.available():
         pytest.skip("no C compiler: the torch fallback is what runs here")
-    meta, q, _, _, k_cache, v_cache = make_batch([9, 5], [3, 1], 2, 1, 16, 4)
+    meta, q, _, _, k32, v32 = make_batch([9, 5], [3, 1], 2, 1, 16, 4)
+    k_cache, v_cache = k32.to(kv_dtype), v32.to(kv_dtype)
     out = torch.zeros_like(q)
     rows, q_lens = torch.tensor([0, 3]), torch.tensor([3, 1], dtype=torch.int32)
     args = (rows, meta.seq_lens, meta.block_tables, 0.25)
-    with pytest.raises(ValueError, match="multi_query_supported"):
-        cpu_attention.paged_decode_attention(q, k_cache, v_cache, out, *args, q_lens=q_lens)
-    assert not cpu_attention.multi_query_supported(torch.float32)
-    assert not out.any()
-    if cpu_attention.multi_query_supported(torch.bfloat16):
-        k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
-        cpu_attention.paged_decode_attention(q, k16, v16, out, *args, q_lens=q_lens)
-        ref = paged_attention_torch(q, k16.float(), v16.float(), meta.query_start_loc, *args[1:], 3, 9)
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    if not cpu_attention.multi_query_supported(kv_dtype):
+        with pytest.raises(ValueError, match="multi_query_supported"):
+            cpu_attention.paged_decode_attention(q, k_cache, v_cache, out, *args, q_lens=q_lens)
+        assert not out.any()
+        return
+    cpu_attention.paged_decode_attention(q, k_cache, v_cache, out, *args, q_lens=q_lens)
+    ref = paged_attention_torch(q, k_cache.float(), v_cache.float(), meta.query_start_loc, *args[1:], 3, 9)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
 def test_cache_dtypes_must_match() -> None:

@@ -13,15 +13,15 @@
  * k_cache, v_cache [num_blocks, block_size, KVH, D] contiguous; block_tables [S, max_blocks].
  *
  * The caches hold float32, or bfloat16 with kv_bf16 set (half the bytes a step reads, and twice the
- * blocks in the same memory). In the avx512 build, decode over a bf16 cache reads it in place and widens
- * it in registers (task_bf16_avx512); elsewhere every K/V row passes through kv_block (or flash_rows'
+ * blocks in the same memory). In the avx512 build, decode reads the cache in place, either dtype
+ * (task_in_place: bf16 widened in registers); elsewhere every K/V row passes through kv_block (or flash_rows'
  * copies) on its way in: bf16 rows are widened to fp32 there, into the L1-resident staging the fp32 path
  * already copies through. Either way the arithmetic is fp32, and widening is exact (a bf16 is the top
  * half of a float), so a bf16 cache gives what the fp32 kernels give on the same values, to float
  * rounding (the order of the sums differs between tasks).
  *
- * Two implementations of one (sequence, kv head) task: an AVX2/FMA one for head_dim % 8 == 0 (every
- * model pagedq ships for) and a portable one. The AVX2 one computes 8 scores at a time with 8
+ * Below the avx512 build, two implementations of one (sequence, kv head) task: an AVX2/FMA one for
+ * head_dim % 8 == 0 (every model pagedq ships for) and a portable one. The AVX2 one computes 8 scores at a time with 8
  * independent FMA chains folded by a horizontal-add tree, and exponentiates 8 lanes at a time: the
  * portable loop's per-row horizontal reductions and scalar expf ran at 2.6 GB/s of KV, a fraction
  * of what memory delivers.
@@ -71,7 +71,7 @@ typedef struct {
     int kv_bf16;
     /* Query tokens per sequence (NULL: one each). Sequence s's q_lens[s] queries are rows rows[s]... at its
        last q_lens[s] positions, causal among themselves: the verification rows of speculative drafts, or a
-       short prefill chunk. Only task_bf16_avx512 takes more than one (paged_decode_multi_query_supported). */
+       short prefill chunk. Only task_in_place takes more than one (paged_decode_multi_query_supported). */
     const int32_t *q_lens;
 } attn_args;
 
@@ -373,108 +373,7 @@ static void finish_rows512(const attn_args *a, int64_t s, int64_t r0, int64_t nh
     }
 }
 
-/* task_avx2 in 512-bit vectors, for any head_dim: the last vector of a row is masked (D % 16 lanes),
- * where the AVX2 task needs D % 8 == 0 and leaves other sizes to the portable loops. Same staging,
- * same order of work; 8 keys' scores at a time, each a zmm chain folded to 8 lanes then hsum8x8.
- *
- * The avx512 build runs it only for a float32 cache where head_dim % 8 != 0 (bf16: task_bf16_avx512). Measured on an Intel Xeon (family 6 model 167,
- * 2 threads, ops/bench/kernel_timing.py, ms, AVX2 task -> this one): head_dim 64, 64 sequences x 350
- * positions 1.383 -> 1.437, x 700 3.042 -> 3.310, 1 x 2000 0.118 -> 0.108; head_dim 80, 32 x 350
- * 0.853 -> 0.863: no gain where the AVX2 task runs (the step reads K/V at memory speed, and the folds
- * of 512-bit chains cost what the halved FMA count saves). head_dim 20, 32 x 350: portable loops
- * 0.611-0.655 -> 0.362-0.364 (the masked tail instead of scalar code). */
-static void task_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
-{
-    const task_view tv = view_of(a, s, h0);
-    const int64_t group = tv.group, D = a->head_dim, block_size = a->block_size, nh = (h1 - h0) * group;
-    const int64_t rs = tv.rs, block_stride = tv.block_stride, nblocks = tv.nblocks;
-    const int64_t b0 = a->prefix_blocks, first = b0 * block_size, len = tv.len - first;
-    const int32_t *table = tv.table;
-    float *acc = tv.acc;
-    float *scores = scratch, *qs = scores + nh * len, *mxs = qs + nh * D, *sums = mxs + nh;
-    float *copy_to = h1 - h0 == a->num_kv_heads || a->kv_bf16 ? sums + nh : NULL;
-    const __m512 vscale = _mm512_set1_ps(a->scale);
-    for (int64_t r = 0; r < nh; r++)
-        for (int64_t c = 0; c < D; c += 16)
-            _mm512_mask_storeu_ps(qs + r * D + c, lanes16(D - c),
-                                  _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c), tv.qg + r * a->q_head + c), vscale));
-
-    for (int64_t b = b0; b < nblocks; b++) {
-        const int64_t base = b * block_size - first;
-        const int64_t n = base + block_size <= len ? block_size : len - base;
-        const float *kb = kv_block(a->k_cache, a->kv_bf16, table[b], b + 1 < nblocks ? table[b + 1] : -1, block_stride,
-                                   n, rs, h0 * D, (h1 - h0) * D, copy_to) + h0 * D;
-        for (int64_t r = 0; r < nh; r++) {
-            const float *qq = qs + r * D, *kh = kb + (r / group) * D;
-            float *sc = scores + r * len + base;
-            int64_t t = 0;
-            for (; t + 8 <= n; t += 8) {
-                const float *k0 = kh + t * rs;
-                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-                for (int64_t c = 0; c < D; c += 16) {
-                    const __mmask16 m = lanes16(D - c);
-                    const __m512 qv = _mm512_maskz_loadu_ps(m, qq + c);
-                    a0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + c), a0);
-                    a1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + rs + c), a1);
-                    a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + 2 * rs + c), a2);
-                    a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + 3 * rs + c), a3);
-                    a4 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + 4 * rs + c), a4);
-                    a5 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + 5 * rs + c), a5);
-                    a6 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + 6 * rs + c), a6);
-                    a7 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + 7 * rs + c), a7);
-                }
-                _mm256_storeu_ps(sc + t, hsum8x8(fold(a0), fold(a1), fold(a2), fold(a3), fold(a4), fold(a5),
-                                                 fold(a6), fold(a7)));
-            }
-            for (; t < n; t++) {
-                const float *kr = kh + t * rs;
-                __m512 a0 = _mm512_setzero_ps();
-                for (int64_t c = 0; c < D; c += 16)
-                    a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes16(D - c), qq + c),
-                                         _mm512_maskz_loadu_ps(lanes16(D - c), kr + c), a0);
-                sc[t] = _mm512_reduce_add_ps(a0);
-            }
-        }
-    }
-    softmax_rows512(scores, len, nh, mxs, sums, group, group, 1);
-    memset(acc, 0, sizeof(float) * nh * D);
-    for (int64_t b = b0; b < nblocks; b++) {
-        const int64_t base = b * block_size - first;
-        const int64_t n = base + block_size <= len ? block_size : len - base;
-        const float *vb = kv_block(a->v_cache, a->kv_bf16, table[b], b + 1 < nblocks ? table[b + 1] : -1, block_stride,
-                                   n, rs, h0 * D, (h1 - h0) * D, copy_to) + h0 * D;
-        for (int64_t r = 0; r < nh; r++) {
-            const float *sc = scores + r * len + base, *vh = vb + (r / group) * D;
-            float *o = acc + r * D;
-            int64_t t = 0;
-            for (; t + 4 <= n; t += 4) {
-                const __m512 p0 = _mm512_set1_ps(sc[t]), p1 = _mm512_set1_ps(sc[t + 1]);
-                const __m512 p2 = _mm512_set1_ps(sc[t + 2]), p3 = _mm512_set1_ps(sc[t + 3]);
-                const float *v0 = vh + t * rs;
-                for (int64_t c = 0; c < D; c += 16) {
-                    const __mmask16 m = lanes16(D - c);
-                    __m512 x = _mm512_fmadd_ps(p0, _mm512_maskz_loadu_ps(m, v0 + c), _mm512_maskz_loadu_ps(m, o + c));
-                    __m512 y = _mm512_mul_ps(p1, _mm512_maskz_loadu_ps(m, v0 + rs + c));
-                    x = _mm512_fmadd_ps(p2, _mm512_maskz_loadu_ps(m, v0 + 2 * rs + c), x);
-                    y = _mm512_fmadd_ps(p3, _mm512_maskz_loadu_ps(m, v0 + 3 * rs + c), y);
-                    _mm512_mask_storeu_ps(o + c, m, _mm512_add_ps(x, y));
-                }
-            }
-            for (; t < n; t++) {
-                const __m512 p = _mm512_set1_ps(sc[t]);
-                const float *v = vh + t * rs;
-                for (int64_t c = 0; c < D; c += 16) {
-                    const __mmask16 m = lanes16(D - c);
-                    _mm512_mask_storeu_ps(o + c, m, _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m, v + c),
-                                                                    _mm512_maskz_loadu_ps(m, o + c)));
-                }
-            }
-        }
-    }
-    finish_rows512(a, s, h0 * group, nh, b0 > 0, mxs, sums, acc);
-}
-
-/* ---- bf16 cache, AVX-512: K/V read in place. */
+/* ---- AVX-512: K/V read in place, bf16 or fp32. */
 
 /* Lane i of the result = the sum of the 16 lanes of a[i]: a transpose-and-add tree of 45 single-uop
  * shuffles and adds, where folding each zmm to 8 lanes and hsum8x8 take 74 (its hadds are 3 uops). */
@@ -497,12 +396,13 @@ typedef struct {
     int64_t lines_per_row, lines, next;
 } prefetcher;
 
-static inline prefetcher prefetch_plan(const uint16_t *block, int64_t n, int64_t rs, int64_t col0, int64_t cols)
+static inline prefetcher prefetch_plan(const void *block, int64_t n, int64_t rs, int64_t col0, int64_t cols,
+                                       int64_t esize)
 {
     prefetcher p;
-    p.block = block ? (const char *)(block + col0) : NULL;
-    if (cols == rs) { p.row_bytes = n * rs * 2; p.row_stride = 0; n = 1; }
-    else { p.row_bytes = cols * 2; p.row_stride = rs * 2; }
+    p.block = block ? (const char *)block + col0 * esize : NULL;
+    if (cols == rs) { p.row_bytes = n * rs * esize; p.row_stride = 0; n = 1; }
+    else { p.row_bytes = cols * esize; p.row_stride = rs * esize; }
     p.lines_per_row = (p.row_bytes + 63) / 64;
     p.lines = block ? p.lines_per_row * n : 0;
     p.next = 0;
@@ -530,11 +430,25 @@ static inline void widen32_bf16(const uint16_t *p, __mmask32 m, __m512 *even, __
 
 static inline __mmask32 lanes32(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1u); }
 
-/* Scores of NQ (<= 4) query heads (rows qs, qs + D32, ...: scaled, fp32, even/odd order per 32 columns)
- * against 4 keys kr[0..3] (bf16, in place): 16 accumulator chains, one per (head, key), reduced by
- * hsum16x16; head g's 4 scores go to sc[g * stride + 0..nk-1]. */
-static inline __attribute__((always_inline)) void scores_4keys(const int NQ, const float *qs, int64_t D, int64_t D32,
-                                                               const uint16_t *const kr[4], float *sc,
+/* Values i..i+31 of a K/V row (the low `m` of them; the rest read as 0) as two fp32 vectors in the task's
+ * column order: a bf16 row widened even/odd (widen32_bf16), an fp32 row as it lies (columns 0-15, 16-31).
+ * `fp32` is a constant in every caller (they are always_inline), so each task gets its own loads. */
+static inline __attribute__((always_inline)) void load32_kv(const void *p, int64_t i, __mmask32 m, const int fp32,
+                                                            __m512 *a, __m512 *b)
+{
+    if (fp32) {
+        *a = _mm512_maskz_loadu_ps((__mmask16)m, (const float *)p + i);
+        *b = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), (const float *)p + i + 16);
+    } else {
+        widen32_bf16((const uint16_t *)p + i, m, a, b);
+    }
+}
+
+/* Scores of NQ (<= 4) query rows (qs, qs + D32, ...: scaled, fp32, in load32_kv's column order) against 4
+ * keys kr[0..3] (bf16 or fp32, in place): 16 accumulator chains, one per (row, key), reduced by
+ * hsum16x16; row g's 4 scores go to sc[g * stride + 0..nk-1]. */
+static inline __attribute__((always_inline)) void scores_4keys(const int NQ, const int fp32, const float *qs, int64_t D,
+                                                               int64_t D32, const void *const kr[4], float *sc,
                                                                int64_t stride, int64_t nk)
 {
     __m512 acc[16];
@@ -542,7 +456,7 @@ static inline __attribute__((always_inline)) void scores_4keys(const int NQ, con
     for (int64_t c = 0; c < D; c += 32) {
         const __mmask32 m = lanes32(D - c);
         __m512 ke[4], ko[4];
-        for (int i = 0; i < 4; i++) widen32_bf16(kr[i] + c, m, &ke[i], &ko[i]);
+        for (int i = 0; i < 4; i++) load32_kv(kr[i], c, m, fp32, &ke[i], &ko[i]);
         for (int g = 0; g < NQ; g++) {
             const __m512 qe = _mm512_loadu_ps(qs + g * D32 + c), qo = _mm512_loadu_ps(qs + g * D32 + c + 16);
             for (int i = 0; i < 4; i++)
@@ -557,23 +471,23 @@ static inline __attribute__((always_inline)) void scores_4keys(const int NQ, con
                                                                                           _mm512_setr_epi32(0, 1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)), w)));
 }
 
-/* o[g] += sum over rows t < n of p[g * stride + t] * v_t, for NQ (<= 4) query heads, over columns
- * c0..c0+63 (nc <= 2 chunks of 32, the last masked by mlast) of the rows vr + t * rs (bf16, in place);
- * o rows of D32 floats in even/odd order. The NQ x 4 output vectors stay in registers over the block. */
-static inline __attribute__((always_inline)) void accumulate_block(const int NQ, const float *p, int64_t stride,
-                                                                   const uint16_t *vr, int64_t rs, int64_t n,
-                                                                   float *o, int64_t D32, int nc, __mmask32 mlast,
-                                                                   prefetcher *pf, int64_t pf_per_row)
+/* o[g] += sum over rows t < n of p[g * stride + t] * v_t, for NQ (<= 4) query rows, over columns
+ * c0..c0+63 (nc <= 2 chunks of 32, the last masked by mlast) of the rows vr + t * rs (bf16 or fp32, in
+ * place); o rows of D32 floats in load32_kv's order. The NQ x 4 output vectors stay in registers. */
+static inline __attribute__((always_inline)) void accumulate_block(const int NQ, const int fp32, const float *p,
+                                                                   int64_t stride, const void *vr, int64_t rs,
+                                                                   int64_t n, float *o, int64_t D32, int nc,
+                                                                   __mmask32 mlast, prefetcher *pf, int64_t pf_per_row)
 {
     __m512 acc[4][4];
     for (int g = 0; g < NQ; g++)
         for (int j = 0; j < 4; j++) acc[g][j] = j < 2 * nc ? _mm512_loadu_ps(o + g * D32 + 16 * j) : _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t++) {
         prefetch_lines(pf, pf_per_row);
-        const uint16_t *v = vr + t * rs;
+        const void *v = (const char *)vr + t * rs * (fp32 ? 4 : 2);
         __m512 vv[4];
-        widen32_bf16(v, nc == 1 ? mlast : 0xFFFFFFFFu, &vv[0], &vv[1]);
-        if (nc == 2) widen32_bf16(v + 32, mlast, &vv[2], &vv[3]);
+        load32_kv(v, 0, nc == 1 ? mlast : 0xFFFFFFFFu, fp32, &vv[0], &vv[1]);
+        if (nc == 2) load32_kv(v, 32, mlast, fp32, &vv[2], &vv[3]);
         else vv[2] = vv[3] = _mm512_setzero_ps();
         for (int g = 0; g < NQ; g++) {
             const __m512 pv = _mm512_set1_ps(p[g * stride + t]);
@@ -586,11 +500,12 @@ static inline __attribute__((always_inline)) void accumulate_block(const int NQ,
             if (j < 2 * nc) _mm512_storeu_ps(o + g * D32 + 16 * j, acc[g][j]);
 }
 
-/* Kv heads h0..h1-1 of sequence s over a bf16 cache, any head_dim and group. `scratch` holds
- * nh * (len + 2 * D32 + 2) floats (D32: head_dim rounded up to 32).
+/* Kv heads h0..h1-1 of sequence s over a bf16 (fp32 = 0) or fp32 cache, any head_dim and group. `scratch`
+ * holds nh * (len + 2 * D32 + 2) floats (D32: head_dim rounded up to 32).
  *
- * The other tasks widen each block into fp32 staging and compute from the copy: a pass that writes
- * twice the bytes it reads and reads them back. Here K and V are widened in registers as the dot
+ * The other tasks copy (fp32) or widen (bf16) each block into staging and compute from the copy: a pass
+ * that writes the bytes it reads and reads them back. Here K and V are read in place (bf16 widened in
+ * registers) as the dot
  * products and the output sums consume them (the same fp32 arithmetic on the same values), each K/V
  * vector is loaded once for up to 4 query heads sharing it, and the next block is prefetched a few
  * lines per step of the work on the current one (the last K block fetches V's first): a table's blocks
@@ -612,8 +527,13 @@ static inline __attribute__((always_inline)) void accumulate_block(const int NQ,
  * The whole kernel_timing decode table, avx512 build, bf16, ms, main -> this task: 64 x 350 1.084 -> 0.594,
  * 64 x 700 2.312 -> 1.157, 64 x 350 over 30 layers 1.51 -> 0.978, 1 x 2000 0.107 -> 0.059, head_dim 80
  * (32 x 350) 0.626 -> 0.398, head_dim 20 0.292 -> 0.146. In the compass bench (bf16, no speculation,
- * 7710 calls) the kernel's time fell from 5.93-5.96 s (12.4 GB/s of K/V) to 4.07-4.15 s (18 GB/s). */
-static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
+ * 7710 calls) the kernel's time fell from 5.93-5.96 s (12.4 GB/s of K/V) to 4.07-4.15 s (18 GB/s).
+ * The same task over an fp32 cache, against the AVX2 task on staging it replaced there (and the masked
+ * AVX-512 staging task for head_dim % 8 != 0), 30 layers' caches, ms: 64 x 350 2.555 -> 2.200, 64 x 700
+ * 4.974 -> 4.197, 1 x 2000 0.232 -> 0.201, head_dim 20 (32 x 350) 0.336 -> 0.228, head_dim 80 1.157 ->
+ * 0.936; results within 5e-7 of the staged ones. */
+static inline __attribute__((always_inline)) void task_in_place(const attn_args *a, int64_t s, int64_t h0,
+                                                                  int64_t h1, float *scratch, const int fp32)
 {
     const task_view tv = view_of(a, s, h0);
     /* nq query tokens (a->q_lens): gq = group * nq rows per kv head, row (h - h0) * gq + i * group + g the
@@ -623,34 +543,36 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
     const int64_t rs = tv.rs, block_stride = tv.block_stride, nblocks = tv.nblocks;
     const int64_t b0 = a->prefix_blocks, first = b0 * block_size, len = tv.len - first;
     const int32_t *table = tv.table;
-    const uint16_t *kc = (const uint16_t *)a->k_cache, *vc = (const uint16_t *)a->v_cache;
+    const int64_t esize = fp32 ? 4 : 2; /* bytes per cached value */
+    const char *kc = (const char *)a->k_cache, *vc = (const char *)a->v_cache;
     float *acc = tv.acc;
     const int64_t D32 = (D + 31) / 32 * 32;
     float *scores = scratch, *qs = scores + nh * len, *os = qs + nh * D32, *mxs = os + nh * D32, *sums = mxs + nh;
     const __m512 vscale = _mm512_set1_ps(a->scale);
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (int64_t r = 0; r < nh; r++)  /* scaled, and in even/odd order per 32 columns (widen32_bf16) */
+    for (int64_t r = 0; r < nh; r++)  /* scaled, in load32_kv's column order (bf16: even/odd per 32) */
         for (int64_t c = 0; c < D; c += 32) {
             const int64_t i = r % gq / group, head = r / gq * group + r % group; /* token, head - h0 * group */
             const float *src = tv.qg + i * a->q_tok + head * a->q_head + c;
             const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c), src), vscale);
             const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c - 16 < 0 ? 0 : D - c - 16), src + 16), vscale);
-            _mm512_storeu_ps(qs + r * D32 + c, _mm512_permutex2var_ps(lo, even, hi));
-            _mm512_storeu_ps(qs + r * D32 + c + 16, _mm512_permutex2var_ps(lo, odd, hi));
+            _mm512_storeu_ps(qs + r * D32 + c, fp32 ? lo : _mm512_permutex2var_ps(lo, even, hi));
+            _mm512_storeu_ps(qs + r * D32 + c + 16, fp32 ? hi : _mm512_permutex2var_ps(lo, odd, hi));
         }
     const int64_t col0 = h0 * D, cols = (h1 - h0) * D;
 
     const int64_t quads = (block_size + 3) / 4, gchunks = (gq + 3) / 4;
-    const int64_t kv_lines = prefetch_plan(kc, block_size, rs, col0, cols).lines;
+    const int64_t kv_lines = prefetch_plan(kc, block_size, rs, col0, cols, esize).lines;
     const int64_t k_steps = (h1 - h0) * gchunks * quads, k_per_step = (kv_lines + k_steps - 1) / k_steps;
     for (int64_t b = b0; b < nblocks; b++) {
         const int64_t base = b * block_size - first;
         const int64_t n = base + block_size <= len ? block_size : len - base;
         /* the next block, or after the last, V's first */
-        prefetcher pf = prefetch_plan(b + 1 < nblocks ? kc + table[b + 1] * block_stride : vc + table[b0] * block_stride,
-                                      block_size, rs, col0, cols);
-        const uint16_t *kb = kc + table[b] * block_stride;
+        prefetcher pf = prefetch_plan(b + 1 < nblocks ? kc + table[b + 1] * block_stride * esize
+                                                      : vc + table[b0] * block_stride * esize,
+                                      block_size, rs, col0, cols, esize);
+        const char *kb = kc + table[b] * block_stride * esize;
         for (int64_t h = h0; h < h1; h++)
             for (int64_t g0 = 0; g0 < gq; g0 += 4) {
                 const int nr = gq - g0 < 4 ? (int)(gq - g0) : 4;
@@ -658,14 +580,14 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
                 for (int64_t t = 0; t < n; t += 4) {
                     prefetch_lines(&pf, k_per_step);
                     const int64_t nk = n - t < 4 ? n - t : 4;
-                    const uint16_t *kr[4]; /* a short block's missing keys: row 0 again, its scores not stored */
-                    for (int j = 0; j < 4; j++) kr[j] = kb + h * D + (j < nk ? t + j : 0) * rs;
+                    const void *kr[4]; /* a short block's missing keys: row 0 again, its scores not stored */
+                    for (int j = 0; j < 4; j++) kr[j] = kb + (h * D + (j < nk ? t + j : 0) * rs) * esize;
                     float *sc = scores + r * len + base + t;
                     switch (nr) {
-                    case 1: scores_4keys(1, qs + r * D32, D, D32, kr, sc, len, nk); break;
-                    case 2: scores_4keys(2, qs + r * D32, D, D32, kr, sc, len, nk); break;
-                    case 3: scores_4keys(3, qs + r * D32, D, D32, kr, sc, len, nk); break;
-                    default: scores_4keys(4, qs + r * D32, D, D32, kr, sc, len, nk); break;
+                    case 1: scores_4keys(1, fp32, qs + r * D32, D, D32, kr, sc, len, nk); break;
+                    case 2: scores_4keys(2, fp32, qs + r * D32, D, D32, kr, sc, len, nk); break;
+                    case 3: scores_4keys(3, fp32, qs + r * D32, D, D32, kr, sc, len, nk); break;
+                    default: scores_4keys(4, fp32, qs + r * D32, D, D32, kr, sc, len, nk); break;
                     }
                 }
             }
@@ -676,10 +598,11 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
     for (int64_t b = b0; b < nblocks; b++) {
         const int64_t base = b * block_size - first;
         const int64_t n = base + block_size <= len ? block_size : len - base;
-        prefetcher pf = prefetch_plan(b + 1 < nblocks ? vc + table[b + 1] * block_stride : NULL, block_size, rs, col0, cols);
+        prefetcher pf = prefetch_plan(b + 1 < nblocks ? vc + table[b + 1] * block_stride * esize : NULL, block_size, rs,
+                                      col0, cols, esize);
         const int64_t v_steps = (h1 - h0) * gchunks * ((D + 63) / 64) * block_size;
         const int64_t v_per_row = (kv_lines + v_steps - 1) / v_steps;
-        const uint16_t *vb = vc + table[b] * block_stride;
+        const char *vb = vc + table[b] * block_stride * esize;
         for (int64_t h = h0; h < h1; h++)
             for (int64_t g0 = 0; g0 < gq; g0 += 4) {
                 const int nr = gq - g0 < 4 ? (int)(gq - g0) : 4;
@@ -688,13 +611,13 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
                     const int nc = D - c0 > 32 ? 2 : 1;
                     const __mmask32 mlast = lanes32(D - c0 - 32 * (nc - 1));
                     const float *p = scores + r * len + base;
-                    const uint16_t *vr = vb + h * D + c0;
+                    const void *vr = vb + (h * D + c0) * esize;
                     float *o = os + r * D32 + c0;
                     switch (nr) {
-                    case 1: accumulate_block(1, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
-                    case 2: accumulate_block(2, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
-                    case 3: accumulate_block(3, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
-                    default: accumulate_block(4, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
+                    case 1: accumulate_block(1, fp32, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
+                    case 2: accumulate_block(2, fp32, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
+                    case 3: accumulate_block(3, fp32, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
+                    default: accumulate_block(4, fp32, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
                     }
                 }
             }
@@ -708,12 +631,23 @@ static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t 
         const __m512 inv = _mm512_set1_ps(prefix ? 1.f : 1.f / sums[r]);
         for (int64_t c = 0; c < D; c += 32) {
             const __m512 oe = _mm512_loadu_ps(os + r * D32 + c), oo = _mm512_loadu_ps(os + r * D32 + c + 16);
-            _mm512_mask_storeu_ps(dst + c, lanes16(D - c), _mm512_mul_ps(_mm512_permutex2var_ps(oe, lo_idx, oo), inv));
-            _mm512_mask_storeu_ps(dst + c + 16, lanes16(D - c - 16 < 0 ? 0 : D - c - 16),
-                                  _mm512_mul_ps(_mm512_permutex2var_ps(oe, hi_idx, oo), inv));
+            const __m512 lo = fp32 ? oe : _mm512_permutex2var_ps(oe, lo_idx, oo);
+            const __m512 hi = fp32 ? oo : _mm512_permutex2var_ps(oe, hi_idx, oo);
+            _mm512_mask_storeu_ps(dst + c, lanes16(D - c), _mm512_mul_ps(lo, inv));
+            _mm512_mask_storeu_ps(dst + c + 16, lanes16(D - c - 16 < 0 ? 0 : D - c - 16), _mm512_mul_ps(hi, inv));
         }
     }
     if (prefix) finish_rows512(a, s, h0 * group, nh, 1, mxs, sums, acc);
+}
+
+static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
+{
+    task_in_place(a, s, h0, h1, scratch, 0);
+}
+
+static void task_f32_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
+{
+    task_in_place(a, s, h0, h1, scratch, 1);
 }
 #endif
 
@@ -961,12 +895,13 @@ void write_kv_cache_f32(const float *k, int64_t k_tok, const float *v, int64_t v
 }
 
 /* Whether paged_decode_attention_f32 takes q_lens (several query tokens per sequence) for this cache: the
- * avx512 build over a bf16 cache (task_bf16_avx512). Measured beside the prefill kernel in
+ * avx512 build, either cache dtype (task_in_place). Measured beside the prefill kernel in
  * paged_decode_attention_f32's comment. */
 int paged_decode_multi_query_supported(int kv_bf16)
 {
 #ifdef PAGEDQ_AVX512
-    return kv_bf16 != 0;
+    (void)kv_bf16;
+    return 1;
 #else
     (void)kv_bf16;
     return 0;
@@ -1000,7 +935,7 @@ int paged_decode_attention_f32(
     const int64_t group = num_heads / num_kv_heads;
     int use_avx2 = 0;
 #if defined(PAGEDQ_AVX512)
-    use_avx2 = 1; /* task_avx512: any head_dim */
+    use_avx2 = 1; /* task_in_place: any head_dim */
 #elif defined(PAGEDQ_AVX2)
     use_avx2 = head_dim % 8 == 0;
 #endif
@@ -1027,7 +962,9 @@ int paged_decode_attention_f32(
         const int64_t staging = per_task == num_kv_heads || kv_bf16 ? block_size * num_kv_heads * head_dim : 0;
         size_t floats = (size_t)(per_task * group * max_q * (max_len + head_dim + 2) + staging + 8);
         /* task_bf16_avx512: q and the outputs in rows of head_dim rounded up to 32, no staging */
-        if (kv_bf16) floats += (size_t)(per_task * group * max_q * 2 * ((head_dim + 31) / 32 * 32));
+#ifdef PAGEDQ_AVX512
+        floats += (size_t)(per_task * group * max_q * 2 * ((head_dim + 31) / 32 * 32));
+#endif
 #ifdef PAGEDQ_AVX2
         if (prefix_tiles && flash_tile_floats(QT * group, head_dim) > floats) floats = flash_tile_floats(QT * group, head_dim);
 #endif
@@ -1044,7 +981,8 @@ int paged_decode_attention_f32(
 #ifdef PAGEDQ_AVX512
                 /* a bf16 cache: read in place (task_bf16_avx512's comment, measurements) */
                 if (kv_bf16) { task_bf16_avx512(&a, s, part * per_task, (part + 1) * per_task, scratch); continue; }
-                if (use_avx2 && head_dim % 8) { task_avx512(&a, s, part * per_task, (part + 1) * per_task, scratch); continue; }
+                task_f32_avx512(&a, s, part * per_task, (part + 1) * per_task, scratch);
+                continue;
 #endif
 #ifdef PAGEDQ_AVX2
                 if (use_avx2) { task_avx2(&a, s, part * per_task, (part + 1) * per_task, scratch); continue; }

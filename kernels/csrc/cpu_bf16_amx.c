@@ -1,0 +1,134 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias), or silu(gate) * up, for a bf16 weight on AMX bf16 tiles.
+ *
+ * Why: under bf16 matmuls (EngineConfig.matmul_weight_dtype) the activations stay fp32 and every linear
+ * went through oneDNN (kernels/cpu_linear.py, kind "onednn"): x.to(bfloat16), _linear_pointwise, the
+ * product .to(float32), three torch ops and three passes over the rows (a compass profile: 4.3 s of
+ * aten::copy_ in 85k calls beside 8.4 s of decoder linears), and the gated MLP's SiLU-and-mul as a fourth.
+ * The int8 AMX kernel (cpu_int8_amx.c) showed the shape of the fix: x rounded to bf16 inside the OpenMP
+ * region, fp32 rows written straight into y, SiLU-and-mul in the epilogue. A bf16 weight is already what
+ * a B tile holds, so this kernel loads the tiles straight from the packed weight: no widening (~40 % of
+ * the int8 kernel's time at 36 rows), no private copy.
+ *
+ * Layout (packed in kernels/cpu_linear.py, K a multiple of 32): ceil(N / 32) column blocks of 32 outputs
+ * (with glu: 16 gate and the 16 matching up columns, 16 outputs), each bf16 [K / 32][2][16][16][2], the
+ * B-tile VNNI order of amx_tile.h: per 32-deep K chunk two tiles (columns 0-15, 16-31) of 16 k-pairs x 16
+ * columns x the pair, loaded with a 64-byte stride. Padding columns are zero.
+ *
+ * Per thread and column block (a static share of the blocks: each thread streams one contiguous range of
+ * the weight), every 32-row block of x (MB rows at a time) runs amx_tile.h's 2 x 2 tile block on it; the
+ * block's K x 64 bytes (36 KB at K=576, 96 KB at 1536) stay in L1/L2 for the row blocks after the first.
+ * At decode sizes (one or two row blocks) a step is a stream of the weight from memory; PF_BLOCKS > 0
+ * prefetches that many blocks ahead, a slice per K chunk, into L2.
+ *
+ * Measured: see the figures below (filled in from ops/bench/kernel_timing.py --only linear).
+ *
+ * Only the avx512 build (kernels/c_build.py) holds the kernel, compiled with the AMX targets on top; Python
+ * calls it only where kernels/cpu_isa.py probed AMX runnable and the PAGEDQ_CPU_ISA cap allows "amx". Other
+ * builds export stubs that refuse.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd_math.h"
+#include "amx_tile.h" /* the permission, tile config, round_rows, tile_block, tile_epilogue */
+
+#if defined(PAGEDQ_AVX512)
+
+#ifndef MB
+#define MB 256 /* rows of x per pass over the column blocks (MB x K bf16: 768 KB at K=1536, in L2) */
+#endif
+#ifndef PF_BLOCKS
+#define PF_BLOCKS 1 /* column blocks ahead to prefetch during the first row block; 0: none */
+#endif
+
+/* The kernel's permission for AMX tile data in this process (once; idempotent). 0, or -1 if refused. */
+int bf16_amx_init(void) { return amx_request_permission(); }
+
+/* tile_block (amx_tile.h) with a software prefetch of `ahead` (a later block's weight, the same K x 64
+ * bytes) into L2, 2 KB per 32-deep K chunk, so the stream stays ahead of the tile loads. */
+static inline void tile_block_prefetch(const uint16_t *x, int64_t k, const uint16_t *panel, int rows, float *acc,
+                                       const uint16_t *ahead)
+{
+    const int64_t stride = k * (int64_t)sizeof(uint16_t);
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rows > 16) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t kc = 0; kc < k; kc += 32) {
+        const char *p = (const char *)(ahead + kc * 32);
+        for (int line = 0; line < 2048; line += 64)
+            _mm_prefetch(p + line, _MM_HINT_T1);
+        _tile_loadd(4, x + kc, stride);
+        _tile_loadd(6, panel + kc * 32, 64);
+        _tile_loadd(7, panel + kc * 32 + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (rows > 16) {
+            _tile_loadd(5, x + 16 * k + kc, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    if (rows > 16) {
+        _tile_stored(2, acc + 16 * 32, 128);
+        _tile_stored(3, acc + 16 * 32 + 16, 128);
+    }
+    _tile_stored(0, acc, 128);
+    _tile_stored(1, acc + 16, 128);
+}
+
+/* y [m, n] (row stride ldy) = x @ W^T + bias; x fp32 [m, k] (row stride ldx), k a multiple of 32; with glu
+ * y [m, n] = silu(gate) * up and no bias. w: the packed bf16 weight (layout above). xb: room for x in bf16,
+ * [ceil(m / 16) * 16, k]: x is rounded here, inside the parallel region (a torch op in between would wake
+ * torch's own OpenMP pool, whose spinning threads then compete with this one's: 30-50 % slower at 36-256
+ * rows, measured on the int8 kernel). Returns 0. bf16_amx_init must have succeeded in this process. */
+int gemm_bf16_amx(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w, const float *bias,
+                  float *y, int64_t ldy, int64_t n, int64_t k, int glu, int num_threads)
+{
+    const int64_t width = glu ? 16 : 32; /* outputs per column block */
+    const int64_t blocks = (n + width - 1) / width;
+    const int64_t block_elems = k * 32;
+    #pragma omp parallel num_threads(num_threads) if (blocks > 1)
+    {
+        round_rows(x_f32, ldx, x, m, (m + 15) / 16 * 16, k); /* ends in a barrier: every row ready */
+        float acc[32 * 32] __attribute__((aligned(64)));
+        configure_tiles();
+        for (int64_t m0 = 0; m0 < m; m0 += MB) {
+            const int64_t m1 = m0 + MB < m ? m0 + MB : m;
+            #pragma omp for schedule(static) nowait
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t col = b * width;
+                const int ncols = (int)(n - col < width ? n - col : width);
+                const uint16_t *panel = w + b * block_elems;
+                for (int64_t r0 = m0; r0 < m1; r0 += 32) {
+                    const int rows = (int)(m1 - r0 < 32 ? m1 - r0 : 32);
+                    if (PF_BLOCKS > 0 && r0 == m0 && b + PF_BLOCKS < blocks)
+                        tile_block_prefetch(x + r0 * k, k, panel, rows, acc, panel + PF_BLOCKS * block_elems);
+                    else
+                        tile_block(x + r0 * k, k, panel, rows, acc);
+                    tile_epilogue(acc, rows, NULL, bias && !glu ? bias + col : NULL, y + r0 * ldy + col, ldy, ncols,
+                                  glu);
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
+#else /* not the avx512 build: no AMX here */
+
+int bf16_amx_init(void) { return -1; }
+
+int gemm_bf16_amx(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w, const float *bias,
+                  float *y, int64_t ldy, int64_t n, int64_t k, int glu, int num_threads)
+{
+    (void)x_f32, (void)ldx, (void)x, (void)m, (void)w, (void)bias, (void)y, (void)ldy, (void)n, (void)k, (void)glu;
+    (void)num_threads;
+    return -2;
+}
+
+#endif

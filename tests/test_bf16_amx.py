@@ -17,7 +17,7 @@ from engine.models.llama import LlamaMLP
 from kernels import cpu_isa, cpu_linear
 from schemas.sampling import SamplingParams
 
-ROWS = (1, 5, 16, 17, 31, 33, 100, 300)  # one tile row, partial 16-row tiles, one and two 32-row blocks, several
+ROWS = (1, 5, 16, 17, 31, 33, 36, 100, 300)  # tile heights 1, 5, 16, 9, 16, 11, 12, 15, 16; one to ten row blocks
 
 
 @pytest.fixture(autouse=True)

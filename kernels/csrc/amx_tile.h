@@ -47,11 +47,14 @@ static inline void tile_config_fill(struct tile_config *cfg, int count)
 #pragma GCC target("amx-tile,amx-bf16,avx512bf16")
 #include <immintrin.h>
 
-/* Tile config is per thread: all 8 tiles 16 x 64 bytes. */
-static inline void configure_tiles(void)
+/* Tile config is per thread: the x and accumulator tiles (tmm0-5) `height` rows (1..16), the weight tiles
+ * (tmm6-7) 16 k-pairs; every tile row 64 bytes (16 fp32, 32 bf16, or 16 bf16 pairs). */
+static inline void configure_tiles(int height)
 {
     struct tile_config cfg;
     tile_config_fill(&cfg, 8);
+    for (int t = 0; t < 6; t++)
+        cfg.rows[t] = (uint8_t)height;
     _tile_loadconfig(&cfg);
 }
 
@@ -75,37 +78,35 @@ static inline void round_rows(const float *x, int64_t ldx, uint16_t *xb, int64_t
     }
 }
 
-/* acc [32][32] fp32 = x rows (two 16-row tiles, or one when rows <= 16; x rows at stride k) @ a column
- * block's weight (the B-tile order above: tile t of chunk kc at panel + kc * 32 + 512 t). 4 accumulators
- * (tmm0-3), 2 x tiles (tmm4-5), 2 weight tiles (tmm6-7): 4 tile loads per 4 TDPBF16PS. */
-static inline void tile_block(const uint16_t *x, int64_t k, const uint16_t *panel, int rows, float *acc)
+/* acc [2 height][32] fp32 = x rows (two tiles of `height` rows, or one when rows <= height; x rows at stride
+ * k) @ a column block's weight (the B-tile order above: tile t of chunk kc at panel + kc * 32 + 512 t).
+ * 4 accumulators (tmm0-3), 2 x tiles (tmm4-5), 2 weight tiles (tmm6-7): 4 tile loads per 4 TDPBF16PS.
+ * `height`: the rows configure_tiles gave the x and accumulator tiles. */
+static inline void tile_block(const uint16_t *x, int64_t k, const uint16_t *panel, int rows, int height, float *acc)
 {
     const int64_t stride = k * (int64_t)sizeof(uint16_t);
+    const int two = rows > height;
     _tile_zero(0);
     _tile_zero(1);
-    if (rows > 16) {
+    if (two) {
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t kc = 0; kc < k; kc += 32) {
-            _tile_loadd(4, x + kc, stride);
-            _tile_loadd(5, x + 16 * k + kc, stride);
-            _tile_loadd(6, panel + kc * 32, 64);
-            _tile_loadd(7, panel + kc * 32 + 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
+    }
+    for (int64_t kc = 0; kc < k; kc += 32) {
+        _tile_loadd(4, x + kc, stride);
+        _tile_loadd(6, panel + kc * 32, 64);
+        _tile_loadd(7, panel + kc * 32 + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, x + height * k + kc, stride);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        _tile_stored(2, acc + 16 * 32, 128);
-        _tile_stored(3, acc + 16 * 32 + 16, 128);
-    } else {
-        for (int64_t kc = 0; kc < k; kc += 32) {
-            _tile_loadd(4, x + kc, stride);
-            _tile_loadd(6, panel + kc * 32, 64);
-            _tile_loadd(7, panel + kc * 32 + 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-        }
+    }
+    if (two) {
+        _tile_stored(2, acc + height * 32, 128);
+        _tile_stored(3, acc + height * 32 + 16, 128);
     }
     _tile_stored(0, acc, 128);
     _tile_stored(1, acc + 16, 128);

@@ -38,46 +38,18 @@
 #ifndef MB
 #define MB 256 /* rows of x per pass over the column blocks (MB x K bf16: 768 KB at K=1536, in L2) */
 #endif
-#ifndef PF_BLOCKS
-#define PF_BLOCKS 1 /* column blocks ahead to prefetch during the first row block; 0: none */
-#endif
 
 /* The kernel's permission for AMX tile data in this process (once; idempotent). 0, or -1 if refused. */
 int bf16_amx_init(void) { return amx_request_permission(); }
 
-/* tile_block (amx_tile.h) with a software prefetch of `ahead` (a later block's weight, the same K x 64
- * bytes) into L2, 2 KB per 32-deep K chunk, so the stream stays ahead of the tile loads. */
-static inline void tile_block_prefetch(const uint16_t *x, int64_t k, const uint16_t *panel, int rows, float *acc,
-                                       const uint16_t *ahead)
+/* Rows per x tile for an m-row product: m spread evenly over the fewest 16-row tiles (36 rows: 3 tiles of
+ * 12, not 16 + 16 + 4). A TDPBF16PS costs about in proportion to its rows (16: ~10 ns, 12: 8, 8: 6.7,
+ * 4-1: ~6 here, one thread, weight in L2), and a short tail tile would cost a full one; the tile config
+ * is loaded once per call (an LDTILECFG per column block to switch heights cost more than it saved). */
+static inline int tile_height(int64_t m)
 {
-    const int64_t stride = k * (int64_t)sizeof(uint16_t);
-    _tile_zero(0);
-    _tile_zero(1);
-    if (rows > 16) {
-        _tile_zero(2);
-        _tile_zero(3);
-    }
-    for (int64_t kc = 0; kc < k; kc += 32) {
-        const char *p = (const char *)(ahead + kc * 32);
-        for (int line = 0; line < 2048; line += 64)
-            _mm_prefetch(p + line, _MM_HINT_T1);
-        _tile_loadd(4, x + kc, stride);
-        _tile_loadd(6, panel + kc * 32, 64);
-        _tile_loadd(7, panel + kc * 32 + 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (rows > 16) {
-            _tile_loadd(5, x + 16 * k + kc, stride);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    if (rows > 16) {
-        _tile_stored(2, acc + 16 * 32, 128);
-        _tile_stored(3, acc + 16 * 32 + 16, 128);
-    }
-    _tile_stored(0, acc, 128);
-    _tile_stored(1, acc + 16, 128);
+    const int64_t tiles = (m + 15) / 16;
+    return (int)((m + tiles - 1) / tiles);
 }
 
 /* y [m, n] (row stride ldy) = x @ W^T + bias; x fp32 [m, k] (row stride ldx), k a multiple of 32; with glu
@@ -91,24 +63,23 @@ int gemm_bf16_amx(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const
     const int64_t width = glu ? 16 : 32; /* outputs per column block */
     const int64_t blocks = (n + width - 1) / width;
     const int64_t block_elems = k * 32;
+    const int height = tile_height(m);
+    const int64_t mb = MB / (2 * height) * (2 * height); /* whole row blocks per pass */
     #pragma omp parallel num_threads(num_threads) if (blocks > 1)
     {
         round_rows(x_f32, ldx, x, m, (m + 15) / 16 * 16, k); /* ends in a barrier: every row ready */
         float acc[32 * 32] __attribute__((aligned(64)));
-        configure_tiles();
-        for (int64_t m0 = 0; m0 < m; m0 += MB) {
-            const int64_t m1 = m0 + MB < m ? m0 + MB : m;
+        configure_tiles(height);
+        for (int64_t m0 = 0; m0 < m; m0 += mb) {
+            const int64_t m1 = m0 + mb < m ? m0 + mb : m;
             #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < blocks; b++) {
                 const int64_t col = b * width;
                 const int ncols = (int)(n - col < width ? n - col : width);
                 const uint16_t *panel = w + b * block_elems;
-                for (int64_t r0 = m0; r0 < m1; r0 += 32) {
-                    const int rows = (int)(m1 - r0 < 32 ? m1 - r0 : 32);
-                    if (PF_BLOCKS > 0 && r0 == m0 && b + PF_BLOCKS < blocks)
-                        tile_block_prefetch(x + r0 * k, k, panel, rows, acc, panel + PF_BLOCKS * block_elems);
-                    else
-                        tile_block(x + r0 * k, k, panel, rows, acc);
+                for (int64_t r0 = m0; r0 < m1; r0 += 2 * height) {
+                    const int rows = (int)(m1 - r0 < 2 * height ? m1 - r0 : 2 * height);
+                    tile_block(x + r0 * k, k, panel, rows, height, acc);
                     tile_epilogue(acc, rows, NULL, bias && !glu ? bias + col : NULL, y + r0 * ldy + col, ldy, ncols,
                                   glu);
                 }

@@ -78,19 +78,31 @@ static inline void round_rows(const float *x, int64_t ldx, uint16_t *xb, int64_t
     }
 }
 
-/* acc [2 height][32] fp32 = x rows (two tiles of `height` rows, or one when rows <= height; x rows at stride
- * k) @ a column block's weight (the B-tile order above: tile t of chunk kc at panel + kc * 32 + 512 t).
- * 4 accumulators (tmm0-3), 2 x tiles (tmm4-5), 2 weight tiles (tmm6-7): 4 tile loads per 4 TDPBF16PS.
- * `height`: the rows configure_tiles gave the x and accumulator tiles. */
-static inline void tile_block(const uint16_t *x, int64_t k, const uint16_t *panel, int rows, int height, float *acc)
+/* out [2 height][32] fp32 (row stride ldo floats) = init + x rows (two tiles of `height` rows, or one when
+ * rows <= height; x rows at stride k) @ a column block's weight (the B-tile order above: tile t of chunk kc
+ * at panel + kc * 32 + 512 t). 4 accumulators (tmm0-3), 2 x tiles (tmm4-5), 2 weight tiles (tmm6-7): 4 tile
+ * loads per 4 TDPBF16PS. `height`: the rows configure_tiles gave the x and accumulator tiles. init: NULL
+ * (zeros) or 32 fp32 every row starts from (a bias: loaded with a zero stride). out: an fp32 scratch for an
+ * epilogue (ldo 32), or y itself where every stored row and column is y's. */
+static inline void tile_block(const uint16_t *x, int64_t k, const uint16_t *panel, int rows, int height,
+                              const float *init, float *out, int64_t ldo)
 {
-    const int64_t stride = k * (int64_t)sizeof(uint16_t);
+    const int64_t stride = k * (int64_t)sizeof(uint16_t), ldo_bytes = ldo * (int64_t)sizeof(float);
     const int two = rows > height;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
+    if (init) {
+        _tile_loadd(0, init, 0);
+        _tile_loadd(1, init + 16, 0);
+        if (two) {
+            _tile_loadd(2, init, 0);
+            _tile_loadd(3, init + 16, 0);
+        }
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
     }
     for (int64_t kc = 0; kc < k; kc += 32) {
         _tile_loadd(4, x + kc, stride);
@@ -105,11 +117,11 @@ static inline void tile_block(const uint16_t *x, int64_t k, const uint16_t *pane
         }
     }
     if (two) {
-        _tile_stored(2, acc + height * 32, 128);
-        _tile_stored(3, acc + height * 32 + 16, 128);
+        _tile_stored(2, out + height * ldo, ldo_bytes);
+        _tile_stored(3, out + height * ldo + 16, ldo_bytes);
     }
-    _tile_stored(0, acc, 128);
-    _tile_stored(1, acc + 16, 128);
+    _tile_stored(0, out, ldo_bytes);
+    _tile_stored(1, out + 16, ldo_bytes);
 }
 
 /* y rows = acc rows * scale (+ bias), or silu(gate * scale) * (up * scale) with glu; ncols valid outputs.

@@ -38,6 +38,9 @@
 #ifndef MB
 #define MB 256 /* rows of x per pass over the column blocks (MB x K bf16: 768 KB at K=1536, in L2) */
 #endif
+#ifndef DIRECT
+#define DIRECT 1
+#endif
 
 /* The kernel's permission for AMX tile data in this process (once; idempotent). 0, or -1 if refused. */
 int bf16_amx_init(void) { return amx_request_permission(); }
@@ -65,6 +68,9 @@ int gemm_bf16_amx(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const
     const int64_t block_elems = k * 32;
     const int height = tile_height(m);
     const int64_t mb = MB / (2 * height) * (2 * height); /* whole row blocks per pass */
+    /* Without glu, a block whose tiles hold only y's rows and columns (all but a partial last row or column
+     * block) starts its accumulators from the bias and stores them straight into y: no fp32 scratch. */
+    const int direct = DIRECT && !glu;
     #pragma omp parallel num_threads(num_threads) if (blocks > 1)
     {
         round_rows(x_f32, ldx, x, m, (m + 15) / 16 * 16, k); /* ends in a barrier: every row ready */
@@ -79,9 +85,13 @@ int gemm_bf16_amx(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const
                 const uint16_t *panel = w + b * block_elems;
                 for (int64_t r0 = m0; r0 < m1; r0 += 2 * height) {
                     const int rows = (int)(m1 - r0 < 2 * height ? m1 - r0 : 2 * height);
-                    tile_block(x + r0 * k, k, panel, rows, height, acc);
-                    tile_epilogue(acc, rows, NULL, bias && !glu ? bias + col : NULL, y + r0 * ldy + col, ldy, ncols,
-                                  glu);
+                    float *out = y + r0 * ldy + col;
+                    if (direct && ncols == 32 && (rows == height || rows == 2 * height)) {
+                        tile_block(x + r0 * k, k, panel, rows, height, bias ? bias + col : NULL, out, ldy);
+                        continue;
+                    }
+                    tile_block(x + r0 * k, k, panel, rows, height, NULL, acc, 32);
+                    tile_epilogue(acc, rows, NULL, bias && !glu ? bias + col : NULL, out, ldy, ncols, glu);
                 }
             }
         }

@@ -117,7 +117,7 @@ int gemm_int8_amx(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const
                 widen_block(values + b * k * 32, panel, k * 32);
                 for (int64_t r0 = m0; r0 < m1; r0 += 32) {
                     const int rows = (int)(m1 - r0 < 32 ? m1 - r0 : 32);
-                    tile_block(x + r0 * k, k, panel, rows, 16, acc);
+                    tile_block(x + r0 * k, k, panel, rows, 16, NULL, acc, 32);
                     tile_epilogue(acc, rows, scales + b * 32, bias && !glu ? bias + col : NULL, y + r0 * ldy + col,
                                   ldy, ncols, glu);
                 }

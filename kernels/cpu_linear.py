@@ -280,10 +280,21 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
 def _linear_amx(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`linear` for an AMX-packed bf16 weight: ``x`` (fp32; a bf16 ``x`` is widened first, exactly)
     rounded to bf16 inside the kernel, products summed in fp32, the fp32 result (bias added in fp32)
-    returned in ``x``'s dtype."""
+    returned in ``x``'s dtype. Lean on purpose: a decode step makes ~120 of these calls, each a few tens of
+    microseconds of kernel, so every torch call here is a visible share."""
     n, k = packed.out_features, packed.in_features
-    x2, out, bias = panel_operands(x, n, k, bias, packed.glu, "linear")
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight expects {k}")
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32 or x2.stride(-1) != 1:
+        x2 = x2.contiguous().float()
+    if bias is not None:
+        if packed.glu:
+            raise ValueError("linear: a gated (glu) packed weight takes no bias")
+        if bias.dtype != torch.float32 or not bias.is_contiguous():
+            bias = bias.detach().float().contiguous()
     m = x2.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32)
     if m:
         # The kernel rounds x to bf16 into this (rows padded to a tile's 16 with zeros).
         xb = torch.empty((-(-m // AMX_ROWS) * AMX_ROWS, k), dtype=torch.bfloat16)
@@ -303,4 +314,6 @@ def _linear_amx(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None
             int(packed.glu),
             torch.get_num_threads(),
         )
-    return out.view(*x.shape[:-1], n).to(x.dtype)
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], n)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -1,7 +1,7 @@
-"""Linear layers on CPU with the weight packed once at load time: C panel kernel or oneDNN.
+"""Linear layers on CPU with the weight packed once at load time: C panel kernel, C AMX kernel or oneDNN.
 
 ``F.linear`` on an x86 CPU build of torch calls MKL's sgemm, which re-packs the weight matrix on
-every call: at decode batch sizes that re-packing costs as much as the arithmetic. Two packed
+every call: at decode batch sizes that re-packing costs as much as the arithmetic. Three packed
 layouts fix it, picked in this order:
 
 - ``panels``: pagedq's own kernel (``csrc/cpu_gemm.c``, float32, AVX2/FMA): the weight as
@@ -9,9 +9,22 @@ layouts fix it, picked in this order:
   weights from memory, and this is what keeps it one: measured on a 2-core AMD EPYC over SmolLM2's
   projections (30 layers, cold), 8 rows ran at 9 GB/s of weights vs oneDNN's 5.8, 16 rows at 62 vs
   42 GFLOP/s, 128 rows at 116 vs 90, and 2048 rows level (117 vs 113).
+- ``amx`` (bf16 weights only): pagedq's AMX kernel (``csrc/cpu_bf16_amx.c``): the weight in the AMX
+  B-tile order, per block of 32 output columns, loaded into the tiles as it lies; fp32 ``x`` rounded to
+  bf16 inside the kernel's OpenMP region, fp32 sums, fp32 rows (bias added in fp32) written straight into
+  the output, and for a merged gate/up weight (:func:`pack_gated`) ``silu(gate) * up`` in the epilogue.
+  It replaces oneDNN's path, which paid three torch ops per call (``x.to(bf16)``, the matmul, ``.to(fp32)``)
+  and a separate SiLU-and-mul pass. Where AMX runs (probed, allowed by ``PAGEDQ_CPU_ISA``, the avx512
+  build, tile permission granted) and ``in_features`` is a multiple of 32; ``PAGEDQ_DISABLE_AMX_LINEAR=1``
+  switches it off. Measured on a 2-vCPU Xeon (KVM, family 6 model 167) over SmolLM2-135M's projections,
+  weights from memory: 1.2-2x oneDNN's GFLOP/s at 8-64 rows (qkv 277 / 859 / 1287 at 8 / 36 / 64 rows
+  against 196 / 691 / 975; the fused gate_up 296 / 889 / 1318 against 149 / 538 / 698), 1.2-1.4x at 256
+  rows, 0.95x at 2048 except gate_up (1.5x); the compass workload (bf16, no speculation) 510 tok/s
+  against 400-442 on oneDNN, 560-568 against 417-445 with speculation (figures in the C file).
 - ``onednn``: the weight reordered into oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``), multiplied by ``_linear_pointwise``, where the C
-  kernel cannot run (no compiler, no AVX2) or for dtypes it does not cover. It is also the bf16 path:
+  kernel cannot run (no compiler, no AVX2) or for dtypes it does not cover. It is also the bf16 path
+  where the AMX kernel does not run (AVX512-bf16 only, the cap, ``in_features`` not a multiple of 32):
   on a CPU with AMX or AVX512-bf16 (:mod:`kernels.cpu_isa`), oneDNN's bf16 kernels run on the tiles or
   the bf16 dot products with fp32 accumulation. Measured on a 2-vCPU Xeon with AMX over SmolLM2's
   projections and lm_head: 288 / 605 / 514 GFLOP/s at 8 / 64 / 512 rows against the fp32 AVX-512

@@ -15,12 +15,39 @@
  * columns x the pair, loaded with a 64-byte stride. Padding columns are zero.
  *
  * Per thread and column block (a static share of the blocks: each thread streams one contiguous range of
- * the weight), every 32-row block of x (MB rows at a time) runs amx_tile.h's 2 x 2 tile block on it; the
+ * the weight), every row block of x (MB rows at a time) runs amx_tile.h's 2 x 2 tile block on it; the
  * block's K x 64 bytes (36 KB at K=576, 96 KB at 1536) stay in L1/L2 for the row blocks after the first.
- * At decode sizes (one or two row blocks) a step is a stream of the weight from memory; PF_BLOCKS > 0
- * prefetches that many blocks ahead, a slice per K chunk, into L2.
+ * The x tiles are as tall as m spread over the fewest 16-row tiles (36 rows: 3 tiles of 12, not 16 + 16 +
+ * 4; see tile_height). Without glu, a block whose tiles hold only y's rows and columns starts its
+ * accumulators from the bias and stores them straight into y; the others go through a 4 KB fp32 scratch to
+ * tile_epilogue (bias, or silu(gate) * up), which writes fp32 rows straight into y.
  *
- * Measured: see the figures below (filled in from ops/bench/kernel_timing.py --only linear).
+ * Measured (2-vCPU KVM Xeon, family 6 model 167, 2 threads, 2 MB L2 per core, shared with another agent's
+ * work; GFLOP/s through the Python entry points, x fp32 in and out, each call on the next of 30 copies of
+ * the weight so that it comes from memory as in a model step; oneDNN bf16 = the "onednn" kind, its
+ * x.to(bfloat16) and .to(float32) included; gate_up: fused SiLU-and-mul here, oneDNN's product then the C
+ * SiLU-and-mul pass as the engine ran it; python -m ops.bench.kernel_timing --linears, fastest of 4):
+ *                  M:     8    36    64   256  2048
+ *   qkv 576x960   this  277   859  1287  1811  1841 | oneDNN  196   691   975  1494  1931
+ *   o 576x576           218   727  1113  1678  1615 |         151   531   806  1307  1708
+ *   gate_up glu         296   889  1318  1895  2280 |         149   538   698  1385  1553
+ *   down 1536x576       316   975  1388  1651  1812 |         243   713  1044  1163  1868
+ *   lm_head 576x49152   430  1305  1866  1305   684 |         345  1298  1644  1497   607
+ * So the decoder's projections run 1.2-2x oneDNN's GFLOP/s at decode sizes (8-64 rows; the lm_head 1.0-1.25x)
+ * and 1.2-1.4x at 256; at 2048 rows 0.95x on qkv, o and down (the 2 x 2 block's tile loads come from L2
+ * there: ~20 ns per TDPBF16PS against ~10 with both operands in L1), 1.5x on the fused gate_up. The lm_head
+ * at 256+ rows writes 50+ MB of logits per call, which bounds both (0.9-1.2x over runs).
+ * The kernel alone (C, no Python; weight from memory): 40-47 GB/s of weight at 1-16 rows (qkv: 24-33 us per
+ * call, ~5 us of it the OpenMP region and tile config), 26 GB/s at 36. The bias-initialised direct store:
+ * +3-5 % at 256-2048 rows on qkv, level elsewhere. What was tried and dropped, each measured in C:
+ * software prefetch of the next 1-4 blocks' tiles (_MM_HINT_T1, 2 KB per K chunk): 5-10 % slower at 1-64
+ * rows; rows-outer order (one row block over every column block, MB = 32): 5-10 % slower at 64-256 rows;
+ * MB = 1024: no change; for blocks of <= 16 rows, the K chunks split over 4 accumulators (4 TDPBF16PS
+ * chains, not 2): 5-10 % slower, so the small blocks are not latency bound; a tile config switched per
+ * block for a short tail (LDTILECFG costs ~0.4 us): slower at 36 rows, hence one height per call.
+ * The compass workload (pagedq bench, SmolLM2-135M bf16, 64 requests, 13:44-13:48 UTC 2026-12-02, the
+ * same machine, interleaved): no speculation 511.6 and 509.6 tok/s against 400.8 and 442.3 with
+ * PAGEDQ_DISABLE_AMX_LINEAR=1 (oneDNN); speculation on 568.0 and 559.8 against 445.4 and 416.6.
  *
  * Only the avx512 build (kernels/c_build.py) holds the kernel, compiled with the AMX targets on top; Python
  * calls it only where kernels/cpu_isa.py probed AMX runnable and the PAGEDQ_CPU_ISA cap allows "amx". Other
@@ -48,7 +75,9 @@ int bf16_amx_init(void) { return amx_request_permission(); }
 /* Rows per x tile for an m-row product: m spread evenly over the fewest 16-row tiles (36 rows: 3 tiles of
  * 12, not 16 + 16 + 4). A TDPBF16PS costs about in proportion to its rows (16: ~10 ns, 12: 8, 8: 6.7,
  * 4-1: ~6 here, one thread, weight in L2), and a short tail tile would cost a full one; the tile config
- * is loaded once per call (an LDTILECFG per column block to switch heights cost more than it saved). */
+ * is loaded once per call (an LDTILECFG per column block to switch heights cost more than it saved).
+ * Measured in C on qkv with its weight in L2: 1 row 12.7 -> 7.7 us, 8 rows 13.5 -> 10.4, 33 rows 38 -> 30;
+ * with the weight from memory the 1-16-row calls gain little (the stream bounds them). */
 static inline int tile_height(int64_t m)
 {
     const int64_t tiles = (m + 15) / 16;

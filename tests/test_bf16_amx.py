@@ -16,6 +16,8 @@ from engine.layers import Linear
 from engine.models.llama import LlamaMLP
 from kernels import cpu_isa, cpu_linear
 from schemas.sampling import SamplingParams
+from worker.__main__ import kernel_path
+from worker.settings import Settings
 
 ROWS = (1, 5, 16, 17, 31, 33, 36, 100, 300)  # tile heights 1, 5, 16, 9, 16, 11, 12, 15, 16; one to ten row blocks
 
@@ -103,6 +105,14 @@ def test_onednn_where_amx_may_not_or_cannot_run(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv(cpu_isa.ENV_CAP)
     monkeypatch.setenv("PAGEDQ_DISABLE_AMX_LINEAR", "1")  # the switch, for comparisons
     assert cpu_linear.available_kinds(torch.bfloat16) == ["onednn"]
+
+
+def test_worker_reports_the_amx_matmul_as_the_c_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker.kernels line names the kernel bf16 matmuls run on, and counts it as the fast (C) path."""
+    fast, fields = kernel_path(Settings(dtype="bfloat16", device="cpu"))
+    assert fast and fields["matmul"] == "amx-bf16" and fields["path"] == "c", fields  # the C kernels built here
+    monkeypatch.setenv("PAGEDQ_DISABLE_AMX_LINEAR", "1")
+    assert kernel_path(Settings(dtype="bfloat16", device="cpu"))[1]["matmul"] == "onednn-bf16"
 
 
 def test_linear_layer_packs_for_amx_under_bf16() -> None:

@@ -100,7 +100,7 @@ def kernel_path(settings: Settings) -> tuple[bool, dict[str, Any]]:
         "attention": "c" if cpu_attention.available() else "torch",
         "fused_ops": "c" if cpu_ops.available() else "torch",
     }
-    fast_matmul = matmul == "panels" or (dtype == torch.bfloat16 and matmul == "onednn")
+    fast_matmul = matmul in ("panels", "amx") or (dtype == torch.bfloat16 and matmul == "onednn")
     on_c = [fast_matmul, fields["attention"] == "c", fields["fused_ops"] == "c"]
     fields["path"] = "c" if all(on_c) else "torch" if not any(on_c) else "mixed"
     if all(on_c):

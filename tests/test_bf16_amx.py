@@ -109,10 +109,11 @@ def test_onednn_where_amx_may_not_or_cannot_run(monkeypatch: pytest.MonkeyPatch)
 
 def test_worker_reports_the_amx_matmul_as_the_c_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker.kernels line names the kernel bf16 matmuls run on, and counts it as the fast (C) path."""
-    fast, fields = kernel_path(Settings(dtype="bfloat16", device="cpu"))
+    bf16_cpu = Settings.model_validate({"dtype": "bfloat16", "device": "cpu"})
+    fast, fields = kernel_path(bf16_cpu)
     assert fast and fields["matmul"] == "amx-bf16" and fields["path"] == "c", fields  # the C kernels built here
     monkeypatch.setenv("PAGEDQ_DISABLE_AMX_LINEAR", "1")
-    assert kernel_path(Settings(dtype="bfloat16", device="cpu"))[1]["matmul"] == "onednn-bf16"
+    assert kernel_path(bf16_cpu)[1]["matmul"] == "onednn-bf16"
 
 
 def test_linear_layer_packs_for_amx_under_bf16() -> None:

@@ -29,8 +29,8 @@ class Linear(nn.Module):
     """``y = x @ W.T (+ b)``; merged projections (qkv, gate_up) are just a larger ``out_features``.
 
     On CPU, :meth:`prepack` (called once after loading) moves the weight into a packed layout
-    (``kernels/cpu_linear``: C panels, else oneDNN), 1.3-2x faster for decode-sized batches, and
-    frees the dense copy so the model is not held twice in memory.
+    (``kernels/cpu_linear``: C panels for fp32, the C AMX kernel for bf16, else oneDNN), 1.3-2x faster for
+    decode-sized batches, and frees the dense copy so the model is not held twice in memory.
     """
 
     def __init__(

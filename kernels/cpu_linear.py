@@ -1,7 +1,7 @@
-"""Linear layers on CPU with the weight packed once at load time: C panel kernel or oneDNN.
+"""Linear layers on CPU with the weight packed once at load time: C panel kernel, C AMX kernel or oneDNN.
 
 ``F.linear`` on an x86 CPU build of torch calls MKL's sgemm, which re-packs the weight matrix on
-every call: at decode batch sizes that re-packing costs as much as the arithmetic. Two packed
+every call: at decode batch sizes that re-packing costs as much as the arithmetic. Three packed
 layouts fix it, picked in this order:
 
 - ``panels``: pagedq's own kernel (``csrc/cpu_gemm.c``, float32, AVX2/FMA): the weight as
@@ -9,9 +9,22 @@ layouts fix it, picked in this order:
   weights from memory, and this is what keeps it one: measured on a 2-core AMD EPYC over SmolLM2's
   projections (30 layers, cold), 8 rows ran at 9 GB/s of weights vs oneDNN's 5.8, 16 rows at 62 vs
   42 GFLOP/s, 128 rows at 116 vs 90, and 2048 rows level (117 vs 113).
+- ``amx`` (bf16 weights only): pagedq's AMX kernel (``csrc/cpu_bf16_amx.c``): the weight in the AMX
+  B-tile order, per block of 32 output columns, loaded into the tiles as it lies; fp32 ``x`` rounded to
+  bf16 inside the kernel's OpenMP region, fp32 sums, fp32 rows (bias added in fp32) written straight into
+  the output, and for a merged gate/up weight (:func:`pack_gated`) ``silu(gate) * up`` in the epilogue.
+  It replaces oneDNN's path, which paid three torch ops per call (``x.to(bf16)``, the matmul, ``.to(fp32)``)
+  and a separate SiLU-and-mul pass. Where AMX runs (probed, allowed by ``PAGEDQ_CPU_ISA``, the avx512
+  build, tile permission granted) and ``in_features`` is a multiple of 32; ``PAGEDQ_DISABLE_AMX_LINEAR=1``
+  switches it off. Measured on a 2-vCPU Xeon (KVM, family 6 model 167) over SmolLM2-135M's projections,
+  weights from memory: 1.2-2x oneDNN's GFLOP/s at 8-64 rows (qkv 277 / 859 / 1287 at 8 / 36 / 64 rows
+  against 196 / 691 / 975; the fused gate_up 296 / 889 / 1318 against 149 / 538 / 698), 1.2-1.4x at 256
+  rows, 0.95x at 2048 except gate_up (1.5x); the compass workload (bf16, no speculation) 510 tok/s
+  against 400-442 on oneDNN, 560-568 against 417-445 with speculation (figures in the C file).
 - ``onednn``: the weight reordered into oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``), multiplied by ``_linear_pointwise``, where the C
-  kernel cannot run (no compiler, no AVX2) or for dtypes it does not cover. It is also the bf16 path:
+  kernel cannot run (no compiler, no AVX2) or for dtypes it does not cover. It is also the bf16 path
+  where the AMX kernel does not run (AVX512-bf16 only, the cap, ``in_features`` not a multiple of 32):
   on a CPU with AMX or AVX512-bf16 (:mod:`kernels.cpu_isa`), oneDNN's bf16 kernels run on the tiles or
   the bf16 dot products with fp32 accumulation. Measured on a 2-vCPU Xeon with AMX over SmolLM2's
   projections and lm_head: 288 / 605 / 514 GFLOP/s at 8 / 64 / 512 rows against the fp32 AVX-512
@@ -27,6 +40,7 @@ itself; results agree to float32 rounding (summation order differs).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -35,12 +49,15 @@ import torch
 
 from kernels import c_build, cpu_isa, host_memory
 
-Kind = Literal["panels", "onednn"]
+Kind = Literal["panels", "amx", "onednn"]
 
 # The batch-size hint for oneDNN's reorder: it picks its blocking for this many rows; measured, the
 # layout chosen for 64 rows served 1-2048 rows as well as one chosen for each size.
 BATCH_HINT = 64
 PANEL = 16  # output columns per panel (csrc/cpu_gemm.c NR)
+AMX_BLOCK = 32  # output columns per AMX column block (two 16-column tiles); glu: 16 gate + 16 up
+AMX_K = 32  # bf16 k-elements per tile row: in_features must be a multiple
+AMX_ROWS = 16  # rows per x tile: the bf16 copy of x is padded to a multiple
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,6 +87,33 @@ def _panels_lib() -> ctypes.CDLL | None:
     return c_build.load("cpu_gemm", _bind)
 
 
+def _bind_amx(lib: ctypes.CDLL) -> None:
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.bf16_amx_init.argtypes = []
+    lib.bf16_amx_init.restype = i32
+    lib.gemm_bf16_amx.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i32]
+    lib.gemm_bf16_amx.restype = i32
+
+
+@functools.cache
+def _amx_lib() -> ctypes.CDLL | None:
+    """The avx512 build of ``cpu_bf16_amx`` with AMX tile permission granted to this process, or None.
+    Held once loaded: an AMX-packed weight keeps running on it if the ``PAGEDQ_CPU_ISA`` cap moves later."""
+    lib = c_build.load("cpu_bf16_amx", _bind_amx)
+    if lib is None or lib.bf16_amx_init() != 0:
+        return None
+    return lib
+
+
+def amx_available() -> bool:
+    """Whether bf16 weights can run on pagedq's AMX kernel here: AMX probed runnable and allowed by the
+    ``PAGEDQ_CPU_ISA`` cap, the avx512 kernel build, the kernel's permission for tile data, and not switched
+    off by ``PAGEDQ_DISABLE_AMX_LINEAR`` (then oneDNN multiplies them, as before the kernel)."""
+    if os.environ.get("PAGEDQ_DISABLE_AMX_LINEAR") or "amx" not in cpu_isa.current().levels:
+        return False
+    return c_build.variant() == "avx512" and _amx_lib() is not None
+
+
 def _onednn_available(dtype: torch.dtype) -> bool:
     if os.environ.get("PAGEDQ_DISABLE_ONEDNN_LINEAR"):
         return False
@@ -88,6 +132,8 @@ def available_kinds(dtype: torch.dtype) -> list[Kind]:
     kinds: list[Kind] = []
     if dtype == torch.float32 and _panels_lib() is not None:
         kinds.append("panels")
+    if dtype == torch.bfloat16 and amx_available():
+        kinds.append("amx")  # in_features a multiple of 32 only: pack() falls through to oneDNN otherwise
     if _onednn_available(dtype):
         kinds.append("onednn")
     return kinds
@@ -106,24 +152,35 @@ def pack(weight: torch.Tensor, kind: Kind | None = None, dtype: torch.dtype | No
         weight = weight.detach().to(dtype)
     kinds = [k for k in available_kinds(weight.dtype) if kind in (None, k)]
     for k in kinds:
-        data = _pack_panels(weight, glu=False) if k == "panels" else _pack_onednn(weight)
+        if k == "panels":
+            data: torch.Tensor | None = _pack_panels(weight, glu=False)
+        elif k == "amx":
+            data = _pack_amx(weight, glu=False)
+        else:
+            data = _pack_onednn(weight)
         if data is not None:
             return PackedWeight(k, data, weight.shape[0], weight.shape[1])
     return None
 
 
-def pack_gated(gate_up: torch.Tensor) -> PackedWeight | None:
+def pack_gated(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> PackedWeight | None:
     """A merged ``[gate; up]`` weight ``[2i, in]`` packed so :func:`linear` returns ``silu(gate) * up``.
 
     The SiLU-and-mul runs in the matmul's epilogue, on values still in registers: the ``2i``-wide
     intermediate is never written or read back (at prefill sizes that pass cost ~4% of the step).
-    Panel kernel only; None where it cannot run, and the caller keeps the unfused pair.
+    ``dtype`` (default: the weight's own) as in :func:`pack`: fp32 on the panel kernel, bf16 on the AMX
+    kernel (``in_features`` a multiple of 32); None where neither runs, and the caller keeps the unfused pair.
     """
     if gate_up.device.type != "cpu" or gate_up.dim() != 2 or gate_up.shape[0] % 2:
         return None
-    if "panels" not in available_kinds(gate_up.dtype):
+    dtype = dtype or gate_up.dtype
+    out_features, in_features = gate_up.shape[0] // 2, gate_up.shape[1]
+    if dtype == torch.bfloat16 and "amx" in available_kinds(dtype) and in_features % AMX_K == 0:
+        data = _pack_amx(gate_up.detach().to(dtype), glu=True)
+        return None if data is None else PackedWeight("amx", data, out_features, in_features, glu=True)
+    if dtype != gate_up.dtype or "panels" not in available_kinds(dtype):
         return None
-    return PackedWeight("panels", _pack_panels(gate_up, glu=True), gate_up.shape[0] // 2, gate_up.shape[1], glu=True)
+    return PackedWeight("panels", _pack_panels(gate_up, glu=True), out_features, in_features, glu=True)
 
 
 def _pack_panels(weight: torch.Tensor, glu: bool) -> torch.Tensor:
@@ -136,6 +193,40 @@ def _pack_panels(weight: torch.Tensor, glu: bool) -> torch.Tensor:
         lib.pack_glu_panels_f32(w.data_ptr(), n // 2, k, out.data_ptr())
     else:
         lib.pack_panels_f32(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def amx_block_rows(out_features: int, glu: bool) -> torch.Tensor:
+    """Source row of each AMX block column, ``2 * out_features`` (clamped onto a zero row) for padding.
+    With glu, block b holds gate rows 16b..16b+15 in columns 0-15 and the matching up rows in 16-31.
+    The block order of both AMX kernels (``csrc/amx_tile.h``; bf16 here, int8 in :mod:`kernels.int8_linear`)."""
+    if not glu:
+        blocks = -(-out_features // AMX_BLOCK)
+        rows = torch.arange(blocks * AMX_BLOCK)
+        return torch.where(rows < out_features, rows, torch.full_like(rows, 2 * out_features))
+    half = AMX_BLOCK // 2
+    blocks = -(-out_features // half)
+    col = torch.arange(blocks)[:, None] * half + torch.arange(half)[None, :]
+    pad = torch.full_like(col, 2 * out_features)
+    gate = torch.where(col < out_features, col, pad)
+    up = torch.where(col < out_features, col + out_features, pad)
+    return torch.cat((gate, up), dim=1).reshape(-1)
+
+
+def _pack_amx(weight: torch.Tensor, glu: bool) -> torch.Tensor | None:
+    """A bf16 weight in the AMX B-tile order ``csrc/cpu_bf16_amx.c`` loads directly: bf16
+    ``[blocks, K, 32]`` = per block of 32 columns ``[K / 32][2 tiles][16 k-pairs][16 columns][2]``, padding
+    columns zero. None where ``in_features`` is not a multiple of a tile row's 32 (oneDNN takes it)."""
+    n, k = weight.shape
+    if k % AMX_K or weight.dtype != torch.bfloat16:
+        return None
+    rows = amx_block_rows(n // 2 if glu else n, glu).clamp(max=n)
+    padded = torch.cat((weight.detach(), torch.zeros(1, k, dtype=weight.dtype)))
+    picked = padded.index_select(0, rows)  # [blocks * 32, K]: row b*32 + 16t + j
+    # [b, t, j, c, p, e] (k = 32c + 2p + e) -> [b, c, t, p, j, e]
+    tiles = picked.view(-1, 2, 16, k // AMX_K, AMX_K // 2, 2).permute(0, 3, 1, 4, 2, 5)
+    out = host_memory.empty((picked.shape[0] // AMX_BLOCK, k, AMX_BLOCK), torch.bfloat16)
+    out.view(tiles.shape).copy_(tiles)
     return out
 
 
@@ -175,6 +266,8 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
         low = packed.data.dtype
         b = bias.detach().to(low) if bias is not None else None
         return torch.ops.mkldnn._linear_pointwise(x.to(low), packed.data, b, "none", [], "").to(x.dtype)
+    if packed.kind == "amx":
+        return _linear_amx(x, packed, bias)
     n, k = packed.out_features, packed.in_features
     x2, out, bias = panel_operands(x, n, k, bias, packed.glu, "linear")
     m = x2.shape[0]
@@ -195,3 +288,45 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
             torch.get_num_threads(),
         )
     return out.view(*x.shape[:-1], n)
+
+
+def _linear_amx(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear` for an AMX-packed bf16 weight: ``x`` (fp32; a bf16 ``x`` is widened first, exactly)
+    rounded to bf16 inside the kernel, products summed in fp32, the fp32 result (bias added in fp32)
+    returned in ``x``'s dtype. Lean on purpose: a decode step makes ~120 of these calls, each a few tens of
+    microseconds of kernel, so every torch call here is a visible share."""
+    n, k = packed.out_features, packed.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight expects {k}")
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32 or x2.stride(-1) != 1:
+        x2 = x2.contiguous().float()
+    if bias is not None:
+        if packed.glu:
+            raise ValueError("linear: a gated (glu) packed weight takes no bias")
+        if bias.dtype != torch.float32 or not bias.is_contiguous():
+            bias = bias.detach().float().contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32)
+    if m:
+        # The kernel rounds x to bf16 into this (rows padded to a tile's 16 with zeros).
+        xb = torch.empty((-(-m // AMX_ROWS) * AMX_ROWS, k), dtype=torch.bfloat16)
+        lib = _amx_lib()
+        assert lib is not None, "AMX-packed bf16 weight without its kernel"
+        lib.gemm_bf16_amx(
+            x2.data_ptr(),
+            x2.stride(0),
+            xb.data_ptr(),
+            m,
+            packed.data.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            out.data_ptr(),
+            n,
+            n,
+            k,
+            int(packed.glu),
+            torch.get_num_threads(),
+        )
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], n)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

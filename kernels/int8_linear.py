@@ -36,9 +36,7 @@ import torch.nn.functional as F
 from kernels import c_build, cpu_isa, cpu_linear, host_memory
 
 PANEL = 16  # output columns per panel (gemm_tile.h NR)
-AMX_BLOCK = 32  # output columns per AMX column block (two 16-column tiles); glu: 16 gate + 16 up
-AMX_K = 32  # bf16 k-elements per tile row: in_features must be a multiple
-AMX_ROWS = 16  # rows per x tile: the bf16 copy of x is padded to a multiple
+AMX_BLOCK, AMX_K, AMX_ROWS = cpu_linear.AMX_BLOCK, cpu_linear.AMX_K, cpu_linear.AMX_ROWS  # csrc/amx_tile.h
 INT8_MAX = 127
 
 
@@ -218,22 +216,6 @@ def _to_panels(t: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch
     return out
 
 
-def _amx_rows(out_features: int, glu: bool) -> torch.Tensor:
-    """Source row of each AMX block column, ``2 * out_features`` (clamped onto a zero row) for padding.
-    With glu, block b holds gate rows 16b..16b+15 in columns 0-15 and the matching up rows in 16-31."""
-    if not glu:
-        blocks = -(-out_features // AMX_BLOCK)
-        rows = torch.arange(blocks * AMX_BLOCK)
-        return torch.where(rows < out_features, rows, torch.full_like(rows, 2 * out_features))
-    half = AMX_BLOCK // 2
-    blocks = -(-out_features // half)
-    col = torch.arange(blocks)[:, None] * half + torch.arange(half)[None, :]
-    pad = torch.full_like(col, 2 * out_features)
-    gate = torch.where(col < out_features, col, pad)
-    up = torch.where(col < out_features, col + out_features, pad)
-    return torch.cat((gate, up), dim=1).reshape(-1)
-
-
 def amx_supported(weight: Int8Weight) -> bool:
     """Whether ``weight`` fits the AMX kernel: symmetric per-output-channel (the scale factors out of the
     K sum) and ``in_features`` a multiple of a tile row's 32 bf16. GGUF's group-wise weights are not."""
@@ -245,7 +227,7 @@ def _pack_amx(weight: Int8Weight, out_features: int, glu: bool) -> PackedInt8:
     k-pairs, each row the pairs' 16 first elements then their 16 second ones (``csrc/cpu_int8_amx.c``
     widens a row into the tile's [16 columns][2] bf16 without a cross-lane shuffle)."""
     n, k = weight.values.shape
-    rows = _amx_rows(out_features, glu).clamp(max=n)
+    rows = cpu_linear.amx_block_rows(out_features, glu).clamp(max=n)
     padded = torch.cat((weight.values, torch.zeros(1, k, dtype=torch.int8)))
     picked = padded.index_select(0, rows)  # [blocks * 32, K]: row b*32 + 16t + j
     # [b, t, j, c, p, e] (k = 32c + 2p + e) -> [b, c, t, p, e, j]

@@ -118,9 +118,9 @@ class LlamaMLP(nn.Module):
         self.gated_int8: int8_linear.PackedInt8 | None = None  # the same, for an int8 gate_up
 
     def prepack_gated(self, dtype: torch.dtype | None = None) -> bool:
-        """Pack gate_up with its activation fused (``cpu_linear.pack_gated``, or the int8 kernel's glu
-        panels for an int8 gate_up); False where unsupported (the fused fp kernel is fp32: a bf16 gate_up
-        is packed as a plain linear)."""
+        """Pack gate_up with its activation fused (``cpu_linear.pack_gated``: fp32 panels, or bf16 on the AMX
+        kernel where it runs; or the int8 kernel's glu panels for an int8 gate_up); False where unsupported
+        (e.g. bf16 without AMX: gate_up is then packed as a plain oneDNN linear)."""
         if self.gate_up_proj.w8a8 is not None:  # stays a W8A8 linear; gate_up_act fuses its row scale
             return False
         quantised = self.gate_up_proj.int8
@@ -130,9 +130,7 @@ class LlamaMLP(nn.Module):
                 return False
             self.gate_up_proj.int8 = None
             return True
-        if dtype not in (None, self.gate_up_proj.weight.dtype):
-            return False
-        self.gated = cpu_linear.pack_gated(self.gate_up_proj.weight)
+        self.gated = cpu_linear.pack_gated(self.gate_up_proj.weight, dtype)
         if self.gated is None:
             return False
         self.gate_up_proj.weight.data = self.gate_up_proj.weight.data.new_empty(0)
@@ -235,9 +233,9 @@ class LlamaForCausalLM(nn.Module):
         """Pack every matmul weight for the CPU kernels (after loading), stored in ``dtype`` (default:
         the model's; bf16 for bf16 matmuls under fp32 activations); returns how many were.
 
-        Each MLP's gate_up is packed with its SiLU-and-mul fused in where the panel kernel runs. The
-        lm_head gets its own packed copy, since a tied embedding table must stay dense for the
-        token lookups.
+        Each MLP's gate_up is packed with its SiLU-and-mul fused in where the panel (fp32) or AMX (bf16)
+        kernel runs. The lm_head gets its own packed copy, since a tied embedding table must stay dense for
+        the token lookups.
         """
         count = sum(m.prepack_gated(dtype) for m in self.modules() if isinstance(m, LlamaMLP))
         count += sum(

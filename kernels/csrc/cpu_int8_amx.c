@@ -17,7 +17,8 @@
  * fp32 [blocks][32].
  *
  * Per thread and column block: the block's K x 32 weight is widened once into a private bf16 buffer (K=1536:
- * 96 KB, L2-resident), then reused by every 32-row block of x (MB rows at a time): a 2 x 2 tile block,
+ * 96 KB, L2-resident), then reused by every 32-row block of x (MB rows at a time): a 2 x 2 tile block
+ * (amx_tile.h, shared with the bf16-weight kernel cpu_bf16_amx.c),
  * 4 fp32 accumulator tiles (tmm0-3), 2 x tiles (tmm4-5), 2 weight tiles (tmm6-7): 4 tile loads per 4
  * TDPBF16PS. The accumulators go through a 4 KB fp32 scratch to the epilogue (scale, bias or
  * silu(gate) * up), which writes fp32 rows straight into y.
@@ -50,15 +51,9 @@
 #include <string.h>
 
 #include "simd_math.h"
+#include "amx_tile.h" /* the permission, tile config, round_rows, tile_block, tile_epilogue */
 
 #if defined(PAGEDQ_AVX512)
-#pragma GCC target("amx-tile,amx-bf16,avx512bf16")
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023 /* ask the kernel for an XSAVE feature's state (AMX tile data) */
-#define XFEATURE_XTILEDATA 18
 
 #ifndef MB
 /* Rows of x per block: the bf16 rows a block reads (MB x K x 2 bytes: 768 KB at K=1536) stay in the 2 MB
@@ -67,27 +62,8 @@
 #define MB 256
 #endif
 
-struct tile_config {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 /* The kernel's permission for AMX tile data in this process (once; idempotent). 0, or -1 if refused. */
-int int8_amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1; }
-
-/* Tile config is per thread: every tile 16 rows x 64 bytes (16 fp32, 32 bf16, or 16 bf16 pairs). */
-static void configure_tiles(void)
-{
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+int int8_amx_init(void) { return amx_request_permission(); }
 
 /* The block's int8 widened to bf16, exactly: int8 -> int32 -> fp32 is exact and an fp32 holding at most 8
  * significant bits is its own bf16, its top 16 bits. The pack stores each 32-byte tile row as the 16 first
@@ -105,85 +81,6 @@ static void widen_block(const int8_t *src, uint16_t *dst, int64_t n)
         const __m512i hi = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)));
         /* 0xCA: high ? hi : lo >> 16, bit by bit */
         _mm512_store_si512((__m512i *)(dst + i), _mm512_ternarylogic_epi32(high, hi, _mm512_srli_epi32(lo, 16), 0xCA));
-    }
-}
-
-/* xb [rows] = bf16(x rows), round to nearest even (vcvtneps2bf16, as oneDNN's bf16 path; it flushes fp32
- * denormals to zero); rows past m zeroed. k a multiple of 32. */
-static void round_rows(const float *x, int64_t ldx, uint16_t *xb, int64_t m, int64_t padded, int64_t k)
-{
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < padded; r++) {
-        uint16_t *dst = xb + r * k;
-        if (r >= m) {
-            memset(dst, 0, (size_t)k * sizeof(uint16_t));
-            continue;
-        }
-        const float *src = x + r * ldx;
-        for (int64_t i = 0; i < k; i += 32) {
-            const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
-            _mm512_storeu_si512((__m512i *)(dst + i), (__m512i)b);
-        }
-    }
-}
-
-/* acc [32][32] fp32 = x rows r0.. (two 16-row tiles, or one when rows <= 16) @ the widened block. */
-static void tile_block(const uint16_t *x, int64_t k, const uint16_t *panel, int rows, float *acc)
-{
-    const int64_t stride = k * (int64_t)sizeof(uint16_t);
-    _tile_zero(0);
-    _tile_zero(1);
-    if (rows > 16) {
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kc = 0; kc < k; kc += 32) {
-            _tile_loadd(4, x + kc, stride);
-            _tile_loadd(5, x + 16 * k + kc, stride);
-            _tile_loadd(6, panel + kc * 32, 64);
-            _tile_loadd(7, panel + kc * 32 + 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(2, acc + 16 * 32, 128);
-        _tile_stored(3, acc + 16 * 32 + 16, 128);
-    } else {
-        for (int64_t kc = 0; kc < k; kc += 32) {
-            _tile_loadd(4, x + kc, stride);
-            _tile_loadd(6, panel + kc * 32, 64);
-            _tile_loadd(7, panel + kc * 32 + 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-    }
-    _tile_stored(0, acc, 128);
-    _tile_stored(1, acc + 16, 128);
-}
-
-/* y rows = acc rows * scale (+ bias), or silu(gate * scale) * (up * scale) with glu; ncols valid outputs. */
-static void epilogue(const float *acc, int rows, const float *scales, const float *bias, float *y, int64_t ldy,
-                     int ncols, int glu)
-{
-    const __m512 s0 = _mm512_loadu_ps(scales), s1 = _mm512_loadu_ps(scales + 16);
-    if (glu) {
-        const __mmask16 mask = lanes16(ncols);
-        const __m512 one = _mm512_set1_ps(1.f);
-        for (int r = 0; r < rows; r++) {
-            const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(acc + r * 32), s0);
-            const __m512 u = _mm512_mul_ps(_mm512_loadu_ps(acc + r * 32 + 16), s1);
-            const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
-        }
-        return;
-    }
-    const __mmask16 m0 = lanes16(ncols), m1 = lanes16(ncols > 16 ? ncols - 16 : 0);
-    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
-    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
-    for (int r = 0; r < rows; r++) {
-        _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_fmadd_ps(_mm512_loadu_ps(acc + r * 32), s0, b0));
-        if (m1)
-            _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_fmadd_ps(_mm512_loadu_ps(acc + r * 32 + 16), s1, b1));
     }
 }
 
@@ -207,7 +104,7 @@ int gemm_int8_amx(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const
             #pragma omp atomic write
             failed = 1;
         } else {
-            configure_tiles();
+            configure_tiles(16);
         }
         for (int64_t m0 = 0; m0 < m; m0 += MB) {
             const int64_t m1 = m0 + MB < m ? m0 + MB : m;
@@ -220,9 +117,9 @@ int gemm_int8_amx(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const
                 widen_block(values + b * k * 32, panel, k * 32);
                 for (int64_t r0 = m0; r0 < m1; r0 += 32) {
                     const int rows = (int)(m1 - r0 < 32 ? m1 - r0 : 32);
-                    tile_block(x + r0 * k, k, panel, rows, acc);
-                    epilogue(acc, rows, scales + b * 32, bias && !glu ? bias + col : NULL, y + r0 * ldy + col, ldy,
-                             ncols, glu);
+                    tile_block(x + r0 * k, k, panel, rows, 16, NULL, acc, 32);
+                    tile_epilogue(acc, rows, scales + b * 32, bias && !glu ? bias + col : NULL, y + r0 * ldy + col,
+                                  ldy, ncols, glu);
                 }
             }
         }

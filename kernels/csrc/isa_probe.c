@@ -7,11 +7,8 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023 /* ask the kernel for an XSAVE feature's state (AMX tile data) */
-#define XFEATURE_XTILEDATA 18
+#include "amx_tile.h" /* the tile-data permission and config the kernels use (this build: nothing else of it) */
 
 static volatile float sink;
 
@@ -40,23 +37,12 @@ __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"), noinline)) static
     return 0;
 }
 
-struct tile_config {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 __attribute__((target("amx-tile,amx-bf16"), noinline)) static int probe_amx(void)
 {
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0)
+    if (amx_request_permission() != 0)
         return 2; /* the kernel refuses tile data: AMX unusable in this process */
     struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 3; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
+    tile_config_fill(&cfg, 3);
     _tile_loadconfig(&cfg);
     _tile_zero(0);
     _tile_zero(1);

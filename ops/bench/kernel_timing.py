@@ -6,6 +6,9 @@ process through the ``PAGEDQ_CPU_ISA`` cap, interleaved, and each case reports i
 rounds, because on a shared machine one round can land far either way.
 
     python -m ops.bench.kernel_timing [--rounds 7] [--kv-dtype float32|bfloat16] [--only decode]
+
+``--linears`` times the bf16 matmuls instead (no ISA variants: the packed kinds of ``kernels/cpu_linear``
+side by side, pagedq's AMX kernel against oneDNN) in GFLOP/s over SmolLM2's projections and lm_head.
 """
 
 from __future__ import annotations
@@ -18,9 +21,20 @@ from collections.abc import Callable
 import torch
 
 from engine.layers import build_cos_sin_cache
-from kernels import cpu_attention, cpu_isa, cpu_ops, host_memory
+from kernels import cpu_attention, cpu_isa, cpu_linear, cpu_ops, host_memory
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, BLOCK = 9, 3, 64, 576, 1536, 16  # SmolLM2-135M
+VOCAB, LAYERS = 49152, 30
+# name: (in_features, out_features, glu): the decoder's projections (gate_up fused with its SiLU-and-mul
+# where the kind allows; else the product then the C SiLU-and-mul, as the engine runs it) and the lm_head.
+LINEAR_SHAPES = {
+    "qkv 576->960": (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM, False),
+    "o 576->576": (HEADS * HEAD_DIM, HIDDEN, False),
+    "gate_up 576->2x1536 glu": (HIDDEN, 2 * INTER, True),
+    "down 1536->576": (INTER, HIDDEN, False),
+    "lm_head 576->49152": (HIDDEN, VOCAB, False),
+}
+LINEAR_ROWS = (8, 36, 64, 256, 2048)
 
 
 def _paged_cache(
@@ -90,6 +104,53 @@ def ops_cases(rows: int) -> dict[str, Callable[[], object]]:
     }
 
 
+def linear_case(kind: cpu_linear.Kind, k: int, n: int, glu: bool, rows: int) -> Callable[[], object] | None:
+    """One bf16-weight linear under fp32 activations, as the engine calls it. Each call multiplies the next
+    of ``LAYERS`` copies of the weight (the lm_head: one, 57 MB already), so at decode sizes the weight
+    comes from memory as in a model step, not from a cache that one repeated weight would sit in."""
+    g = torch.Generator().manual_seed(n * k)
+    dense = [torch.randn(n, k, generator=g) * k**-0.5 for _ in range(1 if n == VOCAB else LAYERS)]
+    if glu and kind == "amx":
+        packed = [cpu_linear.pack_gated(w, torch.bfloat16) for w in dense]
+    else:
+        packed = [cpu_linear.pack(w, kind, dtype=torch.bfloat16) for w in dense]
+    if any(p is None or p.kind != kind for p in packed):
+        return None
+    ready = [p for p in packed if p is not None]
+    x = torch.randn(rows, k, generator=g)
+    layer = iter(range(1 << 62))
+    if glu and kind != "amx":
+        return lambda: cpu_ops.silu_and_mul_cpu(cpu_linear.linear(x, ready[next(layer) % len(ready)], None))
+    return lambda: cpu_linear.linear(x, ready[next(layer) % len(ready)], None)
+
+
+def time_linears(rounds: int, only: str) -> None:
+    """GFLOP/s of each bf16 linear kind (fastest of ``rounds`` interleaved rounds) per shape and row count."""
+    kinds = [k for k in cpu_linear.available_kinds(torch.bfloat16) if k != "panels"]
+    if not kinds:
+        raise SystemExit("no bf16 matmul kind runs here (the CPU probe found no AMX or AVX512-bf16)")
+    best: dict[tuple[str, cpu_linear.Kind, int], float] = {}
+    for name, (k, n, glu) in LINEAR_SHAPES.items():
+        if only not in name:
+            continue
+        cases = {(kind, rows): linear_case(kind, k, n, glu, rows) for kind in kinds for rows in LINEAR_ROWS}
+        for _ in range(rounds):
+            for (kind, rows), fn in cases.items():
+                if fn is not None:
+                    t = fastest(fn, 0.1)
+                    best[name, kind, rows] = min(best.get((name, kind, rows), float("inf")), t)
+        del cases  # the weight copies: a few hundred MB per shape
+    print(f"threads={torch.get_num_threads()} bf16 weights, fp32 x (GFLOP/s, fastest of {rounds} rounds)")
+    print(f"{'linear':26s}{'kind':>8s}" + "".join(f"{'M=' + str(r):>9s}" for r in LINEAR_ROWS))
+    for name, (k, n, _) in LINEAR_SHAPES.items():
+        for kind in kinds:
+            cells = [best.get((name, kind, r)) for r in LINEAR_ROWS]
+            pairs = zip(LINEAR_ROWS, cells, strict=True)
+            text = [f"{2 * r * k * n / t / 1e9:9.0f}" if t else f"{'-':>9s}" for r, t in pairs]
+            if any(t for t in cells):
+                print(f"{name:26s}{kind:>8s}" + "".join(text))
+
+
 def fastest(fn: Callable[[], object], seconds: float = 0.2) -> float:
     """Fastest call (s) among as many as fit in ``seconds`` (at least 3), after one warm-up."""
     fn()
@@ -107,7 +168,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--only", default="", help="run only the cases whose name contains this")
+    parser.add_argument("--linears", action="store_true", help="time the bf16 linear kinds instead")
     args = parser.parse_args()
+    if args.linears:
+        torch.manual_seed(0)
+        time_linears(args.rounds, args.only)
+        return
     kv_dtype = getattr(torch, args.kv_dtype)
     variants = [v for v in cpu_isa.current().runnable_variants if v != "generic"]
     torch.manual_seed(0)

@@ -94,7 +94,7 @@ void gemm_panels_f32(const float *x, int64_t ldx, const float *packed, const flo
                 const int ncols1 = (int)(n - col1 < width ? n - col1 : width);
                 for (int64_t r = m0; r < m1; r += MR) {
                     const int rows = (int)(m1 - r < MR ? m1 - r : MR);
-                    tile_pair_rows(rows, x + r * ldx, ldx, panel, panel + k * NR, k, y + r * ldy + col,
+                    tile_pair_rows(rows, x + r * ldx, ldx, panel, panel + k * NR, NR, k, y + r * ldy + col,
                                    y + r * ldy + col1, ldy, bp, bp ? bp + width : NULL, ncols, ncols1, glu);
                 }
                 continue;

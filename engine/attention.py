@@ -65,11 +65,12 @@ class _Split:
     prefill_batch: _PrefillBatch | None
 
 
-# Query chunks of up to this many tokens go to the decode kernel where it takes several per sequence
-# (cpu_attention.multi_query_supported: the avx512 build): speculative verification
-# (1 + up to 8 drafts) and short prefill tails. Measured in kernels/csrc/cpu_attention.c
-# (paged_decode_attention_f32's comment) against the prefill kernel.
-MULTI_QUERY_MAX = 12
+# Query chunks of up to this many tokens (by cache dtype) go to the decode kernel where it takes several per
+# sequence (cpu_attention.multi_query_supported: the avx512 build): speculative verification (1 + up to 8
+# drafts) and short prefill tails. Measured in kernels/csrc/cpu_attention.c (paged_decode_attention_f32's
+# comment) against the prefill kernel: the crossover lies at 11-12 queries over a bf16 cache, past 16 over
+# an fp32 one (whose prefill path copies twice the bytes per key).
+MULTI_QUERY_MAX = {torch.bfloat16: 10, torch.float32: 16}
 
 
 @dataclass
@@ -79,11 +80,12 @@ class _TorchPlan:
     seq_lens: list[int]
     single: _Split  # decode kernel for single-token queries only
     prefills: list[_Prefill]
-    multi: _Split | None = None  # decode kernel up to MULTI_QUERY_MAX tokens; made on first use in a step
+    multi: _Split | None = None  # decode kernel up to multi_max tokens; made on first use in a step
+    multi_max: int = 0
 
-    def multi_query(self) -> _Split:
-        if self.multi is None:
-            self.multi = _split(self.meta, self.q_lens, self.seq_lens, MULTI_QUERY_MAX)
+    def multi_query(self, max_q: int) -> _Split:
+        if self.multi is None or self.multi_max != max_q:
+            self.multi, self.multi_max = _split(self.meta, self.q_lens, self.seq_lens, max_q), max_q
         return self.multi
 
 
@@ -162,8 +164,9 @@ class TorchAttention:
             and cpu_attention.available()
         )
         split = plan.single
-        if c_decode and plan.prefills and cpu_attention.multi_query_supported(k_cache.dtype):
-            split = plan.multi_query()
+        max_q = MULTI_QUERY_MAX.get(k_cache.dtype, 1)
+        if c_decode and plan.prefills and max_q > 1 and cpu_attention.multi_query_supported(k_cache.dtype):
+            split = plan.multi_query(max_q)
         if split.decode_rows.numel():
             if c_decode:
                 cpu_attention.paged_decode_attention(
@@ -189,7 +192,7 @@ class TorchAttention:
                 out[p.rows] = _prefill_torch(q[p.rows], k_cache, v_cache, p, scale)
         else:  # only the chunks the decode kernel did not take
             for p in plan.prefills:
-                if p.rows.stop - p.rows.start > MULTI_QUERY_MAX:
+                if p.rows.stop - p.rows.start > plan.multi_max:
                     out[p.rows] = _prefill_torch(q[p.rows], k_cache, v_cache, p, scale)
         return out
 

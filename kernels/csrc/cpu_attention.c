@@ -946,7 +946,9 @@ int paged_decode_multi_query_supported(int kv_bf16)
  *   queries per sequence   1      2      3      5      9      16     24
  *   this kernel          1.163  1.357  1.662  2.185  3.635  6.093  8.616
  *   prefill kernel         -    2.746  2.994  3.673  4.593  5.807  8.305
- * so engine/attention.py sends chunks of up to 12 here. In the compass bench (bf16, speculation on) the
+ * so engine/attention.py sends chunks of up to 10 here (later, with the prefill kernel's products on paired
+ * panels, 64 x 350 again: 9 queries 4.14 vs 4.92 ms, 12: 5.37 vs 5.19; over an fp32 cache 9: 4.27 vs 5.57,
+ * 12: 5.29 vs 6.01, 16: 6.79 vs 7.20, so up to 16 there). In the compass bench (bf16, speculation on) the
  * step's attention fell from 5.4 s to 4.2 s (verification 4.4 s in the prefill kernel -> 2.4 s with the
  * single-token decodes). */
 int paged_decode_attention_f32(

@@ -106,6 +106,23 @@ def load(name: str, bind: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
     return _loaded[key]
 
 
+def amx_runnable() -> bool:
+    """AMX probed runnable and allowed by the ``PAGEDQ_CPU_ISA`` cap, in the avx512 build (the only one whose
+    sources hold AMX code; csrc/amx_tile.h)."""
+    return "amx" in cpu_isa.current().levels and variant() == "avx512"
+
+
+def load_amx(name: str, bind: Callable[[ctypes.CDLL], None], init: str) -> ctypes.CDLL | None:
+    """:func:`load` for a kernel on AMX tiles, once its ``init`` export (the kernel's permission for this
+    process's tile data: arch_prctl, csrc/amx_tile.h) returned 0; None without the build or the permission."""
+    lib = load(name, bind)
+    if lib is None:
+        return None
+    request = getattr(lib, init)
+    request.argtypes, request.restype = [], ctypes.c_int
+    return lib if request() == 0 else None
+
+
 def error(name: str) -> str | None:
     """Why ``name`` could not be built for the current variant, if it could not."""
     return _errors.get((name, variant()))

@@ -89,8 +89,6 @@ def _panels_lib() -> ctypes.CDLL | None:
 
 def _bind_amx(lib: ctypes.CDLL) -> None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.bf16_amx_init.argtypes = []
-    lib.bf16_amx_init.restype = i32
     lib.gemm_bf16_amx.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i32]
     lib.gemm_bf16_amx.restype = i32
 
@@ -99,19 +97,14 @@ def _bind_amx(lib: ctypes.CDLL) -> None:
 def _amx_lib() -> ctypes.CDLL | None:
     """The avx512 build of ``cpu_bf16_amx`` with AMX tile permission granted to this process, or None.
     Held once loaded: an AMX-packed weight keeps running on it if the ``PAGEDQ_CPU_ISA`` cap moves later."""
-    lib = c_build.load("cpu_bf16_amx", _bind_amx)
-    if lib is None or lib.bf16_amx_init() != 0:
-        return None
-    return lib
+    return c_build.load_amx("cpu_bf16_amx", _bind_amx, "bf16_amx_init")
 
 
 def amx_available() -> bool:
     """Whether bf16 weights can run on pagedq's AMX kernel here: AMX probed runnable and allowed by the
     ``PAGEDQ_CPU_ISA`` cap, the avx512 kernel build, the kernel's permission for tile data, and not switched
     off by ``PAGEDQ_DISABLE_AMX_LINEAR`` (then oneDNN multiplies them, as before the kernel)."""
-    if os.environ.get("PAGEDQ_DISABLE_AMX_LINEAR") or "amx" not in cpu_isa.current().levels:
-        return False
-    return c_build.variant() == "avx512" and _amx_lib() is not None
+    return not os.environ.get("PAGEDQ_DISABLE_AMX_LINEAR") and c_build.amx_runnable() and _amx_lib() is not None
 
 
 def _onednn_available(dtype: torch.dtype) -> bool:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import c_build, cpu_isa, cpu_linear, host_memory
+from kernels import c_build, cpu_linear, host_memory
 
 PANEL = 16  # output columns per panel (gemm_tile.h NR)
 AMX_BLOCK, AMX_K, AMX_ROWS = cpu_linear.AMX_BLOCK, cpu_linear.AMX_K, cpu_linear.AMX_ROWS  # csrc/amx_tile.h
@@ -159,8 +159,6 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 def _bind_amx(lib: ctypes.CDLL) -> None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.int8_amx_init.argtypes = []
-    lib.int8_amx_init.restype = i32
     lib.gemm_int8_amx.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32]
     lib.gemm_int8_amx.restype = i32
 
@@ -169,18 +167,13 @@ def _bind_amx(lib: ctypes.CDLL) -> None:
 def _amx_lib() -> ctypes.CDLL | None:
     """The avx512 build of ``cpu_int8_amx`` with AMX tile permission granted to this process, or None.
     Held once loaded: an AMX-packed weight keeps running on it if the ``PAGEDQ_CPU_ISA`` cap moves later."""
-    lib = c_build.load("cpu_int8_amx", _bind_amx)
-    if lib is None or lib.int8_amx_init() != 0:
-        return None
-    return lib
+    return c_build.load_amx("cpu_int8_amx", _bind_amx, "int8_amx_init")
 
 
 def amx_available() -> bool:
     """Whether per-channel int8 weights can run on AMX bf16 tiles here: AMX probed runnable and allowed by
     the ``PAGEDQ_CPU_ISA`` cap, the avx512 kernel build, and the kernel's permission for tile data."""
-    if os.environ.get("PAGEDQ_DISABLE_INT8_KERNEL") or "amx" not in cpu_isa.current().levels:
-        return False
-    return c_build.variant() == "avx512" and _amx_lib() is not None
+    return not os.environ.get("PAGEDQ_DISABLE_INT8_KERNEL") and c_build.amx_runnable() and _amx_lib() is not None
 
 
 def kernel_available() -> bool:

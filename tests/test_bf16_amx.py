@@ -16,6 +16,7 @@ from engine.layers import Linear
 from engine.models.llama import LlamaMLP
 from kernels import cpu_isa, cpu_linear
 from schemas.sampling import SamplingParams
+from tests.tiny_models import random_linear
 from worker.__main__ import kernel_path
 from worker.settings import Settings
 
@@ -118,10 +119,7 @@ def test_worker_reports_the_amx_matmul_as_the_c_path(monkeypatch: pytest.MonkeyP
 
 def test_linear_layer_packs_for_amx_under_bf16() -> None:
     torch.manual_seed(3)
-    layer = Linear(96, 50, True, torch.float32)
-    with torch.no_grad():
-        layer.weight.normal_()
-        layer.bias.normal_()  # type: ignore[union-attr]
+    layer = random_linear(96, 50, True)
     x = torch.randn(7, 96)
     want = _reference(x, layer.weight, layer.bias)
     assert layer.prepack(torch.bfloat16)

@@ -14,6 +14,7 @@ from kernels import cpu_linear, cpu_ops
 from kernels.activation import silu_and_mul_torch
 from kernels.rms_norm import rms_norm_torch
 from kernels.rotary import rotary_embedding_torch
+from tests.tiny_models import random_linear
 
 # Every test here runs once per C-kernel variant the machine can run (tests/conftest.py, isa_variant).
 pytestmark = pytest.mark.usefixtures("isa_variant")
@@ -43,11 +44,7 @@ def test_packed_linear_matches_f_linear(kind: cpu_linear.Kind, rows: int, bias: 
     # 200 outputs: a partial last panel; 400 rows: two row blocks of the panel kernel.
     need_kind(kind)
     torch.manual_seed(rows)
-    layer = Linear(96, 200, bias, torch.float32)
-    with torch.no_grad():
-        layer.weight.normal_()
-        if layer.bias is not None:
-            layer.bias.normal_()
+    layer = random_linear(96, 200, bias)
     dense_w = layer.weight.detach().clone()
     x = torch.randn(rows, 96)
     ref = F.linear(x, dense_w, layer.bias)

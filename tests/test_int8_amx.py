@@ -15,6 +15,7 @@ from engine.layers import Linear
 from engine.models.llama import LlamaMLP
 from kernels import cpu_isa, int8_linear
 from schemas.sampling import SamplingParams
+from tests.tiny_models import random_linear
 
 
 @pytest.fixture(autouse=True)
@@ -97,10 +98,7 @@ def test_amx_only_where_the_matmul_is_bf16_and_the_weight_per_channel(monkeypatc
 
 def test_linear_layer_packs_for_amx_under_bf16() -> None:
     torch.manual_seed(3)
-    layer = Linear(96, 50, True, torch.float32)
-    with torch.no_grad():
-        layer.weight.normal_()
-        layer.bias.normal_()  # type: ignore[union-attr]
+    layer = random_linear(96, 50, True)
     layer.quantize_int8()
     assert layer.int8 is not None
     x = torch.randn(7, 96)

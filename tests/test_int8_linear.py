@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, EngineConfig
-from engine.layers import Linear
 from kernels import int8_linear
 from tests.quantised_agreement import agreement_and_perplexities
+from tests.tiny_models import random_linear
 
 
 def _weight(n: int, k: int, group: int, offsets: bool, seed: int) -> int8_linear.Int8Weight:
@@ -90,10 +90,7 @@ def test_per_channel_quantisation_error_and_layout() -> None:
 
 def test_linear_layer_holds_int8_and_frees_the_dense_weight() -> None:
     torch.manual_seed(1)
-    layer = Linear(64, 48, True, torch.float32)
-    with torch.no_grad():
-        layer.weight.normal_()
-        layer.bias.normal_()  # type: ignore[union-attr]
+    layer = random_linear(64, 48, True)
     dense_bytes = layer.weight_bytes
     layer.quantize_int8()
     assert layer.weight.numel() == 0 and layer.int8 is not None

@@ -31,6 +31,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from engine.layers import Linear
+
 _COMMON: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 64,
@@ -140,3 +142,14 @@ def make_hf_model(path: str | os.PathLike[str]) -> PreTrainedModel:
     """transformers' reference model for a checkpoint folder: float32, eager attention, eval mode."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+def random_linear(in_features: int, out_features: int, bias: bool) -> Linear:
+    """One of pagedq's fp32 ``Linear`` layers with standard-normal weights (and bias), drawn from torch's
+    global generator (seed it first): what the kernel tests pack and multiply."""
+    layer = Linear(in_features, out_features, bias, torch.float32)
+    with torch.no_grad():
+        layer.weight.normal_()
+        if layer.bias is not None:
+            layer.bias.normal_()
+    return layer

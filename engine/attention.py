@@ -75,7 +75,10 @@ MULTI_QUERY_MAX = {torch.bfloat16: 10, torch.float32: 16}
 
 @dataclass
 class _TorchPlan:
-    meta: AttentionMetadata
+    # The step's batch (what _split reads; the plan lives in meta.backend_state, so it holds these, not meta)
+    query_start_loc: torch.Tensor
+    seq_lens_tensor: torch.Tensor
+    block_tables: torch.Tensor
     q_lens: list[int]
     seq_lens: list[int]
     single: _Split  # decode kernel for single-token queries only
@@ -85,29 +88,37 @@ class _TorchPlan:
 
     def multi_query(self, max_q: int) -> _Split:
         if self.multi is None or self.multi_max != max_q:
-            self.multi, self.multi_max = _split(self.meta, self.q_lens, self.seq_lens, max_q), max_q
+            batch = (self.query_start_loc, self.seq_lens_tensor, self.block_tables)
+            self.multi, self.multi_max = _split(*batch, self.q_lens, self.seq_lens, max_q), max_q
         return self.multi
 
 
-def _split(meta: AttentionMetadata, q_lens: list[int], seq_lens: list[int], decode_max_q: int) -> _Split:
+def _split(
+    query_start_loc: torch.Tensor,
+    seq_lens_tensor: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_lens: list[int],
+    seq_lens: list[int],
+    decode_max_q: int,
+) -> _Split:
     dec = [i for i, n in enumerate(q_lens) if n <= decode_max_q]
     pre = [i for i, n in enumerate(q_lens) if n > decode_max_q]
     idx = torch.tensor(dec, dtype=torch.long)
     batch = None
-    if pre and meta.block_tables.device.type == "cpu":
+    if pre and block_tables.device.type == "cpu":
         pre_idx = torch.tensor(pre, dtype=torch.long)
         batch = _PrefillBatch(
-            q_starts=meta.query_start_loc.long()[pre_idx].contiguous(),
+            q_starts=query_start_loc.long()[pre_idx].contiguous(),
             q_lens=torch.tensor([q_lens[i] for i in pre], dtype=torch.int32),
-            seq_lens=meta.seq_lens[pre_idx].to(torch.int32).contiguous(),
-            tables=meta.block_tables[pre_idx].to(torch.int32).contiguous(),
+            seq_lens=seq_lens_tensor[pre_idx].to(torch.int32).contiguous(),
+            tables=block_tables[pre_idx].to(torch.int32).contiguous(),
         )
     multi = decode_max_q > 1 and any(q_lens[i] > 1 for i in dec)
     return _Split(
-        decode_rows=meta.query_start_loc.long()[idx].contiguous(),
+        decode_rows=query_start_loc.long()[idx].contiguous(),
         decode_q_lens=torch.tensor([q_lens[i] for i in dec], dtype=torch.int32) if multi else None,
-        decode_seq_lens=meta.seq_lens[idx].contiguous(),
-        decode_tables=meta.block_tables[idx].contiguous(),
+        decode_seq_lens=seq_lens_tensor[idx].contiguous(),
+        decode_tables=block_tables[idx].contiguous(),
         decode_max_len=max((seq_lens[i] for i in dec), default=0),
         prefill_batch=batch,
     )
@@ -142,7 +153,8 @@ class TorchAttention:
             for i, n in enumerate(q_lens)
             if n > 1
         ]
-        meta.backend_state = _TorchPlan(meta, q_lens, seq_lens, _split(meta, q_lens, seq_lens, 1), prefills)
+        batch = (meta.query_start_loc, meta.seq_lens, meta.block_tables)
+        meta.backend_state = _TorchPlan(*batch, q_lens, seq_lens, _split(*batch, q_lens, seq_lens, 1), prefills)
 
     def forward(
         self,

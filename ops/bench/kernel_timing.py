@@ -55,15 +55,25 @@ def _paged_cache(
 
 
 def decode_case(
-    num_seqs: int, seq_len: int, head_dim: int, kv_dtype: torch.dtype, layers: int = 1
+    num_seqs: int,
+    seq_len: int,
+    head_dim: int,
+    kv_dtype: torch.dtype,
+    layers: int = 1,
+    queries: int = 1,
+    prefill_kernel: bool = False,
 ) -> Callable[[], None]:
     """One decode step's attention; with ``layers`` > 1, each call attends the next of that many layers'
-    caches in turn, as a model's step does: its K/V then come from memory, not from the caches."""
+    caches in turn, as a model's step does: its K/V then come from memory, not from the caches. With
+    ``queries`` > 1, each sequence's last ``queries`` positions attend (speculative verification): through
+    the decode kernel where it takes several per sequence (the engine's choice, engine/attention.py), else,
+    or with ``prefill_kernel``, through the prefill kernel."""
     caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # built on the first (untimed) call
-    q = torch.randn(num_seqs, HEADS, head_dim)
+    q = torch.randn(num_seqs * queries, HEADS, head_dim)
     out = torch.empty_like(q)
-    rows = torch.arange(num_seqs)
+    rows = torch.arange(num_seqs) * queries
     lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+    q_lens = torch.full((num_seqs,), queries, dtype=torch.int32)
     layer = iter(range(1 << 62))
 
     def run() -> None:
@@ -71,7 +81,14 @@ def decode_case(
             caches.extend(_paged_cache([seq_len] * num_seqs, head_dim, kv_dtype) for _ in range(layers))
         k_cache, v_cache, tables = caches[next(layer) % layers]
         scale = head_dim**-0.5
-        cpu_attention.paged_decode_attention(q, k_cache, v_cache, out, rows, lens, tables, scale, cascade=False)
+        if queries == 1:
+            cpu_attention.paged_decode_attention(q, k_cache, v_cache, out, rows, lens, tables, scale, cascade=False)
+        elif not prefill_kernel and cpu_attention.multi_query_supported(kv_dtype):
+            cpu_attention.paged_decode_attention(
+                q, k_cache, v_cache, out, rows, lens, tables, scale, cascade=False, q_lens=q_lens
+            )
+        else:
+            cpu_attention.paged_prefill_attention(q, k_cache, v_cache, out, rows, q_lens, lens, tables, scale)
 
     return run
 
@@ -185,6 +202,9 @@ def main() -> None:
         "decode 1 seq x 2000": decode_case(1, 2000, HEAD_DIM, kv_dtype),
         "decode 32 seqs x 350, head_dim 80": decode_case(32, 350, 80, kv_dtype),
         "decode 32 seqs x 350, head_dim 20": decode_case(32, 350, 20, kv_dtype),
+        # speculative verification, 1 + 8 drafts: the engine's kernel, and the prefill kernel beside it
+        "verify 64 seqs x 350, 9 queries, 30 layers": decode_case(64, 350, HEAD_DIM, kv_dtype, 30, 9),
+        "verify ... prefill kernel": decode_case(64, 350, HEAD_DIM, kv_dtype, 30, 9, prefill_kernel=True),
         "prefill 4 x 256": prefill_case(4, 256, kv_dtype),
         **ops_cases(128),
         **ops_cases(2048),

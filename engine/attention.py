@@ -53,15 +53,22 @@ class _PrefillBatch:
 
 
 @dataclass
-class _Split:
-    """The step's sequences split between the C decode kernel (query chunks of at most ``decode_max_q``
-    tokens) and the prefill kernel (longer chunks)."""
+class _DecodeRows:
+    """Sequences for one call of the C decode kernel."""
 
-    decode_rows: torch.Tensor  # int64 [Sd] first query row of each decode-kernel sequence
-    decode_q_lens: torch.Tensor | None  # int32 [Sd]; None: one query each
-    decode_seq_lens: torch.Tensor  # int32 [Sd]
-    decode_tables: torch.Tensor  # int32 [Sd, max_blocks]
-    decode_max_len: int
+    rows: torch.Tensor  # int64 [Sd] first query row of each sequence
+    q_lens: torch.Tensor | None  # int32 [Sd]; None: one query each
+    seq_lens: torch.Tensor  # int32 [Sd]
+    tables: torch.Tensor  # int32 [Sd, max_blocks]
+    max_len: int
+
+
+@dataclass
+class _Split:
+    """The step's sequences split between the C decode kernel and the prefill kernel (longer chunks)."""
+
+    decode: _DecodeRows  # single-token queries: one call, where a shared prefix is attended once (cascade)
+    verify: _DecodeRows | None  # 2 to decode_max_q queries each: a second call, the multi-query task
     prefill_batch: _PrefillBatch | None
 
 
@@ -101,9 +108,18 @@ def _split(
     seq_lens: list[int],
     decode_max_q: int,
 ) -> _Split:
-    dec = [i for i, n in enumerate(q_lens) if n <= decode_max_q]
-    pre = [i for i, n in enumerate(q_lens) if n > decode_max_q]
-    idx = torch.tensor(dec, dtype=torch.long)
+    def rows(chosen: list[int], with_q_lens: bool) -> _DecodeRows:
+        idx = torch.tensor(chosen, dtype=torch.long)
+        return _DecodeRows(
+            rows=query_start_loc.long()[idx].contiguous(),
+            q_lens=torch.tensor([q_lens[i] for i in chosen], dtype=torch.int32) if with_q_lens else None,
+            seq_lens=seq_lens_tensor[idx].to(torch.int32).contiguous(),
+            tables=block_tables[idx].to(torch.int32).contiguous(),
+            max_len=max((seq_lens[i] for i in chosen), default=0),
+        )
+
+    verify = [i for i, n in enumerate(q_lens) if 1 < n <= decode_max_q]
+    pre = [i for i, n in enumerate(q_lens) if n > max(decode_max_q, 1)]
     batch = None
     if pre and block_tables.device.type == "cpu":
         pre_idx = torch.tensor(pre, dtype=torch.long)
@@ -113,13 +129,9 @@ def _split(
             seq_lens=seq_lens_tensor[pre_idx].to(torch.int32).contiguous(),
             tables=block_tables[pre_idx].to(torch.int32).contiguous(),
         )
-    multi = decode_max_q > 1 and any(q_lens[i] > 1 for i in dec)
     return _Split(
-        decode_rows=query_start_loc.long()[idx].contiguous(),
-        decode_q_lens=torch.tensor([q_lens[i] for i in dec], dtype=torch.int32) if multi else None,
-        decode_seq_lens=seq_lens_tensor[idx].contiguous(),
-        decode_tables=block_tables[idx].contiguous(),
-        decode_max_len=max((seq_lens[i] for i in dec), default=0),
+        decode=rows([i for i, n in enumerate(q_lens) if n == 1], False),
+        verify=rows(verify, True) if verify else None,
         prefill_batch=batch,
     )
 
@@ -179,21 +191,19 @@ class TorchAttention:
         max_q = MULTI_QUERY_MAX.get(k_cache.dtype, 1)
         if c_decode and plan.prefills and max_q > 1 and cpu_attention.multi_query_supported(k_cache.dtype):
             split = plan.multi_query(max_q)
-        if split.decode_rows.numel():
+        decode = split.decode
+        if decode.rows.numel():
             if c_decode:
                 cpu_attention.paged_decode_attention(
-                    q,
-                    k_cache,
-                    v_cache,
-                    out,
-                    split.decode_rows,
-                    split.decode_seq_lens,
-                    split.decode_tables,
-                    scale,
-                    q_lens=split.decode_q_lens,
+                    q, k_cache, v_cache, out, decode.rows, decode.seq_lens, decode.tables, scale
                 )
             else:
-                out[split.decode_rows] = _decode_torch(q[split.decode_rows], k_cache, v_cache, split, scale)
+                out[decode.rows] = _decode_torch(q[decode.rows], k_cache, v_cache, decode, scale)
+        if split.verify is not None:  # only in a multi-query split: c_decode, and the kernel takes them
+            verify = split.verify
+            cpu_attention.paged_decode_attention(
+                q, k_cache, v_cache, out, verify.rows, verify.seq_lens, verify.tables, scale, q_lens=verify.q_lens
+            )
         if split.prefill_batch is not None and _c_prefill_ok(q, k_cache):
             b = split.prefill_batch
             cpu_attention.paged_prefill_attention(
@@ -236,15 +246,15 @@ def _context(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_torch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Split, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodeRows, scale: float
 ) -> torch.Tensor:
     block_size = k_cache.shape[1]
-    num_blocks = -(-plan.decode_max_len // block_size)
-    tables = plan.decode_tables[:, :num_blocks].long()
+    num_blocks = -(-plan.max_len // block_size)
+    tables = plan.tables[:, :num_blocks].long()
     k = _context(k_cache, tables).to(q.dtype)  # [Sd, KVH, L, D]
     v = _context(v_cache, tables).to(q.dtype)
     pos = torch.arange(k.shape[2], device=q.device)
-    mask = (pos[None, :] < plan.decode_seq_lens[:, None].long())[:, None, None, :]
+    mask = (pos[None, :] < plan.seq_lens[:, None].long())[:, None, None, :]
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )

@@ -253,6 +253,8 @@ def test_bf16_cache(
         # speculative verification (1 + drafts query tokens each; the avx512 build's decode kernel takes
         # them, tokens x heads rows 4 at a time), chunks of 10 (the most it takes over a bf16 cache) and 11
         ([*verify_lens, 16, 17], [1, 2, 3, 4, 5, 7, 9, 1, 10, 11], 0),
+        # decodes behind a shared prefix (one call, the cascade) beside verification rows (a second call)
+        ([shared * block_size + rng.randint(20, 60) for _ in range(6)], [1, 1, 1, 1, 3, 5], shared),
     ]
     for seq_lens, q_lens, shared_blocks in cases:
         meta, q, k, v, k32, v32 = make_batch(

@@ -233,9 +233,11 @@ def _pack_onednn(weight: torch.Tensor) -> torch.Tensor | None:
 def panel_operands(
     x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, glu: bool, what: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """What a C panel kernel (fp32 or int8 weights) reads and writes: ``x`` as contiguous fp32 rows of ``k``
-    features, a fresh fp32 ``[rows, n]`` output (a glu weight's ``n`` is already the activated width), and
-    the bias as contiguous fp32; a glu weight takes no bias (the activation comes after the matmul)."""
+    """What pagedq's C linear kernels (fp32 or int8 panels, bf16 or int8 on AMX) read and write: ``x`` as
+    fp32 rows of ``k`` features (unit last stride), a fresh fp32 ``[rows, n]`` output (a glu weight's ``n`` is
+    already the activated width), and the bias as contiguous fp32; a glu weight takes no bias (the
+    activation comes after the matmul). Copies only what is not in that form already: a decode step makes
+    ~120 such calls of a few tens of microseconds each."""
     if x.shape[-1] != k:
         raise ValueError(f"{what}: input has {x.shape[-1]} features, the weight expects {k}")
     x2 = x.reshape(-1, k)
@@ -245,7 +247,8 @@ def panel_operands(
     if bias is not None:
         if glu:
             raise ValueError(f"{what}: a gated (glu) packed weight takes no bias")
-        bias = bias.detach().float().contiguous()
+        if bias.dtype != torch.float32 or not bias.is_contiguous():
+            bias = bias.detach().float().contiguous()
     return x2, out, bias
 
 
@@ -286,21 +289,10 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
 def _linear_amx(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`linear` for an AMX-packed bf16 weight: ``x`` (fp32; a bf16 ``x`` is widened first, exactly)
     rounded to bf16 inside the kernel, products summed in fp32, the fp32 result (bias added in fp32)
-    returned in ``x``'s dtype. Lean on purpose: a decode step makes ~120 of these calls, each a few tens of
-    microseconds of kernel, so every torch call here is a visible share."""
+    returned in ``x``'s dtype."""
     n, k = packed.out_features, packed.in_features
-    if x.shape[-1] != k:
-        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight expects {k}")
-    x2 = x.reshape(-1, k)
-    if x2.dtype != torch.float32 or x2.stride(-1) != 1:
-        x2 = x2.contiguous().float()
-    if bias is not None:
-        if packed.glu:
-            raise ValueError("linear: a gated (glu) packed weight takes no bias")
-        if bias.dtype != torch.float32 or not bias.is_contiguous():
-            bias = bias.detach().float().contiguous()
+    x2, out, bias = panel_operands(x, n, k, bias, packed.glu, "linear")
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=torch.float32)
     if m:
         # The kernel rounds x to bf16 into this (rows padded to a tile's 16 with zeros).
         xb = torch.empty((-(-m // AMX_ROWS) * AMX_ROWS, k), dtype=torch.bfloat16)

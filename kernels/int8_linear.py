@@ -294,17 +294,8 @@ def _linear_amx(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None) 
     """:func:`linear` for an AMX-packed weight: ``x`` rounded to bf16 (rows padded to a tile's 16 with
     zeros), products summed in fp32, the fp32 result returned in ``x``'s dtype."""
     n, k = packed.out_features, packed.in_features
-    if x.shape[-1] != k:
-        raise ValueError(f"int8 linear: input has {x.shape[-1]} features, the weight expects {k}")
-    if bias is not None:
-        if packed.glu:
-            raise ValueError("int8 linear: a gated (glu) packed weight takes no bias")
-        bias = bias.detach().float().contiguous()
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or x2.dtype != torch.float32:
-        x2 = x2.contiguous().float()
+    x2, out, bias = cpu_linear.panel_operands(x, n, k, bias, packed.glu, "int8 linear")
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=torch.float32)
     if m:
         # The kernel rounds x to bf16 into this (rows padded to a tile's 16), as x.to(bfloat16) on the bf16 path.
         xb = torch.empty((-(-m // AMX_ROWS) * AMX_ROWS, k), dtype=torch.bfloat16)

@@ -65,9 +65,6 @@
 #ifndef MB
 #define MB 256 /* rows of x per pass over the column blocks (MB x K bf16: 768 KB at K=1536, in L2) */
 #endif
-#ifndef DIRECT
-#define DIRECT 1
-#endif
 
 /* The kernel's permission for AMX tile data in this process (once; idempotent). 0, or -1 if refused. */
 int bf16_amx_init(void) { return amx_request_permission(); }
@@ -99,7 +96,7 @@ int gemm_bf16_amx(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const
     const int64_t mb = MB / (2 * height) * (2 * height); /* whole row blocks per pass */
     /* Without glu, a block whose tiles hold only y's rows and columns (all but a partial last row or column
      * block) starts its accumulators from the bias and stores them straight into y: no fp32 scratch. */
-    const int direct = DIRECT && !glu;
+    const int direct = !glu;
     #pragma omp parallel num_threads(num_threads) if (blocks > 1)
     {
         round_rows(x_f32, ldx, x, m, (m + 15) / 16 * 16, k); /* ends in a barrier: every row ready */

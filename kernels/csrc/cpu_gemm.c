@@ -26,9 +26,6 @@
 #ifndef PAGEDQ_AVX2
 #error "cpu_gemm needs AVX2/FMA: without them the packed weights go to oneDNN (kernels/cpu_linear.py)"
 #endif
-#ifndef PAIRS
-#define PAIRS 1 /* avx512 build: two panels per tile (tile_pair) */
-#endif
 #ifndef MB
 #define MB 384 /* rows of x per block (measured 256-384 best here): the block is reused across every panel */
 #endif
@@ -73,7 +70,7 @@ void gemm_panels_f32(const float *x, int64_t ldx, const float *packed, const flo
     const int64_t width = glu ? NR / 2 : NR; /* output columns per panel */
     const int64_t panels = (n + width - 1) / width;
 #ifdef PAGEDQ_AVX512
-    const int64_t step = PAIRS ? 2 : 1; /* panels per work item: tile_pair's two, a last odd one alone */
+    const int64_t step = 2; /* panels per work item: tile_pair's two, a last odd one alone */
 #else
     const int64_t step = 1;
 #endif
@@ -89,7 +86,7 @@ void gemm_panels_f32(const float *x, int64_t ldx, const float *packed, const flo
             const int ncols = (int)(n - col < width ? n - col : width);
             const float *bp = bias && !glu ? bias + col : NULL;
 #ifdef PAGEDQ_AVX512
-            if (p + 1 < panels && step == 2) {
+            if (p + 1 < panels) {
                 const int64_t col1 = col + width;
                 const int ncols1 = (int)(n - col1 < width ? n - col1 : width);
                 for (int64_t r = m0; r < m1; r += MR) {

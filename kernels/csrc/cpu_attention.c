@@ -989,11 +989,12 @@ int paged_decode_attention_f32(
     const int64_t parts = num_kv_heads / per_task;
     #pragma omp parallel num_threads(num_threads)
     {
-        const int64_t staging = per_task == num_kv_heads || kv_bf16 ? block_size * num_kv_heads * head_dim : 0;
-        size_t floats = (size_t)(per_task * group * max_q * (max_len + head_dim + 2) + staging + 8);
-        /* task_bf16_avx512: q and the outputs in rows of head_dim rounded up to 32, no staging */
 #ifdef PAGEDQ_AVX512
-        floats += (size_t)(per_task * group * max_q * 2 * ((head_dim + 31) / 32 * 32));
+        /* task_in_place: per row its scores, q and output in rows of head_dim rounded up to 32, max and sum */
+        size_t floats = (size_t)(per_task * group * max_q * (max_len + 2 * ((head_dim + 31) / 32 * 32) + 2) + 8);
+#else
+        const int64_t staging = per_task == num_kv_heads || kv_bf16 ? block_size * num_kv_heads * head_dim : 0;
+        size_t floats = (size_t)(per_task * group * (max_len + head_dim + 2) + staging + 8);
 #endif
 #ifdef PAGEDQ_AVX2
         if (prefix_tiles && flash_tile_floats(QT * group, head_dim) > floats) floats = flash_tile_floats(QT * group, head_dim);
@@ -1009,9 +1010,9 @@ int paged_decode_attention_f32(
             for (int64_t part = 0; part < parts; part++) {
                 if (seq_lens[s] <= 0) continue;
 #ifdef PAGEDQ_AVX512
-                /* a bf16 cache: read in place (task_bf16_avx512's comment, measurements) */
-                if (kv_bf16) { task_bf16_avx512(&a, s, part * per_task, (part + 1) * per_task, scratch); continue; }
-                task_f32_avx512(&a, s, part * per_task, (part + 1) * per_task, scratch);
+                /* read in place, either cache dtype (task_in_place's comment, measurements) */
+                if (kv_bf16) task_bf16_avx512(&a, s, part * per_task, (part + 1) * per_task, scratch);
+                else task_f32_avx512(&a, s, part * per_task, (part + 1) * per_task, scratch);
                 continue;
 #endif
 #ifdef PAGEDQ_AVX2

@@ -186,17 +186,51 @@ static void task_generic(const attn_args *a, int64_t s, int64_t h, float *scores
     }
 }
 
+/* A block's lines requested a few at a time, spread over the work on the block before it (the walk keeps
+ * its row and line counters: no division per line). */
+typedef struct {
+    const char *row;               /* the current row's first byte of the task's columns */
+    int64_t row_stride;            /* bytes between rows */
+    int64_t lines_per_row, col, left; /* lines per row, the next line within the row, lines still to request */
+} prefetcher;
+
+/* Rows 0..n-1 of `block` (NULL: nothing to fetch), columns col0..col0+cols-1 of rs per row (whole rows:
+ * one contiguous range). */
+static inline prefetcher prefetch_plan(const void *block, int64_t n, int64_t rs, int64_t col0, int64_t cols,
+                                       int64_t esize)
+{
+    prefetcher p;
+    int64_t row_bytes;
+    p.row = block ? (const char *)block + col0 * esize : NULL;
+    if (cols == rs) { row_bytes = n * rs * esize; p.row_stride = 0; n = 1; }
+    else { row_bytes = cols * esize; p.row_stride = rs * esize; }
+    p.lines_per_row = (row_bytes + 63) / 64;
+    p.left = block ? p.lines_per_row * n : 0;
+    p.col = 0;
+    return p;
+}
+
+static inline void prefetch_lines(prefetcher *p, int64_t k)
+{
+    for (; k > 0 && p->left > 0; k--, p->left--) {
+        __builtin_prefetch(p->row + p->col * 64, 0, 3);
+        if (++p->col == p->lines_per_row) { p->col = 0; p->row += p->row_stride; }
+    }
+}
+
 #ifdef PAGEDQ_AVX2
 /* AVX2 task: kv heads h0..h1-1 of sequence s, head_dim % 8 == 0. `scratch` holds
- * nh * (len + D + 2) + block_size * KVH * D floats, nh = (h1 - h0) * group query heads.
+ * nh * (len + D + 2) floats, nh = (h1 - h0) * group query heads, and for a bf16 cache block_size * KVH * D
+ * more, where each block is widened to fp32 before use.
  *
- * A task over all kv heads first copies each block's K (then V) rows, which lie contiguous, into
- * scratch, prefetches the next block, and computes from the copy: the copy reads memory front to back,
- * which the hardware prefetchers follow, where the dot products' own order (one kv head's 256 B of
- * every 768 B row, head after head) defeats them. Measured on this VM, pure reads of K/V far larger
- * than the caches: 7.3-8.2 GB/s one kv head at a time, 13.7-14.6 GB/s whole rows in order; the kernel,
- * 30 layers of 96 sequences x 350 positions: 186 -> 148 ms, 64 x 700: 257 -> 193 ms, same results
- * to the bit. */
+ * An fp32 cache is read in place, and the next block (after the last K block, V's first) is prefetched a
+ * few lines per step of the work on the current one, as in the avx512 build's task_in_place: a table's
+ * blocks lie anywhere in the pool, so no hardware prefetcher runs ahead of them. What ran before copied
+ * each block (whole rows, in memory order) into staging and prefetched the next block all at once: the
+ * copy's sequential reads beat reading one kv head's 256 B of every 768 B row in place (pure reads on a
+ * 2-core AMD EPYC: 7.3-8.2 GB/s head by head, 13.7-14.6 whole rows in order), but wrote and re-read every
+ * byte. Measured there (Zen 3, 2 threads, ops/bench/kernel_timing.py, 30 layers' caches in turn, ms):
+ * see paged_decode_attention_f32's table. */
 static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
 {
     const task_view tv = view_of(a, s, h0);
@@ -206,8 +240,15 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, flo
     const int32_t *table = tv.table;
     float *acc = tv.acc;  /* nh contiguous output rows: query heads h0 * group ... */
     float *scores = scratch, *qs = scores + nh * len, *mxs = qs + nh * D, *sums = mxs + nh;
-    /* whole rows (or a bf16 cache): stage each block */
-    float *copy_to = h1 - h0 == a->num_kv_heads || a->kv_bf16 ? sums + nh : NULL;
+    float *copy_to = a->kv_bf16 ? sums + nh : NULL; /* bf16: widened into staging; fp32: read in place */
+    const char *kc = (const char *)a->k_cache, *vc = (const char *)a->v_cache;
+    const int64_t esize = 4, col0 = h0 * D, cols = (h1 - h0) * D;
+    /* Prefetched only where the task reads whole rows (one contiguous range per block): a one-kv-head task
+       (fewer sequences than threads) ran slower with it, 1 x 2000 positions 0.108 -> 0.137 ms (0.122 without). */
+    const int fetch = !copy_to && cols == rs;
+    const int64_t kv_lines = prefetch_plan(kc, block_size, rs, col0, cols, esize).left;
+    const int64_t k_steps = nh * ((block_size + 7) / 8), k_per_step = (kv_lines + k_steps - 1) / k_steps;
+    const int64_t v_steps = nh * ((block_size + 3) / 4), v_per_step = (kv_lines + v_steps - 1) / v_steps;
     const __m256 vscale = _mm256_set1_ps(a->scale);
     for (int64_t r = 0; r < nh; r++)
         for (int64_t c = 0; c < D; c += 8)
@@ -218,11 +259,16 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, flo
         const int64_t n = base + block_size <= len ? block_size : len - base;
         const float *kb = kv_block(a->k_cache, a->kv_bf16, table[b], b + 1 < nblocks ? table[b + 1] : -1, block_stride,
                                    n, rs, h0 * D, (h1 - h0) * D, copy_to) + h0 * D;
+        /* fp32: the next block, or after the last, V's first */
+        prefetcher pf = prefetch_plan(!fetch ? NULL : b + 1 < nblocks ? kc + table[b + 1] * block_stride * esize
+                                                                        : vc + table[b0] * block_stride * esize,
+                                      block_size, rs, col0, cols, esize);
         for (int64_t r = 0; r < nh; r++) {
             const float *qq = qs + r * D, *kh = kb + (r / group) * D;
             float *sc = scores + r * len + base;
             int64_t t = 0;
             for (; t + 8 <= n; t += 8) {
+                prefetch_lines(&pf, k_per_step);
                 const float *k0 = kh + t * rs;
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
                 for (int64_t c = 0; c < D; c += 8) {
@@ -246,6 +292,7 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, flo
                 sc[t] = hsum1(a0);
             }
         }
+        prefetch_lines(&pf, pf.left); /* what a short block left */
     }
     /* Softmax numerators; the 1/sum is applied to the output at the end. */
     for (int64_t r = 0; r < nh; r++) {
@@ -274,11 +321,14 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, flo
         const int64_t n = base + block_size <= len ? block_size : len - base;
         const float *vb = kv_block(a->v_cache, a->kv_bf16, table[b], b + 1 < nblocks ? table[b + 1] : -1, block_stride,
                                    n, rs, h0 * D, (h1 - h0) * D, copy_to) + h0 * D;
+        prefetcher pf = prefetch_plan(!fetch || b + 1 >= nblocks ? NULL : vc + table[b + 1] * block_stride * esize,
+                                      block_size, rs, col0, cols, esize);
         for (int64_t r = 0; r < nh; r++) {
             const float *sc = scores + r * len + base, *vh = vb + (r / group) * D;
             float *o = acc + r * D;
             int64_t t = 0;
             for (; t + 4 <= n; t += 4) {
+                prefetch_lines(&pf, v_per_step);
                 const __m256 p0 = _mm256_set1_ps(sc[t]), p1 = _mm256_set1_ps(sc[t + 1]);
                 const __m256 p2 = _mm256_set1_ps(sc[t + 2]), p3 = _mm256_set1_ps(sc[t + 3]);
                 const float *v0 = vh + t * rs;
@@ -387,34 +437,6 @@ static inline __m512 hsum16x16(const __m512 a[16])
     const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
     const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
-}
-
-/* A block's lines requested a few at a time, spread over the work on the block before it. */
-typedef struct {
-    const char *block;            /* the block's first byte of the task's columns (NULL: nothing to fetch) */
-    int64_t row_bytes, row_stride; /* bytes of each row to fetch, and between rows */
-    int64_t lines_per_row, lines, next;
-} prefetcher;
-
-static inline prefetcher prefetch_plan(const void *block, int64_t n, int64_t rs, int64_t col0, int64_t cols,
-                                       int64_t esize)
-{
-    prefetcher p;
-    p.block = block ? (const char *)block + col0 * esize : NULL;
-    if (cols == rs) { p.row_bytes = n * rs * esize; p.row_stride = 0; n = 1; }
-    else { p.row_bytes = cols * esize; p.row_stride = rs * esize; }
-    p.lines_per_row = (p.row_bytes + 63) / 64;
-    p.lines = block ? p.lines_per_row * n : 0;
-    p.next = 0;
-    return p;
-}
-
-static inline void prefetch_lines(prefetcher *p, int64_t k)
-{
-    for (; k > 0 && p->next < p->lines; k--, p->next++) {
-        const char *line = p->block + (p->next / p->lines_per_row) * p->row_stride + (p->next % p->lines_per_row) * 64;
-        _mm_prefetch(line, _MM_HINT_T0);
-    }
 }
 
 /* 32 bf16 values (the low `m` of them; the rest read as 0) widened in two registers: *even gets values
@@ -563,7 +585,7 @@ static inline __attribute__((always_inline)) void task_in_place(const attn_args 
     const int64_t col0 = h0 * D, cols = (h1 - h0) * D;
 
     const int64_t quads = (block_size + 3) / 4, gchunks = (gq + 3) / 4;
-    const int64_t kv_lines = prefetch_plan(kc, block_size, rs, col0, cols, esize).lines;
+    const int64_t kv_lines = prefetch_plan(kc, block_size, rs, col0, cols, esize).left;
     const int64_t k_steps = (h1 - h0) * gchunks * quads, k_per_step = (kv_lines + k_steps - 1) / k_steps;
     for (int64_t b = b0; b < nblocks; b++) {
         const int64_t base = b * block_size - first;
@@ -591,7 +613,7 @@ static inline __attribute__((always_inline)) void task_in_place(const attn_args 
                     }
                 }
             }
-        prefetch_lines(&pf, pf.lines); /* what a short block left */
+        prefetch_lines(&pf, pf.left); /* what a short block left */
     }
     softmax_rows512(scores, len, nh, mxs, sums, gq, group, nq);
     memset(os, 0, sizeof(float) * nh * D32);
@@ -981,8 +1003,8 @@ int paged_decode_attention_f32(
     for (int64_t s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
     const int64_t prefix_tiles = prefix_blocks ? (num_seqs + QT - 1) / QT : 0;
 
-    /* One task per sequence (all its kv heads: its K/V blocks are copied in memory order, see
-       task_avx2), or per (sequence, kv head) when there are fewer sequences than threads; either way
+    /* One task per sequence (all its kv heads: each block it reads, and prefetches, is one contiguous
+       range), or per (sequence, kv head) when there are fewer sequences than threads; either way
        the G query heads sharing a kv head are done together, so each K/V row is read from memory
        once. Scratch is per thread, sized for the longest context and the prefix pass's tile. */
     const int64_t per_task = use_avx2 && num_seqs >= num_threads ? num_kv_heads : 1;
@@ -993,7 +1015,7 @@ int paged_decode_attention_f32(
         /* task_in_place: per row its scores, q and output in rows of head_dim rounded up to 32, max and sum */
         size_t floats = (size_t)(per_task * group * max_q * (max_len + 2 * ((head_dim + 31) / 32 * 32) + 2) + 8);
 #else
-        const int64_t staging = per_task == num_kv_heads || kv_bf16 ? block_size * num_kv_heads * head_dim : 0;
+        const int64_t staging = kv_bf16 ? block_size * num_kv_heads * head_dim : 0; /* bf16 widened (task_avx2) */
         size_t floats = (size_t)(per_task * group * (max_len + head_dim + 2) + staging + 8);
 #endif
 #ifdef PAGEDQ_AVX2

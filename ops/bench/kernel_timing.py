@@ -121,43 +121,48 @@ def ops_cases(rows: int) -> dict[str, Callable[[], object]]:
     }
 
 
-def linear_case(kind: cpu_linear.Kind, k: int, n: int, glu: bool, rows: int) -> Callable[[], object] | None:
-    """One bf16-weight linear under fp32 activations, as the engine calls it. Each call multiplies the next
-    of ``LAYERS`` copies of the weight (the lm_head: one, 57 MB already), so at decode sizes the weight
-    comes from memory as in a model step, not from a cache that one repeated weight would sit in."""
+def linear_case(
+    kind: cpu_linear.Kind, k: int, n: int, glu: bool, rows: int, dtype: torch.dtype
+) -> Callable[[], object] | None:
+    """One linear with ``dtype`` weights under fp32 activations, as the engine calls it. Each call multiplies
+    the next of ``LAYERS`` copies of the weight (the lm_head: one, 57 MB in bf16 already), so at decode sizes
+    the weight comes from memory as in a model step, not from a cache that one repeated weight would sit in."""
     g = torch.Generator().manual_seed(n * k)
     dense = [torch.randn(n, k, generator=g) * k**-0.5 for _ in range(1 if n == VOCAB else LAYERS)]
-    if glu and kind == "amx":
-        packed = [cpu_linear.pack_gated(w, torch.bfloat16) for w in dense]
+    fused = glu and kind in ("amx", "panels")  # the kinds with the SiLU-and-mul in their epilogue
+    if fused:
+        packed = [cpu_linear.pack_gated(w, dtype) for w in dense]
     else:
-        packed = [cpu_linear.pack(w, kind, dtype=torch.bfloat16) for w in dense]
+        packed = [cpu_linear.pack(w, kind, dtype=dtype) for w in dense]
     if any(p is None or p.kind != kind for p in packed):
         return None
     ready = [p for p in packed if p is not None]
     x = torch.randn(rows, k, generator=g)
     layer = iter(range(1 << 62))
-    if glu and kind != "amx":
+    if glu and not fused:
         return lambda: cpu_ops.silu_and_mul_cpu(cpu_linear.linear(x, ready[next(layer) % len(ready)], None))
     return lambda: cpu_linear.linear(x, ready[next(layer) % len(ready)], None)
 
 
-def time_linears(rounds: int, only: str) -> None:
-    """GFLOP/s of each bf16 linear kind (fastest of ``rounds`` interleaved rounds) per shape and row count."""
-    kinds = [k for k in cpu_linear.available_kinds(torch.bfloat16) if k != "panels"]
+def time_linears(rounds: int, only: str, dtype: torch.dtype) -> None:
+    """GFLOP/s of each linear kind for ``dtype`` weights (fastest of ``rounds`` interleaved rounds) per shape
+    and row count: bf16's AMX / oneDNN kinds, or fp32's C panels and oneDNN."""
+    kinds = [k for k in cpu_linear.available_kinds(dtype) if dtype == torch.float32 or k != "panels"]
     if not kinds:
         raise SystemExit("no bf16 matmul kind runs here (the CPU probe found no AMX or AVX512-bf16)")
     best: dict[tuple[str, cpu_linear.Kind, int], float] = {}
     for name, (k, n, glu) in LINEAR_SHAPES.items():
         if only not in name:
             continue
-        cases = {(kind, rows): linear_case(kind, k, n, glu, rows) for kind in kinds for rows in LINEAR_ROWS}
+        cases = {(kind, rows): linear_case(kind, k, n, glu, rows, dtype) for kind in kinds for rows in LINEAR_ROWS}
         for _ in range(rounds):
             for (kind, rows), fn in cases.items():
                 if fn is not None:
                     t = fastest(fn, 0.1)
                     best[name, kind, rows] = min(best.get((name, kind, rows), float("inf")), t)
         del cases  # the weight copies: a few hundred MB per shape
-    print(f"threads={torch.get_num_threads()} bf16 weights, fp32 x (GFLOP/s, fastest of {rounds} rounds)")
+    label = "bf16" if dtype == torch.bfloat16 else "fp32"
+    print(f"threads={torch.get_num_threads()} {label} weights, fp32 x (GFLOP/s, fastest of {rounds} rounds)")
     print(f"{'linear':26s}{'kind':>8s}" + "".join(f"{'M=' + str(r):>9s}" for r in LINEAR_ROWS))
     for name, (k, n, _) in LINEAR_SHAPES.items():
         for kind in kinds:
@@ -185,11 +190,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--only", default="", help="run only the cases whose name contains this")
-    parser.add_argument("--linears", action="store_true", help="time the bf16 linear kinds instead")
+    parser.add_argument("--linears", action="store_true", help="time the linear kinds instead")
+    parser.add_argument(
+        "--linear-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights for --linears"
+    )
     args = parser.parse_args()
     if args.linears:
         torch.manual_seed(0)
-        time_linears(args.rounds, args.only)
+        time_linears(args.rounds, args.only, getattr(torch, args.linear_dtype))
         return
     kv_dtype = getattr(torch, args.kv_dtype)
     variants = [v for v in cpu_isa.current().runnable_variants if v != "generic"]

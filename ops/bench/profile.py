@@ -1,4 +1,4 @@
-"""``pagedq bench --profile DIR``: where pagedq's time goes, per op family, on the ``mixed`` workload.
+"""``pagedq bench --profile DIR``: where pagedq's time goes, per op family, on ``mixed`` (else the first workload).
 
 Runs after the timed runs (so they are unaffected) and makes three extra passes over the same requests:
 
@@ -53,7 +53,7 @@ def _instrument_model(engine: Any, bucket: dict[str, float]) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.forward = _timed(module.forward, bucket, "linear (decoder matmuls)")  # type: ignore[method-assign]
-        elif isinstance(module, LlamaMLP) and module.gated is not None:  # gate_up + SiLU-and-mul, one kernel
+        elif isinstance(module, LlamaMLP) and (module.gated or module.gated_int8) is not None:  # one kernel
             module.gate_up_act = _timed(module.gate_up_act, bucket, "linear (decoder matmuls)")  # type: ignore[method-assign]
     model.compute_logits = _timed(model.compute_logits, bucket, "lm_head (logits matmul)")
     model.embed_tokens.forward = _timed(model.embed_tokens.forward, bucket, "embedding")
@@ -99,7 +99,7 @@ def profile_pagedq(workload: Workload, ctx: BenchContext, out_dir: Path) -> dict
             "s": phases[k],
             "share_of_wall": round(phases[k] / wall, 4) if wall else 0.0,
         }
-    (out_dir / "op_families.txt").write_text(_format_families(ops_table, wall, phases), encoding="utf-8")
+    (out_dir / "op_families.txt").write_text(_format_families(workload.name, ops_table, wall, phases), encoding="utf-8")
     del llm
 
     # Pass 2: torch.profiler (aten ops by self CPU time).
@@ -129,8 +129,8 @@ def profile_pagedq(workload: Workload, ctx: BenchContext, out_dir: Path) -> dict
     return {"wall_s": round(wall, 3), "op_families": ops_table, "files": sorted(p.name for p in out_dir.iterdir())}
 
 
-def _format_families(table: dict[str, dict[str, float]], wall: float, phases: dict[str, Any]) -> str:
-    lines = [f"pagedq on mixed: {wall:.2f} s wall, {phases['steps']} steps, {phases['mean_step_ms']:.1f} ms/step"]
+def _format_families(workload: str, table: dict[str, dict[str, float]], wall: float, phases: dict[str, Any]) -> str:
+    lines = [f"pagedq on {workload}: {wall:.2f} s wall, {phases['steps']} steps, {phases['mean_step_ms']:.1f} ms/step"]
     for name, row in table.items():
         lines.append(f"  {name:<45} {row['s']:>9.3f} s  {100 * row['share_of_wall']:>5.1f}%")
     return "\n".join(lines) + "\n"

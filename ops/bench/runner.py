@@ -57,7 +57,11 @@ STRUCTURED_CONSTRAINED = "pagedq-json"  # ops.bench.structured.CONSTRAINED (not 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``pagedq bench`` (shared by ``python -m ops.bench``)."""
     parser.add_argument("--quick", action="store_true", help="tiny random model, a few requests (< 1 min)")
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder or GGUF (default: SmolLM2-135M-Instruct as an fp32 folder, prepared once)",
+    )
     parser.add_argument(
         "--systems",
         default=",".join(DEFAULT_SYSTEMS),
@@ -329,6 +333,14 @@ def run(args: argparse.Namespace) -> int:
             from ops.bench.tiny import make_quick_model
 
             model_path = make_quick_model(work_dir / "quick-model", seed=args.seed)
+        elif args.model is None:
+            # The default model as a dense fp32 folder, converted once (pagedq prepare-model) if need be:
+            # unprepared, LLM() would serve the GGUF in its Q4_1 quantisation, so "pagedq" would stream a
+            # quarter of the bytes its peers do and no ratio would be at the same dtype. pagedq-gguf loads
+            # the GGUF itself.
+            from engine.default_model import prepare_default_model
+
+            model_path = prepare_default_model(log=log)
         else:
             from engine.default_model import resolve_model_path
 

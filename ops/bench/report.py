@@ -261,7 +261,9 @@ def format_table(report: dict[str, Any]) -> str:
                      + (f" (capped at {isa['cap']} by PAGEDQ_CPU_ISA)" if isa.get("cap") else ""))  # fmt: skip
     if meta.get("repeat", 1) > 1:
         rounds = meta["repeat"]
-        lines.append(f"each system's fastest of {rounds} interleaved runs on mixed and prefix (all in the JSON)")
+        lines.append(
+            f"each system's fastest of {rounds} interleaved runs per workload, online excepted (all in the JSON)"
+        )
     header = (
         f"{'workload':<8} {'system':<15} {'req':>4} {'out tok':>8} {'wall s':>8} {'out tok/s':>10} "
         f"{'total tok/s':>11} {'pagedq/x':>9} {'FLOP%':>6} {'cpu%':>5} {'ok':>3}"

@@ -118,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeat",
         type=int,
         default=1,
-        help="run every system this many times on mixed and prefix, in interleaved rounds, and report each"
+        help="run every system this many times per workload (online: once), in interleaved rounds, and report each"
         " one's fastest run (all wall times go to the JSON): on a noisy machine one run of each can land"
         " several percent either way",
     )

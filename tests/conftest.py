@@ -41,6 +41,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+# The engine's CPU KV budget where a test on a tiny model sets none. The tiny models fill a few MB of it,
+# while the product's 2 GiB default is zeroed up front (host_memory pre-faults it) and split into ~175k of
+# their small blocks at every LLM(): 0.5-0.8 s per construction, ~70 s of the default tier on a 2-core AMD
+# EPYC (315 -> 244 s). Tests that size the cache pass kv_cache_bytes or num_kv_blocks as before; tests of
+# the real model, and worker subprocesses, keep the product's default.
+TEST_KV_CACHE_BYTES = 256 * 1024**2
+
+
+@pytest.fixture(autouse=True)
+def small_default_kv_cache(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("realmodel") is None:
+        monkeypatch.setattr("engine.model_runner.DEFAULT_CPU_KV_CACHE_BYTES", TEST_KV_CACHE_BYTES)
+
+
 @pytest.fixture(params=cpu_isa.current().runnable_variants)
 def isa_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each C-kernel build this machine can run (generic, avx2, avx512...), selected as an operator would,

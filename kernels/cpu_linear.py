@@ -1,8 +1,8 @@
-"""Linear layers on CPU with the weight packed once at load time: C panel kernel, C AMX kernel or oneDNN.
+"""Linear layers on CPU with the weight packed once at load time: C panel kernel, C bf16 kernels or oneDNN.
 
 ``F.linear`` on an x86 CPU build of torch calls MKL's sgemm, which re-packs the weight matrix on
-every call: at decode batch sizes that re-packing costs as much as the arithmetic. Three packed
-layouts fix it, picked in this order:
+every call: at decode batch sizes that re-packing costs as much as the arithmetic. Packed layouts fix it (three,
+the two bf16 kernels sharing one), picked in this order:
 
 - ``panels``: pagedq's own kernel (``csrc/cpu_gemm.c``, float32, AVX2/FMA): the weight as
   contiguous panels of 16 output columns, streamed once per call. A decode step is a stream of the
@@ -21,10 +21,17 @@ layouts fix it, picked in this order:
   against 196 / 691 / 975; the fused gate_up 296 / 889 / 1318 against 149 / 538 / 698), 1.2-1.4x at 256
   rows, 0.95x at 2048 except gate_up (1.5x); the compass workload (bf16, no speculation) 510 tok/s
   against 400-442 on oneDNN, 560-568 against 417-445 with speculation (figures in the C file).
+- ``dpbf16`` (bf16 weights only, where AMX does not run): pagedq's AVX512-bf16 kernel
+  (``csrc/cpu_bf16_dp.c``) on the same packed weight as ``amx``: each 64-byte row of a B tile is one k-pair of
+  16 columns, VDPBF16PS's weight operand, so one layout serves both instructions, with the same in-kernel
+  rounding of x, fp32 rows out and fused SiLU-and-mul. Where AVX512-bf16 runs (probed, the cap, the avx512
+  build), ``in_features`` a multiple of 32; ``PAGEDQ_DISABLE_DP_LINEAR=1`` switches it off. Measured on a
+  2-vCPU AMD EPYC (Zen 5, family 26 model 2), weights from memory, against oneDNN's bf16 path: 1.5-2x its
+  GFLOP/s at 8 rows (qkv 373 vs 183), 1.3-1.4x at 36-64 (gate_up 740 vs 534 at 36), 1.1-1.3x at 256.
 - ``onednn``: the weight reordered into oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``), multiplied by ``_linear_pointwise``, where the C
   kernel cannot run (no compiler, no AVX2) or for dtypes it does not cover. It is also the bf16 path
-  where the AMX kernel does not run (AVX512-bf16 only, the cap, ``in_features`` not a multiple of 32):
+  where neither bf16 kernel runs (switched off, ``in_features`` not a multiple of 32):
   on a CPU with AMX or AVX512-bf16 (:mod:`kernels.cpu_isa`), oneDNN's bf16 kernels run on the tiles or
   the bf16 dot products with fp32 accumulation. Measured on a 2-vCPU Xeon with AMX over SmolLM2's
   projections and lm_head: 288 / 605 / 514 GFLOP/s at 8 / 64 / 512 rows against the fp32 AVX-512
@@ -49,7 +56,10 @@ import torch
 
 from kernels import c_build, cpu_isa, host_memory
 
-Kind = Literal["panels", "amx", "onednn"]
+Kind = Literal["panels", "amx", "dpbf16", "onednn"]
+BF16_KINDS: tuple[Kind, ...] = ("amx", "dpbf16")
+"""pagedq's own bf16-weight kernels: one packed layout (the AMX B-tile order, :func:`_pack_amx`), two
+instructions; :func:`linear` runs both through :func:`_linear_bf16`."""
 
 # The batch-size hint for oneDNN's reorder: it picks its blocking for this many rows; measured, the
 # layout chosen for 64 rows served 1-2048 rows as well as one chosen for each size.
@@ -107,6 +117,26 @@ def amx_available() -> bool:
     return not os.environ.get("PAGEDQ_DISABLE_AMX_LINEAR") and c_build.amx_runnable() and _amx_lib() is not None
 
 
+def _bind_dp(lib: ctypes.CDLL) -> None:
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.gemm_bf16_dp.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i32]
+    lib.gemm_bf16_dp.restype = i32
+
+
+def _dp_lib() -> ctypes.CDLL | None:
+    """The avx512 build of ``cpu_bf16_dp`` (VDPBF16PS), or None."""
+    return c_build.load("cpu_bf16_dp", _bind_dp)
+
+
+def dp_available() -> bool:
+    """Whether bf16 weights can run on pagedq's AVX512-bf16 dot-product kernel here: AVX512-bf16 probed
+    runnable and allowed by the ``PAGEDQ_CPU_ISA`` cap, the avx512 kernel build, and not switched off by
+    ``PAGEDQ_DISABLE_DP_LINEAR`` (then oneDNN multiplies them). Used where AMX does not run."""
+    if os.environ.get("PAGEDQ_DISABLE_DP_LINEAR") or not cpu_isa.current().bf16_matmul:
+        return False
+    return c_build.variant() == "avx512" and _dp_lib() is not None
+
+
 def _onednn_available(dtype: torch.dtype) -> bool:
     if os.environ.get("PAGEDQ_DISABLE_ONEDNN_LINEAR"):
         return False
@@ -127,6 +157,8 @@ def available_kinds(dtype: torch.dtype) -> list[Kind]:
         kinds.append("panels")
     if dtype == torch.bfloat16 and amx_available():
         kinds.append("amx")  # in_features a multiple of 32 only: pack() falls through to oneDNN otherwise
+    elif dtype == torch.bfloat16 and dp_available():
+        kinds.append("dpbf16")  # the same layout and limit, where AMX does not run (or is switched off)
     if _onednn_available(dtype):
         kinds.append("onednn")
     return kinds
@@ -147,7 +179,7 @@ def pack(weight: torch.Tensor, kind: Kind | None = None, dtype: torch.dtype | No
     for k in kinds:
         if k == "panels":
             data: torch.Tensor | None = _pack_panels(weight, glu=False)
-        elif k == "amx":
+        elif k in BF16_KINDS:
             data = _pack_amx(weight, glu=False)
         else:
             data = _pack_onednn(weight)
@@ -168,9 +200,10 @@ def pack_gated(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> Packe
         return None
     dtype = dtype or gate_up.dtype
     out_features, in_features = gate_up.shape[0] // 2, gate_up.shape[1]
-    if dtype == torch.bfloat16 and "amx" in available_kinds(dtype) and in_features % AMX_K == 0:
+    own = [k for k in available_kinds(dtype) if k in BF16_KINDS] if dtype == torch.bfloat16 else []
+    if own and in_features % AMX_K == 0:
         data = _pack_amx(gate_up.detach().to(dtype), glu=True)
-        return None if data is None else PackedWeight("amx", data, out_features, in_features, glu=True)
+        return None if data is None else PackedWeight(own[0], data, out_features, in_features, glu=True)
     if dtype != gate_up.dtype or "panels" not in available_kinds(dtype):
         return None
     return PackedWeight("panels", _pack_panels(gate_up, glu=True), out_features, in_features, glu=True)
@@ -262,8 +295,8 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
         low = packed.data.dtype
         b = bias.detach().to(low) if bias is not None else None
         return torch.ops.mkldnn._linear_pointwise(x.to(low), packed.data, b, "none", [], "").to(x.dtype)
-    if packed.kind == "amx":
-        return _linear_amx(x, packed, bias)
+    if packed.kind in BF16_KINDS:
+        return _linear_bf16(x, packed, bias)
     n, k = packed.out_features, packed.in_features
     x2, out, bias = panel_operands(x, n, k, bias, packed.glu, "linear")
     m = x2.shape[0]
@@ -286,19 +319,20 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
     return out.view(*x.shape[:-1], n)
 
 
-def _linear_amx(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """:func:`linear` for an AMX-packed bf16 weight: ``x`` (fp32; a bf16 ``x`` is widened first, exactly)
-    rounded to bf16 inside the kernel, products summed in fp32, the fp32 result (bias added in fp32)
-    returned in ``x``'s dtype."""
+def _linear_bf16(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear` for a bf16 weight on pagedq's AMX or AVX512-bf16 kernel: ``x`` (fp32; a bf16 ``x`` is
+    widened first, exactly) rounded to bf16 inside the kernel, products summed in fp32, the fp32 result
+    (bias added in fp32) returned in ``x``'s dtype."""
     n, k = packed.out_features, packed.in_features
     x2, out, bias = panel_operands(x, n, k, bias, packed.glu, "linear")
     m = x2.shape[0]
     if m:
-        # The kernel rounds x to bf16 into this (rows padded to a tile's 16 with zeros).
-        xb = torch.empty((-(-m // AMX_ROWS) * AMX_ROWS, k), dtype=torch.bfloat16)
-        lib = _amx_lib()
-        assert lib is not None, "AMX-packed bf16 weight without its kernel"
-        lib.gemm_bf16_amx(
+        # The kernel rounds x to bf16 into this (for AMX, rows padded to a tile's 16 with zeros).
+        amx = packed.kind == "amx"
+        xb = torch.empty((-(-m // AMX_ROWS) * AMX_ROWS if amx else m, k), dtype=torch.bfloat16)
+        lib = _amx_lib() if amx else _dp_lib()
+        assert lib is not None, f"{packed.kind}-packed bf16 weight without its kernel"
+        (lib.gemm_bf16_amx if amx else lib.gemm_bf16_dp)(
             x2.data_ptr(),
             x2.stride(0),
             xb.data_ptr(),

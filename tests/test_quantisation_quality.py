@@ -15,6 +15,7 @@ Run with ``-s`` to print the figures the README records.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import pytest
@@ -55,6 +56,17 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def figures() -> dict[str, float]:
+    """The figures, computed on every usable core: the suite runs one intra-op thread (tests/conftest.py, for
+    tests that start worker processes beside it), and this module starts none."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    try:
+        return _figures()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _figures() -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     folder = prepare_default_model()

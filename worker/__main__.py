@@ -90,7 +90,7 @@ def kernel_path(settings: Settings) -> tuple[bool, dict[str, Any]]:
     if dtype == torch.bfloat16 and not isa.bf16_matmul:
         reason = f"this CPU runs no bf16 products (probed: {', '.join(isa.levels) or 'baseline'}): use float32"
         return False, {"path": "torch", "device": device, "dtype": "bfloat16", "reason": reason}
-    matmul = [*cpu_linear.available_kinds(dtype), "torch"][0]  # panels (C, fp32), amx (C, bf16), onednn, torch
+    matmul = [*cpu_linear.available_kinds(dtype), "torch"][0]  # panels (fp32), amx or dpbf16 (bf16), onednn, torch
     fields: dict[str, Any] = {
         "device": device,
         "dtype": str(dtype).removeprefix("torch."),  # the choice auto made (bf16 where AMX/AVX512-bf16 run)
@@ -100,7 +100,7 @@ def kernel_path(settings: Settings) -> tuple[bool, dict[str, Any]]:
         "attention": "c" if cpu_attention.available() else "torch",
         "fused_ops": "c" if cpu_ops.available() else "torch",
     }
-    fast_matmul = matmul in ("panels", "amx") or (dtype == torch.bfloat16 and matmul == "onednn")
+    fast_matmul = matmul in ("panels", *cpu_linear.BF16_KINDS) or (dtype == torch.bfloat16 and matmul == "onednn")
     on_c = [fast_matmul, fields["attention"] == "c", fields["fused_ops"] == "c"]
     fields["path"] = "c" if all(on_c) else "torch" if not any(on_c) else "mixed"
     if all(on_c):

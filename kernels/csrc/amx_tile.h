@@ -2,7 +2,8 @@
  * probe, isa_probe.c, built for baseline x86-64), and, in the avx512 build only (PAGEDQ_AVX512, from
  * simd_math.h), the pieces of the bf16-tile matmuls (cpu_int8_amx.c: int8 weights widened per call;
  * cpu_bf16_amx.c: bf16 weights loaded as they are): x rounded to bf16 rows, the 2 x 2 tile block and the
- * fp32 epilogue (scale, bias, or silu(gate) * up).
+ * fp32 epilogue (scale, bias, or silu(gate) * up). cpu_bf16_dp.c (AVX512-bf16 dot products, no tiles) reads
+ * the same weight order and rounds x with round_rows.
  *
  * Both kernels' weights use one B-tile order: per column block of 32 outputs (with glu: 16 gate + the 16
  * matching up columns, 16 outputs) and per 32-deep K chunk, two tiles (columns 0-15, 16-31) of 16 rows of

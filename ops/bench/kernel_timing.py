@@ -8,7 +8,8 @@ rounds, because on a shared machine one round can land far either way.
     python -m ops.bench.kernel_timing [--rounds 7] [--kv-dtype float32|bfloat16] [--only decode]
 
 ``--linears`` times the bf16 matmuls instead (no ISA variants: the packed kinds of ``kernels/cpu_linear``
-side by side, pagedq's AMX kernel against oneDNN) in GFLOP/s over SmolLM2's projections and lm_head.
+side by side, pagedq's AMX or AVX512-bf16 kernel against oneDNN; ``--linear-dtype float32``: the C panels) in
+GFLOP/s over SmolLM2's projections and lm_head.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def linear_case(
     the weight comes from memory as in a model step, not from a cache that one repeated weight would sit in."""
     g = torch.Generator().manual_seed(n * k)
     dense = [torch.randn(n, k, generator=g) * k**-0.5 for _ in range(1 if n == VOCAB else LAYERS)]
-    fused = glu and kind in ("amx", "panels")  # the kinds with the SiLU-and-mul in their epilogue
+    fused = glu and kind in ("amx", "dpbf16", "panels")  # the kinds with the SiLU-and-mul in their epilogue
     if fused:
         packed = [cpu_linear.pack_gated(w, dtype) for w in dense]
     else:
@@ -146,7 +147,7 @@ def linear_case(
 
 def time_linears(rounds: int, only: str, dtype: torch.dtype) -> None:
     """GFLOP/s of each linear kind for ``dtype`` weights (fastest of ``rounds`` interleaved rounds) per shape
-    and row count: bf16's AMX / oneDNN kinds, or fp32's C panels and oneDNN."""
+    and row count: bf16's AMX or dpbf16 / oneDNN kinds, or fp32's C panels and oneDNN."""
     kinds = [k for k in cpu_linear.available_kinds(dtype) if dtype == torch.float32 or k != "panels"]
     if not kinds:
         raise SystemExit("no bf16 matmul kind runs here (the CPU probe found no AMX or AVX512-bf16)")

@@ -1,6 +1,8 @@
-"""bf16 weights on pagedq's AMX kernel (kernels/csrc/cpu_bf16_amx.c, kind "amx" of kernels/cpu_linear): against
-a float64 reference on bf16-rounded inputs, every partial tile and block, bias, the fused SiLU-and-mul; oneDNN
-kept under the ISA cap, the switch and for in_features the tiles cannot take; a bf16 tiny model end to end."""
+"""bf16 weights on pagedq's own kernels (kernels/cpu_linear kinds "amx", kernels/csrc/cpu_bf16_amx.c, and
+"dpbf16", kernels/csrc/cpu_bf16_dp.c: one packed layout, two instructions), each that runs here: against a
+float64 reference on bf16-rounded inputs, every partial tile and block, bias, the fused SiLU-and-mul; the next
+kind under the ISA cap and the switches, oneDNN for in_features the layout cannot take; a bf16 tiny model
+end to end against itself on oneDNN."""
 
 from __future__ import annotations
 
@@ -20,17 +22,26 @@ from tests.tiny_models import random_linear
 from worker.__main__ import kernel_path
 from worker.settings import Settings
 
-ROWS = (1, 5, 16, 17, 31, 33, 36, 100, 300)  # tile heights 1, 5, 16, 9, 16, 11, 12, 15, 16; one to ten row blocks
+ROWS = (1, 5, 16, 17, 31, 33, 36, 100, 300)  # AMX tile heights 1, 5, 16, 9, 16, 11, 12, 15, 16; dpbf16: 1-12
+SWITCH = {"amx": "PAGEDQ_DISABLE_AMX_LINEAR", "dpbf16": "PAGEDQ_DISABLE_DP_LINEAR"}
 
 
-@pytest.fixture(autouse=True)
-def amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The suite caps the ISA below bf16 (tests/conftest.py): lifted here, as tests/test_bf16.py does."""
+@pytest.fixture(autouse=True, params=["amx", "dpbf16"])
+def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The kernel under test, preferred for bf16 weights. The suite caps the ISA below bf16
+    (tests/conftest.py): lifted here, as tests/test_bf16.py does. dpbf16 runs where AMX does not, so on an
+    AMX machine AMX is switched off for it."""
     monkeypatch.delenv(cpu_isa.ENV_CAP, raising=False)
-    monkeypatch.delenv("PAGEDQ_DISABLE_AMX_LINEAR", raising=False)
-    if not cpu_linear.amx_available():
-        probed = list(cpu_isa.current().probed)
-        pytest.skip(f"AMX not runnable here (probed: {probed}): bf16 weights keep oneDNN")
+    for switch in SWITCH.values():
+        monkeypatch.delenv(switch, raising=False)
+    probed = list(cpu_isa.current().probed)
+    if request.param == "amx" and not cpu_linear.amx_available():
+        pytest.skip(f"AMX not runnable here (probed: {probed})")
+    if request.param == "dpbf16":
+        monkeypatch.setenv(SWITCH["amx"], "1")
+        if not cpu_linear.dp_available():
+            pytest.skip(f"AVX512-bf16 not runnable here (probed: {probed})")
+    return str(request.param)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -47,12 +58,12 @@ def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
 
 
 @pytest.mark.parametrize(("n", "k"), [(40, 32), (200, 576), (33, 576)])
-def test_amx_matches_float64_on_bf16_inputs(n: int, k: int) -> None:
+def test_kernel_matches_float64_on_bf16_inputs(kind: str, n: int, k: int) -> None:
     # n: one partial block, several with a partial last one, a last block of one column (none a multiple of 32)
     g = torch.Generator().manual_seed(n * k)
     w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = cpu_linear.pack(w, dtype=torch.bfloat16)
-    assert packed is not None and packed.kind == "amx" and not packed.glu
+    assert packed is not None and packed.kind == kind and not packed.glu
     assert packed.data.dtype == torch.bfloat16 and packed.data.numel() == -(-n // 32) * 32 * k  # padded block
     for rows in ROWS:
         x = torch.randn(rows, k, generator=g)
@@ -70,11 +81,11 @@ def test_amx_matches_float64_on_bf16_inputs(n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize(("inter", "k"), [(40, 32), (24, 576)])
-def test_amx_gated_matches_silu_gate_times_up(inter: int, k: int) -> None:
+def test_kernel_gated_matches_silu_gate_times_up(kind: str, inter: int, k: int) -> None:
     g = torch.Generator().manual_seed(inter * k)
     gate_up = torch.randn(2 * inter, k, generator=g)
     packed = cpu_linear.pack_gated(gate_up, torch.bfloat16)
-    assert packed is not None and packed.kind == "amx" and packed.glu and packed.out_features == inter
+    assert packed is not None and packed.kind == kind and packed.glu and packed.out_features == inter
     assert packed.data.numel() == -(-inter // 16) * 32 * k  # 16 gate + 16 up columns per block
     for rows in ROWS:
         x = torch.randn(rows, k, generator=g)
@@ -88,73 +99,82 @@ def test_amx_gated_matches_silu_gate_times_up(inter: int, k: int) -> None:
         cpu_linear.linear(torch.randn(2, k), packed, torch.zeros(inter))
 
 
-def test_onednn_where_amx_may_not_or_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_next_kind_where_the_kernel_may_not_or_cannot_run(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(48, 64)
-    assert cpu_linear.available_kinds(torch.bfloat16)[0] == "amx"
+    assert cpu_linear.available_kinds(torch.bfloat16)[0] == kind
     packed = cpu_linear.pack(w, dtype=torch.bfloat16)
-    assert packed is not None and packed.kind == "amx"
+    assert packed is not None and packed.kind == kind
     odd_k = cpu_linear.pack(torch.randn(48, 48), dtype=torch.bfloat16)  # K not a multiple of a tile row's 32
     assert odd_k is not None and odd_k.kind == "onednn"
     assert cpu_linear.pack_gated(torch.randn(48, 48), torch.bfloat16) is None  # the caller keeps the unfused pair
     fp32 = cpu_linear.pack(w)
-    assert fp32 is not None and fp32.kind != "amx"  # fp32 weights: the exact fp32 kernels
-    monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512_bf16")  # the operator's cap keeps AMX off: oneDNN's bf16
-    assert not cpu_linear.amx_available() and cpu_linear.available_kinds(torch.bfloat16) == ["onednn"]
-    capped = cpu_linear.pack(w, dtype=torch.bfloat16)
-    assert capped is not None and capped.kind == "onednn"
-    assert cpu_linear.pack_gated(torch.randn(96, 64), torch.bfloat16) is None
+    assert fp32 is not None and fp32.kind not in cpu_linear.BF16_KINDS  # fp32 weights: the exact fp32 kernels
+    if kind == "amx":  # the operator's cap keeps AMX off: the dot-product kernel, then oneDNN
+        monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512_bf16")
+        assert not cpu_linear.amx_available() and cpu_linear.available_kinds(torch.bfloat16) == ["dpbf16", "onednn"]
+        capped = cpu_linear.pack(w, dtype=torch.bfloat16)
+        assert capped is not None and capped.kind == "dpbf16"
+    else:  # capped below AVX512-bf16: no bf16 product runs at all (emulated bf16 would be slower than fp32)
+        monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512")
+        assert not cpu_linear.dp_available() and cpu_linear.available_kinds(torch.bfloat16) == []
+        assert cpu_linear.pack(w, dtype=torch.bfloat16) is None
+        assert cpu_linear.pack_gated(torch.randn(96, 64), torch.bfloat16) is None
     monkeypatch.delenv(cpu_isa.ENV_CAP)
-    monkeypatch.setenv("PAGEDQ_DISABLE_AMX_LINEAR", "1")  # the switch, for comparisons
+    for switch in SWITCH.values():  # the switches, for comparisons
+        monkeypatch.setenv(switch, "1")
     assert cpu_linear.available_kinds(torch.bfloat16) == ["onednn"]
+    assert cpu_linear.pack_gated(torch.randn(96, 64), torch.bfloat16) is None
 
 
-def test_worker_reports_the_amx_matmul_as_the_c_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_reports_the_kernel_as_the_c_path(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker.kernels line names the kernel bf16 matmuls run on, and counts it as the fast (C) path."""
     bf16_cpu = Settings.model_validate({"dtype": "bfloat16", "device": "cpu"})
     fast, fields = kernel_path(bf16_cpu)
-    assert fast and fields["matmul"] == "amx-bf16" and fields["path"] == "c", fields  # the C kernels built here
-    monkeypatch.setenv("PAGEDQ_DISABLE_AMX_LINEAR", "1")
+    assert fast and fields["matmul"] == f"{kind}-bf16" and fields["path"] == "c", fields  # the C kernels built here
+    for switch in SWITCH.values():
+        monkeypatch.setenv(switch, "1")
     assert kernel_path(bf16_cpu)[1]["matmul"] == "onednn-bf16"
 
 
-def test_linear_layer_packs_for_amx_under_bf16() -> None:
+def test_linear_layer_packs_for_the_kernel_under_bf16(kind: str) -> None:
     torch.manual_seed(3)
     layer = random_linear(96, 50, True)
     x = torch.randn(7, 96)
     want = _reference(x, layer.weight, layer.bias)
     assert layer.prepack(torch.bfloat16)
-    assert layer.packed is not None and layer.packed.kind == "amx"
+    assert layer.packed is not None and layer.packed.kind == kind
     assert layer.weight_bytes == 2 * 32 * 96 * 2 + 50 * 4  # two padded bf16 blocks and the fp32 bias
     _close(layer(x), want, 96)
 
 
-def test_tiny_bf16_model_on_amx_generates_as_on_onednn(
-    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+def test_tiny_bf16_model_on_the_kernel_generates_as_on_onednn(
+    kind: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every decoder linear, the fused gate_up and the lm_head of a bf16 model run on the kernel, and greedy
     tokens match the same model on oneDNN (same bf16 weights and rounded inputs; only the fp32 sums' order,
     the bias's rounding and the fused SiLU's exp differ, so a thin argmax gap may flip: the share is the
     measure)."""
     path = tiny_model("llama_gqa")
-    amx = LLM(str(path), dtype="bfloat16", num_kv_blocks=64)
-    model = amx.engine.runner.model
+    own = LLM(str(path), dtype="bfloat16", num_kv_blocks=64)
+    model = own.engine.runner.model
     linears = [m for m in model.layers.modules() if isinstance(m, Linear) and m.packed is not None]
     mlps = [m for m in model.layers.modules() if isinstance(m, LlamaMLP)]
-    assert len(linears) == 3 * len(mlps) and all(m.packed.kind == "amx" for m in linears)  # type: ignore[union-attr]
-    assert all(m.gated is not None and m.gated.kind == "amx" for m in mlps)  # SiLU-and-mul fused
-    assert model.lm_head_packed is not None and model.lm_head_packed.kind == "amx"
-    monkeypatch.setenv("PAGEDQ_DISABLE_AMX_LINEAR", "1")
+    assert len(linears) == 3 * len(mlps) and all(m.packed.kind == kind for m in linears)  # type: ignore[union-attr]
+    assert all(m.gated is not None and m.gated.kind == kind for m in mlps)  # SiLU-and-mul fused
+    assert model.lm_head_packed is not None and model.lm_head_packed.kind == kind
+    for switch in SWITCH.values():
+        monkeypatch.setenv(switch, "1")
     onednn = LLM(str(path), dtype="bfloat16", num_kv_blocks=64)
     assert onednn.engine.runner.model.lm_head_packed.kind == "onednn"  # type: ignore[union-attr]
     g = torch.Generator().manual_seed(0)
     prompts: list[list[int]] = [torch.randint(3, 500, (12,), generator=g).tolist() for _ in range(32)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    on_amx = [o.outputs[0].token_ids for o in amx.generate(prompts, params)]
+    on_kernel = [o.outputs[0].token_ids for o in own.generate(prompts, params)]
     on_onednn = [o.outputs[0].token_ids for o in onednn.generate(prompts, params)]
     # tokens up to each sequence's first disagreement (after one, the contexts differ)
     same = 0
-    for a, b in zip(on_amx, on_onednn, strict=True):
+    for a, b in zip(on_kernel, on_onednn, strict=True):
         same += next((i for i, (s, t) in enumerate(zip(a, b, strict=True)) if s != t), len(a))
     share = same / (8 * len(prompts))
-    print(f"AMX vs oneDNN: {share:.3f} of greedy tokens agree before a sequence's first difference")
+    print(f"{kind} vs oneDNN: {share:.3f} of greedy tokens agree before a sequence's first difference")
     assert share >= 0.85, share

@@ -1,0 +1,183 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias), or silu(gate) * up, for a bf16 weight on AVX512-bf16 dot products
+ * (VDPBF16PS), on CPUs that have them without AMX (AMD Zen 4/5, Intel Cooper Lake).
+ *
+ * Why: there every bf16 linear went through oneDNN (kernels/cpu_linear.py, kind "onednn"), which pays three
+ * torch ops and three passes over the rows per call (x.to(bfloat16), _linear_pointwise, .to(float32)) and a
+ * separate SiLU-and-mul pass for the gated MLP: the costs cpu_bf16_amx.c removed on AMX. This is the same
+ * kernel for the dot-product instruction: x rounded to bf16 inside the OpenMP region, fp32 sums, fp32 rows
+ * (bias added in fp32) written straight into y, silu(gate) * up in the epilogue.
+ *
+ * Layout: the AMX kernels' B-tile order (amx_tile.h, packed by kernels/cpu_linear.py _pack_amx), so one
+ * packing serves both: per column block of 32 outputs (glu: 16 gate + the 16 matching up columns) and per
+ * 32-deep K chunk, two 1 KB "tiles" (columns 0-15, 16-31) of 16 rows; row p of a tile is k-pair p of its 16
+ * columns, 16 x 2 bf16 = 64 bytes, which is exactly VDPBF16PS's weight operand. A k-pair of one x row,
+ * broadcast as a 32-bit lane, is the other: one instruction adds x[2p] w[2p] + x[2p+1] w[2p+1] into 16
+ * columns' fp32 sums.
+ *
+ * Register tile: up to 12 rows x 32 columns, 24 zmm accumulators; per k-pair 2 weight loads and 12
+ * broadcast operands (folded into the instruction as {1to16}) feed 24 VDPBF16PS, so the two 512-bit FMA
+ * pipes, not the loads, set the pace (as gemm_tile.h's tile_pair for fp32, at twice the products per
+ * instruction). Rows are spread evenly over a row block's tiles (13 rows: 7 + 6, not 12 + 1): a tile of
+ * r rows runs 2r independent sum chains, and under ~6 rows the instruction's latency, not its throughput,
+ * bounds it. Per thread a static share of the column blocks (each thread streams one contiguous range of
+ * the weight), every MB-row pass of x over them; a block's K x 64 bytes (36 KB at K=576, 96 KB at 1536)
+ * stay in L1/L2 for its row tiles after the first.
+ *
+ * Only the avx512 build (kernels/c_build.py) holds the kernel, compiled with the bf16 target on top; Python
+ * calls it only where kernels/cpu_isa.py probed AVX512-bf16 runnable under the PAGEDQ_CPU_ISA cap (and AMX
+ * does not run: that kernel is faster where it does). Other builds export a stub that refuses.
+ *
+ * Measured (2-vCPU KVM AMD EPYC, family 26 model 2 = Zen 5, 1 MB L2 per core, 2 threads, another process's
+ * tests running beside it; GFLOP/s through the Python entry points, x fp32 in and out, each call on the next
+ * of 30 copies of the weight so that it comes from memory as in a model step; oneDNN = the "onednn" kind, its
+ * x.to(bfloat16) and .to(float32) included, gate_up followed by the C SiLU-and-mul pass as the engine ran it;
+ * python -m ops.bench.kernel_timing --linears --rounds 2):
+ *                  M:     8    36    64   256  2048
+ *   qkv 576x960   this  373   624   691   816   749 | oneDNN  183   437   481   694   771
+ *   o 576x576           309   597   662   760   807 |         179   378   455   703   788
+ *   gate_up glu         410   740   801   854   770 |         248   534   640   654   368
+ *   down 1536x576       300   685   768   821   623 |         191   496   572   720   397
+ *   lm_head 576x49152   549   666   675   442   334 |         262   540   598   576   292
+ * Software prefetch of the weight DP_PF elements ahead (two lines per k-pair, one per tile) is what makes
+ * the small products a stream (no prefetch / 4 KB ahead / 8 KB ahead, interleaved builds in one process,
+ * same machine, GFLOP/s at 8, 36, 64 rows): qkv 154 415 525 / 312 655 714 / 352 701 736; down 186 474 579 /
+ * 348 707 761 / 416 778 788; gate_up 190 466 588 / 338 711 768 / 335 793 814. Tried and dropped: the next
+ * column block prefetched into L2 in shares spread over the current block's row tiles (so that the row
+ * tiles after the first, which read the block from L1, also keep memory busy): within the noise.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd_math.h"
+#include "amx_tile.h" /* round_rows (x to bf16 rows) and the bf16 target; no tile instruction is used here */
+
+#if defined(PAGEDQ_AVX512)
+
+#define DP_MR 12 /* rows per register tile: 24 accumulators + 2 weight vectors + a broadcast of 32 zmm */
+#ifndef MB
+#define MB 256 /* rows of x per pass over the column blocks (MB x K bf16: 768 KB at K=1536, in L2) */
+#endif
+#ifndef DP_PF
+#define DP_PF 4096 /* weight elements to prefetch ahead: 8 KB, four K chunks (measured above) */
+#endif
+
+/* rows x 32 outputs of one column block: acc = x rows (bf16, stride k) @ the block's weight, then + bias,
+ * or with glu silu(columns 0-15) * columns 16-31 (16 outputs), ncols of them valid. */
+static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16_t *x, int64_t k,
+                                                          const uint16_t *panel, const float *bias, float *y,
+                                                          int64_t ldy, int ncols, int glu)
+{
+    __m512 c0a = _mm512_setzero_ps(), c1a = c0a, c2a = c0a, c3a = c0a, c4a = c0a, c5a = c0a;
+    __m512 c6a = c0a, c7a = c0a, c8a = c0a, c9a = c0a, c10a = c0a, c11a = c0a;
+    __m512 c0b = c0a, c1b = c0a, c2b = c0a, c3b = c0a, c4b = c0a, c5b = c0a;
+    __m512 c6b = c0a, c7b = c0a, c8b = c0a, c9b = c0a, c10b = c0a, c11b = c0a;
+    /* x rows as 32-bit k-pairs */
+    const int32_t *x0 = (const int32_t *)x, *x1 = (const int32_t *)(x + k), *x2 = (const int32_t *)(x + 2 * k),
+                  *x3 = (const int32_t *)(x + 3 * k), *x4 = (const int32_t *)(x + 4 * k),
+                  *x5 = (const int32_t *)(x + 5 * k), *x6 = (const int32_t *)(x + 6 * k),
+                  *x7 = (const int32_t *)(x + 7 * k), *x8 = (const int32_t *)(x + 8 * k),
+                  *x9 = (const int32_t *)(x + 9 * k), *x10 = (const int32_t *)(x + 10 * k),
+                  *x11 = (const int32_t *)(x + 11 * k);
+#define ROW(r)                                                            \
+    if (rows > r) {                                                       \
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(x##r[kp]);        \
+        c##r##a = _mm512_dpbf16_ps(c##r##a, xb, w0);                      \
+        c##r##b = _mm512_dpbf16_ps(c##r##b, xb, w1);                      \
+    }
+    for (int64_t kc = 0; kc < k; kc += 32) {
+        const uint16_t *chunk = panel + kc * 32;
+        for (int p = 0; p < 16; p++) {
+            const int64_t kp = kc / 2 + p;
+            if (DP_PF) {
+                _mm_prefetch((const char *)(chunk + DP_PF + p * 32), _MM_HINT_T0);
+                _mm_prefetch((const char *)(chunk + DP_PF + 512 + p * 32), _MM_HINT_T0);
+            }
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(chunk + p * 32));
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(chunk + 512 + p * 32));
+            ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
+        }
+    }
+#undef ROW
+    const __m512 acc0[DP_MR] = {c0a, c1a, c2a, c3a, c4a, c5a, c6a, c7a, c8a, c9a, c10a, c11a};
+    const __m512 acc1[DP_MR] = {c0b, c1b, c2b, c3b, c4b, c5b, c6b, c7b, c8b, c9b, c10b, c11b};
+    if (glu) {
+        const __mmask16 mask = lanes16(ncols);
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (int r = 0; r < DP_MR; r++) {
+            if (r >= rows) break;
+            const __m512 g = acc0[r];
+            const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_mul_ps(_mm512_mul_ps(g, sig), acc1[r]));
+        }
+        return;
+    }
+    const __mmask16 m0 = lanes16(ncols), m1 = lanes16(ncols > 16 ? ncols - 16 : 0);
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < DP_MR; r++) {
+        if (r >= rows) break;
+        _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_add_ps(acc0[r], b0));
+        if (m1)
+            _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_add_ps(acc1[r], b1));
+    }
+}
+
+/* dp_tile, one inlined copy per row count: constant counts keep every accumulator in a register. */
+static inline void dp_tile_rows(int rows, const uint16_t *x, int64_t k, const uint16_t *panel, const float *bias,
+                                float *y, int64_t ldy, int ncols, int glu)
+{
+#define DP_CASE(n) case n: dp_tile(n, x, k, panel, bias, y, ldy, ncols, glu); break;
+    switch (rows) {
+    DP_CASE(12) DP_CASE(11) DP_CASE(10) DP_CASE(9) DP_CASE(8) DP_CASE(7)
+    DP_CASE(6) DP_CASE(5) DP_CASE(4) DP_CASE(3) DP_CASE(2)
+    default: dp_tile(1, x, k, panel, bias, y, ldy, ncols, glu); break;
+    }
+#undef DP_CASE
+}
+
+/* y [m, n] (row stride ldy) = x @ W^T + bias; x fp32 [m, k] (row stride ldx), k a multiple of 32; with glu
+ * y [m, n] = silu(gate) * up and no bias. w: the packed bf16 weight (layout above). xb: room for x in bf16,
+ * [m, k]: x is rounded here, inside the parallel region (a torch op in between would wake torch's own OpenMP
+ * pool, whose spinning threads then compete with this one's). Returns 0. */
+int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w, const float *bias,
+                 float *y, int64_t ldy, int64_t n, int64_t k, int glu, int num_threads)
+{
+    const int64_t width = glu ? 16 : 32; /* outputs per column block */
+    const int64_t blocks = (n + width - 1) / width;
+    const int64_t block_elems = k * 32;
+    #pragma omp parallel num_threads(num_threads) if (blocks > 1)
+    {
+        round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
+        for (int64_t m0 = 0; m0 < m; m0 += MB) {
+            const int64_t m1 = m0 + MB < m ? m0 + MB : m;
+            const int64_t tiles = (m1 - m0 + DP_MR - 1) / DP_MR;
+            #pragma omp for schedule(static) nowait
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t col = b * width;
+                const int ncols = (int)(n - col < width ? n - col : width);
+                const uint16_t *panel = w + b * block_elems;
+                const float *bp = bias && !glu ? bias + col : NULL;
+                int64_t r0 = m0;
+                for (int64_t t = tiles; t > 0; t--) { /* the rows left spread evenly over the tiles left */
+                    const int rows = (int)((m1 - r0 + t - 1) / t);
+                    dp_tile_rows(rows, x + r0 * k, k, panel, bp, y + r0 * ldy + col, ldy, ncols, glu);
+                    r0 += rows;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+#else /* not the avx512 build: no AVX512-bf16 code here */
+
+int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w, const float *bias,
+                 float *y, int64_t ldy, int64_t n, int64_t k, int glu, int num_threads)
+{
+    (void)x_f32, (void)ldx, (void)x, (void)m, (void)w, (void)bias, (void)y, (void)ldy, (void)n, (void)k, (void)glu;
+    (void)num_threads;
+    return -2;
+}
+
+#endif

@@ -123,8 +123,11 @@ def _bind_dp(lib: ctypes.CDLL) -> None:
     lib.gemm_bf16_dp.restype = i32
 
 
+@functools.cache
 def _dp_lib() -> ctypes.CDLL | None:
-    """The avx512 build of ``cpu_bf16_dp`` (VDPBF16PS), or None."""
+    """The avx512 build of ``cpu_bf16_dp`` (VDPBF16PS), or None; first asked for by :func:`dp_available` under
+    that build. Held once loaded, as the AMX kernel is: a dpbf16-packed weight keeps running on it if the
+    ``PAGEDQ_CPU_ISA`` cap moves later (the other builds hold only a stub that refuses)."""
     return c_build.load("cpu_bf16_dp", _bind_dp)
 
 
@@ -332,7 +335,7 @@ def _linear_bf16(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
         xb = torch.empty((-(-m // AMX_ROWS) * AMX_ROWS if amx else m, k), dtype=torch.bfloat16)
         lib = _amx_lib() if amx else _dp_lib()
         assert lib is not None, f"{packed.kind}-packed bf16 weight without its kernel"
-        (lib.gemm_bf16_amx if amx else lib.gemm_bf16_dp)(
+        status = (lib.gemm_bf16_amx if amx else lib.gemm_bf16_dp)(
             x2.data_ptr(),
             x2.stride(0),
             xb.data_ptr(),
@@ -346,6 +349,8 @@ def _linear_bf16(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
             int(packed.glu),
             torch.get_num_threads(),
         )
+        if status != 0:  # a build without the kernel: its stub refuses rather than leave out unwritten
+            raise RuntimeError(f"{packed.kind} bf16 kernel refused the call ({status})")
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], n)
     return out if x.dtype == torch.float32 else out.to(x.dtype)

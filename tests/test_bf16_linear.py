@@ -80,6 +80,17 @@ def test_kernel_matches_float64_on_bf16_inputs(kind: str, n: int, k: int) -> Non
         cpu_linear.linear(torch.randn(2, k + 1), packed, None)
 
 
+def test_a_packed_weight_keeps_its_kernel_when_the_cap_moves(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both kernels live in the avx512 build only (the others hold a stub that refuses): a weight packed for one
+    keeps running on it when the ``PAGEDQ_CPU_ISA`` cap later selects another build for new work."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(40, 64, generator=g), torch.randn(5, 64, generator=g)
+    packed = cpu_linear.pack(w, dtype=torch.bfloat16)
+    assert packed is not None and packed.kind == kind
+    monkeypatch.setenv(cpu_isa.ENV_CAP, "avx2")
+    _close(cpu_linear.linear(x, packed, None), _reference(x, w, None), 64)
+
+
 @pytest.mark.parametrize(("inter", "k"), [(40, 32), (24, 576)])
 def test_kernel_gated_matches_silu_gate_times_up(kind: str, inter: int, k: int) -> None:
     g = torch.Generator().manual_seed(inter * k)

@@ -68,18 +68,23 @@ def _ops_present() -> bool:
     )
 
 
+def _trial_weight(out_features: int, in_features: int, generator: torch.Generator) -> Int8Weight:
+    """A random symmetric per-channel int8 weight for the start-up trials."""
+    return Int8Weight(
+        torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8),
+        torch.rand((out_features, 1), generator=generator) + 0.5,
+        None,
+        in_features,
+    )
+
+
 @functools.cache
 def _trial_ok() -> bool:
     """Probe by running: a small W8A8 product through oneDNN must equal the exact integer math.
 
     Cached per process: oneDNN picks its kernels once, from the CPU it finds."""
     generator = torch.Generator().manual_seed(0)
-    weight = Int8Weight(
-        torch.randint(-127, 128, (32, 64), generator=generator, dtype=torch.int8),
-        torch.rand((32, 1), generator=generator) + 0.5,
-        None,
-        64,
-    )
+    weight = _trial_weight(32, 64, generator)
     x = torch.randn((5, 64), generator=generator)
     try:
         packed = _pack(weight)
@@ -96,12 +101,7 @@ def _trial_fast() -> bool:
     oneDNN answered s8 x s8 exactly but at 0.08 GOP/s, ~1500x slower than fp32 (a 1024 x 576 x 1536 product:
     23.7 s against 15 ms): a model there would take hours for what fp32 does in seconds."""
     generator = torch.Generator().manual_seed(1)
-    weight = Int8Weight(
-        torch.randint(-127, 128, (256, 256), generator=generator, dtype=torch.int8),
-        torch.rand((256, 1), generator=generator) + 0.5,
-        None,
-        256,
-    )
+    weight = _trial_weight(256, 256, generator)
     x = torch.randn((64, 256), generator=generator)
     dense = torch.randn((256, 256), generator=generator)
     packed = _pack(weight)

@@ -60,18 +60,14 @@ def figures() -> dict[str, float]:
     OMP_NUM_THREADS=1, which the engine takes as the operator's thread count, for tests that start worker
     processes beside it), and this module starts none. Single-threaded, the fixture ran past 23 minutes on a
     2-core AMD EPYC Zen 5, where five loaders run."""
-    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    cores = len(os.sched_getaffinity(0))
-    os.environ["OMP_NUM_THREADS"] = str(cores)
-    torch.set_num_threads(cores)
-    try:
-        return _figures()
-    finally:
-        torch.set_num_threads(threads)
-        if omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = omp
+    threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", str(cores))
+        torch.set_num_threads(cores)
+        try:
+            return _figures()
+        finally:
+            torch.set_num_threads(threads)
 
 
 def _figures() -> dict[str, float]:

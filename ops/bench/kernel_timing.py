@@ -130,7 +130,7 @@ def linear_case(
     the weight comes from memory as in a model step, not from a cache that one repeated weight would sit in."""
     g = torch.Generator().manual_seed(n * k)
     dense = [torch.randn(n, k, generator=g) * k**-0.5 for _ in range(1 if n == VOCAB else LAYERS)]
-    fused = glu and kind in ("amx", "dpbf16", "panels")  # the kinds with the SiLU-and-mul in their epilogue
+    fused = glu and kind in ("panels", *cpu_linear.BF16_KINDS)  # the kinds with SiLU-and-mul in their epilogue
     if fused:
         packed = [cpu_linear.pack_gated(w, dtype) for w in dense]
     else:

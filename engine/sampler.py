@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.outputs import TokenLogprobs
+from kernels import cpu_ops
 from schemas.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -231,9 +232,9 @@ class Sampler:
         """Greedy rows take the argmax; the others go through the filters and a multinomial draw.
 
         Returns the tokens and the failed rows. A greedy row fails when its maximum is NaN or -inf
-        (nothing left to choose): ``max`` propagates NaN, so the argmax pass itself finds it, and
-        ``max`` with indices is even cheaper than ``argmax`` on the CPU (1.7 against 2.3 ms at
-        32 x 49152, one thread), where a separate ``isnan().any(dim=1)`` pass would add 2.7 ms. A
+        (nothing left to choose): ``max`` propagates NaN, so the argmax pass itself finds it (on the CPU
+        :func:`kernels.cpu_ops.max_rows`, the same answer in one C pass per row: 0.26 against torch's
+        1.17 ms at 64 x 49152 on 2 threads), where a separate ``isnan().any(dim=1)`` pass would add 2.7 ms. A
         sampled row fails when its probabilities do not sum to a finite positive number: softmax
         turns a NaN, an overflow to inf or an all -inf row into NaN, and one sum per row finds any of
         them (0.13 ms). Whole sample() calls at 32 x 49152 on one CPU thread, before -> after the
@@ -247,7 +248,7 @@ class Sampler:
         failed: dict[int, str] = {}
         chosen: torch.Tensor | None = None
         if len(sample_idx) < num_rows:
-            best, chosen = x.max(dim=1)
+            best, chosen = cpu_ops.max_rows(x)  # x.max(dim=1); one C pass per row on the CPU
             chosen = torch.where(best > float("-inf"), chosen, FAILED_TOKEN)  # False for NaN and -inf
         if not sample_idx:
             assert chosen is not None

@@ -7,11 +7,12 @@ to the torch path (``available()`` says which), so nothing breaks, it is only sl
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Any
 
 import torch
 
-from kernels import c_build
+from kernels import c_build, cpu_isa
 from kernels.kv_cache import write_kv_cache_torch
 
 _NAME = "cpu_attention"
@@ -29,8 +30,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     decode.restype = c_int
     lib.paged_decode_multi_query_supported.argtypes = [c_int]
     lib.paged_decode_multi_query_supported.restype = c_int
-    prefill = lib.paged_prefill_attention_f32  # + q_starts, q_lens, seq_lens, block_tables; kv_bf16, num_threads
-    prefill.argtypes = [*query_and_cache, ptr, ptr, ptr, ptr, *shapes_and_scale, c_int, c_int]
+    # + q_starts, q_lens, seq_lens, block_tables; kv_bf16, use_dp (prefill_dp_available), num_threads
+    prefill = lib.paged_prefill_attention_f32
+    prefill.argtypes = [*query_and_cache, ptr, ptr, ptr, ptr, *shapes_and_scale, c_int, c_int, c_int]
     prefill.restype = None
     lib.paged_prefill_attention_supported.argtypes = [i64]
     lib.paged_prefill_attention_supported.restype = ctypes.c_int
@@ -57,7 +59,8 @@ def _shapes_and_scale(
 
 
 KV_DTYPES = (torch.float32, torch.bfloat16)
-"""What the caches may hold: bf16 rows are widened to fp32 (exactly) as the kernels read them."""
+"""What the caches may hold: bf16 rows are widened to fp32 (exactly) as the kernels read them, except in the
+prefill kernel's bf16 dot-product path (:func:`prefill_dp_available`), which multiplies them as bf16."""
 
 
 def _kv_bf16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -193,6 +196,16 @@ def prefill_supported(head_dim: int) -> bool:
     return lib is not None and bool(lib.paged_prefill_attention_supported(head_dim))
 
 
+def prefill_dp_available() -> bool:
+    """Whether :func:`paged_prefill_attention` runs its products over a bf16 cache on AVX512-bf16 dot products
+    (VDPBF16PS; q and the softmax numerators rounded to bf16, fp32 sums): AVX512-bf16 probed runnable and allowed
+    by the ``PAGEDQ_CPU_ISA`` cap, the avx512 kernel build, and not switched off by
+    ``PAGEDQ_DISABLE_DP_ATTENTION`` (then K/V are widened to fp32 and multiplied in fp32, as over an fp32 cache)."""
+    if os.environ.get("PAGEDQ_DISABLE_DP_ATTENTION") or not cpu_isa.current().bf16_matmul:
+        return False
+    return c_build.variant() == "avx512" and c_build.load(_NAME, _bind) is not None
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -209,9 +222,12 @@ def paged_prefill_attention(
     Sequence ``i``'s ``q_lens[i]`` queries are rows ``q_starts[i]...`` of ``q [N, H, D]``, at the last
     ``q_lens[i]`` of its ``seq_lens[i]`` positions (their K/V already written to the cache); results go
     to the same rows of ``out [N, H, D]`` (contiguous). ``q_starts`` int64, the rest int32, contiguous.
+    Over a bf16 cache where :func:`prefill_dp_available`, q and the softmax numerators are rounded to bf16 for
+    the products (bf16 flash attention's numerics); otherwise the arithmetic is fp32.
     """
     lib = c_build.load(_NAME, _bind)
     assert lib is not None and prefill_supported(q.shape[-1]), "call prefill_supported() first"
+    kv_bf16 = _kv_bf16(k_cache, v_cache)
     lib.paged_prefill_attention_f32(
         *_query_and_cache(q, k_cache, v_cache, out),
         q_starts.data_ptr(),
@@ -219,6 +235,7 @@ def paged_prefill_attention(
         seq_lens.data_ptr(),
         block_tables.data_ptr(),
         *_shapes_and_scale(q_starts.shape[0], block_tables, q, k_cache, scale),
-        _kv_bf16(k_cache, v_cache),
+        kv_bf16,
+        int(kv_bf16 and prefill_dp_available()),
         torch.get_num_threads(),
     )

@@ -49,6 +49,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -97,17 +98,25 @@ def _panels_lib() -> ctypes.CDLL | None:
     return c_build.load("cpu_gemm", _bind)
 
 
-def _bind_amx(lib: ctypes.CDLL) -> None:
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.gemm_bf16_amx.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i32]
-    lib.gemm_bf16_amx.restype = i32
+def _bind_bf16(function: str) -> Callable[[ctypes.CDLL], None]:
+    """The ctypes binder of a bf16 kernel's entry point: ``gemm_bf16_amx`` and ``gemm_bf16_dp`` take the same
+    arguments (x, its row stride, the bf16 rows' buffer, rows, weight, bias, out, its row stride, n, k, glu,
+    threads) and return a status."""
+
+    def bind(lib: ctypes.CDLL) -> None:
+        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        entry = getattr(lib, function)
+        entry.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i32]
+        entry.restype = i32
+
+    return bind
 
 
 @functools.cache
 def _amx_lib() -> ctypes.CDLL | None:
     """The avx512 build of ``cpu_bf16_amx`` with AMX tile permission granted to this process, or None.
     Held once loaded: an AMX-packed weight keeps running on it if the ``PAGEDQ_CPU_ISA`` cap moves later."""
-    return c_build.load_amx("cpu_bf16_amx", _bind_amx, "bf16_amx_init")
+    return c_build.load_amx("cpu_bf16_amx", _bind_bf16("gemm_bf16_amx"), "bf16_amx_init")
 
 
 def amx_available() -> bool:
@@ -117,18 +126,12 @@ def amx_available() -> bool:
     return not os.environ.get("PAGEDQ_DISABLE_AMX_LINEAR") and c_build.amx_runnable() and _amx_lib() is not None
 
 
-def _bind_dp(lib: ctypes.CDLL) -> None:
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.gemm_bf16_dp.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i32]
-    lib.gemm_bf16_dp.restype = i32
-
-
 @functools.cache
 def _dp_lib() -> ctypes.CDLL | None:
     """The avx512 build of ``cpu_bf16_dp`` (VDPBF16PS), or None; first asked for by :func:`dp_available` under
     that build. Held once loaded, as the AMX kernel is: a dpbf16-packed weight keeps running on it if the
     ``PAGEDQ_CPU_ISA`` cap moves later (the other builds hold only a stub that refuses)."""
-    return c_build.load("cpu_bf16_dp", _bind_dp)
+    return c_build.load("cpu_bf16_dp", _bind_bf16("gemm_bf16_dp"))
 
 
 def dp_available() -> bool:

@@ -25,7 +25,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.rotary_neox_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i32]
     lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, i32]
     lib.quantize_rows_s8.argtypes = [ptr, i64, ptr, ptr, i64, i64, i32]
-    for fn in (lib.rms_norm_f32, lib.rotary_neox_f32, lib.silu_and_mul_f32, lib.quantize_rows_s8):
+    lib.argmax_rows_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32]
+    for fn in (lib.rms_norm_f32, lib.rotary_neox_f32, lib.silu_and_mul_f32, lib.quantize_rows_s8, lib.argmax_rows_f32):
         fn.restype = None
 
 
@@ -163,3 +164,24 @@ def quantize_rows_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n:
         lib.quantize_rows_s8(x.data_ptr(), x.stride(0), q.data_ptr(), scales.data_ptr(), n, k, torch.get_num_threads())
     return q, scales
+
+
+def max_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.max(dim=1)`` for ``x [rows, v]``: each row's largest value and the index of its first occurrence (a
+    NaN anywhere makes the row's maximum NaN, at the first NaN), as ``(values fp32, indices int64)``.
+
+    The greedy sampler's argmax over the logits; in C one pass per row, rows over the threads (torch's
+    reduction took ~30 us a 49152-wide row, 1.17 ms a 64-row decode step on 2 threads of an AMD EPYC Zen 5).
+    """
+    lib = _load()
+    if lib is None or x.dim() != 2 or not _f32_cpu(x) or x.stride(-1) != 1 or x.shape[1] == 0:
+        values, indices = x.max(dim=1)
+        return values, indices
+    n, v = x.shape
+    values = torch.empty((n,), dtype=torch.float32)
+    indices = torch.empty((n,), dtype=torch.int64)
+    if n:
+        lib.argmax_rows_f32(
+            x.data_ptr(), x.stride(0), n, v, values.data_ptr(), indices.data_ptr(), torch.get_num_threads()
+        )
+    return values, indices

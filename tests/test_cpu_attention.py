@@ -9,7 +9,7 @@ import torch
 
 from engine.attention import TorchAttention
 from engine.attention_metadata import AttentionMetadata
-from kernels import cpu_attention
+from kernels import cpu_attention, cpu_isa
 from kernels.kv_cache import write_kv_cache_torch
 from kernels.paged_attention import paged_attention_torch
 
@@ -335,3 +335,76 @@ def test_write_kv_cache_rounds_as_torch(kv_dtype: torch.dtype) -> None:
         assert torch.equal(nan, torchs.isnan())  # NaN stays NaN (torch's own payloads differ by code path)
         bits = torch.int16 if kv_dtype == torch.bfloat16 else torch.int32
         assert torch.equal(ours.view(bits)[~nan], torchs.view(bits)[~nan])
+
+
+def _dp_prefill_or_skip(isa_variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lift the variant's cap to AVX512-bf16 for the prefill kernel's dot-product path, or skip where it cannot run."""
+    if isa_variant != "avx512":
+        pytest.skip(f"the bf16 dot-product prefill is the avx512 build's (this run: {isa_variant})")
+    monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512_bf16")
+    monkeypatch.delenv("PAGEDQ_DISABLE_DP_ATTENTION", raising=False)
+    if not cpu_attention.prefill_dp_available():
+        pytest.skip("this CPU has no AVX512-bf16 (or no C compiler): the prefill kernel widens bf16 to fp32")
+
+
+def _prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    q_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """The prefill kernel over every sequence of ``meta`` (chunks of ``q_lens`` queries), into a fresh output."""
+    out = torch.zeros_like(q)
+    starts = meta.query_start_loc[:-1].to(torch.int64).contiguous()
+    lens = torch.tensor(q_lens, dtype=torch.int32)
+    tables = meta.block_tables.contiguous()
+    cpu_attention.paged_prefill_attention(q, k_cache, v_cache, out, starts, lens, meta.seq_lens, tables, scale)
+    return out
+
+
+# Groups of 1, 3 and 4 query heads per kv head (R = 16, 48, 64 rows per tile: one, three and four 16-row
+# vectors), head_dim 16-128; blocks of 16 and of 7 (chunks of 64 keys across blocks, not aligned to them).
+# Sequences: a whole 300-token prompt (not a multiple of 16 or 64), a 70-token chunk after 180 cached, tiles
+# of fewer than 16 queries (13, 5, 1), a prompt of 77.
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (4, 4, 64), (8, 2, 128), (4, 1, 128), (6, 2, 32), (4, 4, 16)],
+)
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_prefill_dp_matches_reference(
+    isa_variant: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bf16 cache's products on AVX512-bf16 dot products: q and the softmax numerators rounded to bf16, fp32
+    # sums. Against float64 attention over the same (bf16) K/V: bf16's rounding of q and P, not fp32's, bounds it.
+    _dp_prefill_or_skip(isa_variant, monkeypatch)
+    torch.manual_seed(head_dim * 31 + block_size + num_heads)
+    seq_lens, q_lens = [300, 250, 45, 77, 9, 131], [300, 70, 13, 77, 5, 1]
+    meta, q, _, _, k32, v32 = make_batch(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size)
+    k_cache, v_cache = k32.bfloat16(), v32.bfloat16()
+    scale = head_dim**-0.5
+    out = _prefill(q, k_cache, v_cache, meta, q_lens, scale)
+    args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len, meta.max_seq_len)
+    ref = paged_attention_torch(q.double(), k_cache.double(), v_cache.double(), *args).float()
+    torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+    # the dot-product path ran: the fp32 path's result (switched off) is within fp32 rounding of the reference
+    monkeypatch.setenv("PAGEDQ_DISABLE_DP_ATTENTION", "1")
+    widened = _prefill(q, k_cache, v_cache, meta, q_lens, scale)
+    torch.testing.assert_close(widened, ref, atol=2e-5, rtol=1e-4)
+    assert (out - widened).abs().max() > 1e-5
+
+
+def test_prefill_dp_switched_off(isa_variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # PAGEDQ_DISABLE_DP_ATTENTION=1: the bf16 cache is widened and multiplied in fp32, as over an fp32 cache of
+    # the same values (fp32 tolerance), even where AVX512-bf16 runs.
+    _dp_prefill_or_skip(isa_variant, monkeypatch)
+    monkeypatch.setenv("PAGEDQ_DISABLE_DP_ATTENTION", "1")
+    assert not cpu_attention.prefill_dp_available()
+    torch.manual_seed(5)
+    seq_lens, q_lens = [200, 90, 33], [200, 40, 33]
+    meta, q, _, _, k32, v32 = make_batch(seq_lens, q_lens, 9, 3, 64, 16)
+    k_cache, v_cache = k32.bfloat16(), v32.bfloat16()
+    out = _prefill(q, k_cache, v_cache, meta, q_lens, 0.125)
+    fp32 = _prefill(q, k_cache.float(), v_cache.float(), meta, q_lens, 0.125)
+    torch.testing.assert_close(out, fp32, atol=2e-5, rtol=1e-4)

@@ -146,6 +146,32 @@ def test_silu_and_mul_cpu(rows: int, width: int) -> None:
     torch.testing.assert_close(cpu_ops.silu_and_mul_cpu(x), silu_and_mul_torch(x), atol=1e-5, rtol=2e-6)
 
 
+@needs_c
+@pytest.mark.parametrize(("rows", "width"), [(1, 49152), (7, 1000), (40, 37), (3, 5)])  # 1000, 37, 5: tails
+def test_max_rows_is_torch_max(rows: int, width: int) -> None:
+    # torch.max(dim=1)'s answer: the value and the index of its first occurrence, NaN first of all.
+    torch.manual_seed(rows * width)
+    x = torch.randn(rows, width + 3)[:, 1 : width + 1]  # rows with a stride of their own
+    ties = torch.randint(0, 4, (rows, width)).float()  # few distinct values: ties everywhere
+    x[rows // 2 :] = ties[rows // 2 :]
+    if rows > 2:
+        x[0] = float("-inf")  # nothing to choose
+        x[1, width - 1] = float("nan")
+        x[2, min(3, width - 1)] = float("nan")
+        x[2, width - 1] = float("inf")
+    values, indices = cpu_ops.max_rows(x)
+    ref_values, ref_indices = x.max(dim=1)
+    assert indices.dtype == torch.int64
+    assert torch.equal(indices, ref_indices)
+    torch.testing.assert_close(values, ref_values, equal_nan=True, rtol=0, atol=0)
+
+
+def test_max_rows_falls_back_to_torch_for_other_dtypes() -> None:
+    x = torch.randn(3, 50, dtype=torch.bfloat16)
+    values, indices = cpu_ops.max_rows(x)
+    assert values.dtype == torch.bfloat16 and torch.equal(indices, x.max(dim=1).indices)
+
+
 def test_cpu_ops_fall_back_for_other_dtypes() -> None:
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     w = torch.randn(16, dtype=torch.bfloat16)

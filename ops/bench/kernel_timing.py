@@ -94,15 +94,33 @@ def decode_case(
     return run
 
 
-def prefill_case(num_seqs: int, seq_len: int, kv_dtype: torch.dtype) -> Callable[[], None]:
-    k_cache, v_cache, tables = _paged_cache([seq_len] * num_seqs, HEAD_DIM, kv_dtype)
+def prefill_case(
+    num_seqs: int, seq_len: int, kv_dtype: torch.dtype, cached: int = 0, dp: bool = True
+) -> Callable[[], None]:
+    """``num_seqs`` chunks of ``seq_len`` new queries, each after ``cached`` positions already in the cache.
+    Over a bf16 cache in the avx512 column, with ``dp`` the products run on AVX512-bf16 dot products where the
+    CPU has them (the variant loop's ``avx512`` cap leaves that level out, so the call lifts it to
+    ``avx512_bf16``); without, widened to fp32 (``PAGEDQ_DISABLE_DP_ATTENTION``)."""
+    total = cached + seq_len
+    k_cache, v_cache, tables = _paged_cache([total] * num_seqs, HEAD_DIM, kv_dtype)
     q = torch.randn(num_seqs * seq_len, HEADS, HEAD_DIM)
     out = torch.empty_like(q)
     starts = torch.arange(num_seqs, dtype=torch.int64) * seq_len
     q_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+    lens = torch.full((num_seqs,), total, dtype=torch.int32)
 
     def run() -> None:
-        cpu_attention.paged_prefill_attention(q, k_cache, v_cache, out, starts, q_lens, q_lens, tables, 0.125)
+        cap = os.environ.get(cpu_isa.ENV_CAP)
+        if not dp:
+            os.environ["PAGEDQ_DISABLE_DP_ATTENTION"] = "1"
+        elif cap == "avx512":
+            os.environ[cpu_isa.ENV_CAP] = "avx512_bf16"
+        try:
+            cpu_attention.paged_prefill_attention(q, k_cache, v_cache, out, starts, q_lens, lens, tables, 0.125)
+        finally:
+            os.environ.pop("PAGEDQ_DISABLE_DP_ATTENTION", None)
+            if cap is not None:
+                os.environ[cpu_isa.ENV_CAP] = cap
 
     return run
 
@@ -215,6 +233,21 @@ def main() -> None:
         "verify 64 seqs x 350, 9 queries, 30 layers": decode_case(64, 350, HEAD_DIM, kv_dtype, 30, 9),
         "verify ... prefill kernel": decode_case(64, 350, HEAD_DIM, kv_dtype, 30, 9, prefill_kernel=True),
         "prefill 4 x 256": prefill_case(4, 256, kv_dtype),
+        # the engine's 2048-token prefill steps: 8 prompts of 256, a 256-token chunk after 256 cached, one 2048
+        "prefill 8 x 256": prefill_case(8, 256, kv_dtype),
+        "prefill 1 x 256 after 256": prefill_case(1, 256, kv_dtype, cached=256),
+        "prefill 1 x 2048": prefill_case(1, 2048, kv_dtype),
+        # a bf16 cache: the same cases with the dot-product path off (fp32 products on widened K/V)
+        **(
+            {
+                "prefill 4 x 256, dp off": prefill_case(4, 256, kv_dtype, dp=False),
+                "prefill 8 x 256, dp off": prefill_case(8, 256, kv_dtype, dp=False),
+                "prefill 1 x 256 after 256, dp off": prefill_case(1, 256, kv_dtype, cached=256, dp=False),
+                "prefill 1 x 2048, dp off": prefill_case(1, 2048, kv_dtype, dp=False),
+            }
+            if kv_dtype == torch.bfloat16
+            else {}
+        ),
         **ops_cases(128),
         **ops_cases(2048),
     }

@@ -26,10 +26,19 @@ and two defaults of the OpenMP runtime under torch and pagedq's C kernels turn i
   worth of time other processes used (``/proc/stat`` busy and steal time, less this process's own CPU
   time) and fits the team to the cores they leave: ``torch.set_num_threads``, which the C kernels and
   oneDNN follow.
+- **Freed memory handed back to the kernel.** A step allocates its activations fresh (a 2048-token prefill
+  step's fp32 rows are 5-25 MB a tensor), and glibc returns large freed blocks to the kernel: blocks over
+  its mmap threshold are unmapped, and a freed heap top over its trim threshold is released. The next
+  step's tensors then fault in their pages one at a time, zeroed, inside the kernels' parallel regions.
+  Measured on a 2-vCPU AMD EPYC Zen 5 (compass, no drafts): fp32 739k page faults and 3.0 s of system time
+  in a 30 s run, bf16 63k; with :func:`keep_freed_memory` 115 and 57, fp32 304 -> 319-357 tok/s, its
+  2048-row RMSNorm 1.56 -> 0.69 ms and its prefill matmuls 10-30 % faster.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import os
 import sys
@@ -172,6 +181,38 @@ class CoreShare:
             return None
         self.threads, self._pending = target, None
         return target
+
+
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+MMAP_THRESHOLD_BYTES = 256 << 20  # blocks up to this size come from the heap and are reused, not unmapped
+TRIM_THRESHOLD_BYTES = 1 << 30  # free memory kept at the heap top before any is handed back
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed memory for reuse instead of handing it back to the kernel (see the module's
+    notes: every step's large tensors page-faulted in again); True when set here.
+
+    Blocks up to :data:`MMAP_THRESHOLD_BYTES` (a speculative step's logits: 576 rows x 49152 fp32, 113 MB)
+    are taken from the heap, and up to :data:`TRIM_THRESHOLD_BYTES` of free heap top are kept: the process
+    holds on to its peak step's memory, as tcmalloc or jemalloc (vLLM's CPU guide preloads one) would. Left
+    alone where the operator tuned malloc (any of :data:`MALLOC_ENV`, or another allocator preloaded) and
+    outside glibc. Once per process."""
+    if any(os.environ.get(name) for name in MALLOC_ENV):
+        return False
+    if any(name in os.environ.get("LD_PRELOAD", "") for name in ("tcmalloc", "jemalloc", "mimalloc")):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018  # glibc only: other libcs' mallopt take other parameters
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
 
 
 def threads_per_rank(ranks: int) -> int:

@@ -336,6 +336,8 @@ def rank_main(rank: int, spec_json: str) -> None:
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        cpu_runtime.keep_freed_memory()  # as the engine does for rank 0
     timeout = timedelta(seconds=config.distributed_timeout_s)
     store = dist.TCPStore("127.0.0.1", spec["port"], size, False, timeout=timeout)
     dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=size, timeout=timeout)

@@ -73,6 +73,7 @@ class Engine:
             threads = cpu_runtime.threads_per_rank(config.tensor_parallel_size)
             if torch.get_num_threads() > threads:
                 torch.set_num_threads(threads)
+            cpu_runtime.keep_freed_memory()  # a step's tensors reuse freed memory instead of faulting it in
         # ...and fit it, while running, to the cores other processes leave free (cpu_runtime.CoreShare).
         self.core_share: cpu_runtime.CoreShare | None = None
         # Not under tensor parallelism: the other ranks' CPU time would read as a neighbour's.

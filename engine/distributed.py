@@ -46,6 +46,7 @@ from engine.errors import RankFailedError
 from engine.model_config import ModelConfig
 from engine.model_runner import HostInputs, ModelRunner, logit_rows
 from engine.parallel_layers import AttentionShards, TensorParallel
+from engine.sampler import GreedyChoice
 from engine.scheduler import ScheduledBatch
 from engine.step_stats import StepStats
 
@@ -171,9 +172,14 @@ class DistributedModelRunner:
     # ------------------------------------------------------------------------------ stepping
 
     def execute(
-        self, batch: ScheduledBatch, sample_rows: list[int], num_logits: list[int] | None = None
-    ) -> torch.Tensor | None:
-        """:meth:`ModelRunner.execute` on every rank: the batch is broadcast, the logits come back here."""
+        self,
+        batch: ScheduledBatch,
+        sample_rows: list[int],
+        num_logits: list[int] | None = None,
+        greedy: bool = False,
+    ) -> torch.Tensor | GreedyChoice | None:
+        """:meth:`ModelRunner.execute` on every rank: the batch is broadcast, the logits come back here (always
+        logits: ``greedy`` is a hint the sharded head does not take, its vocabulary split over the ranks)."""
         self._check_ranks()
         t0 = time.perf_counter()
         host = self.local.host_inputs(batch)

@@ -34,7 +34,15 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.ngram_proposer import NgramIndex
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, TokenLogprobs
-from engine.sampler import FAILED_TOKEN, Sampler, SamplerOutput, SamplingRow, make_generator
+from engine.sampler import (
+    FAILED_TOKEN,
+    GreedyChoice,
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    make_generator,
+    plain_greedy,
+)
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_stats import BLOCK_FILL_EVERY_STEPS, StepStats
@@ -284,7 +292,13 @@ class Engine:
             if past_end >= 0:
                 sample_rows.append(i)
                 num_logits.append(past_end + 1)
-        logits = self.runner.execute(batch, sample_rows, num_logits)
+        # Every sampled row plain greedy (no logprobs, penalties, bans, grammar or forks): their argmax will do,
+        # and the head computes it without writing the logits where its kernel can (runner.execute's greedy).
+        greedy = bool(sample_rows) and all(
+            plain_greedy(seq.params, len(seq.output_token_ids)) and seq.matcher is None and not seq.pending_fork
+            for seq in (batch.seqs[i] for i in sample_rows)
+        )
+        logits = self.runner.execute(batch, sample_rows, num_logits, greedy)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             # Drafts' KV counts as computed only once the model has accepted them (below).
             seq.num_computed_tokens += n - len(seq.spec_token_ids)
@@ -309,7 +323,8 @@ class Engine:
                 logit_rows.extend(range(offset, offset + count))
             offset += count
         self.runner.copy_blocks(copies)
-        if len(logit_rows) != logits.shape[0]:
+        if len(logit_rows) != logits.shape[0]:  # forks: never with a GreedyChoice (no forks there)
+            assert isinstance(logits, torch.Tensor)
             logits = logits[torch.tensor(logit_rows, device=logits.device)]
         rows = [
             SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids + s.spec_token_ids[:j])
@@ -318,6 +333,7 @@ class Engine:
         ]
         started = clock()
         if any(s.matcher is not None for s, _ in samplers):
+            assert isinstance(logits, torch.Tensor)  # a grammar's rows are never plain greedy
             # A constrained sequence has one logits row, or one per draft plus one when it
             # speculates (each masked with the grammar's state after the drafts before it). In
             # place: the sampled distribution and the logprobs are those of the allowed tokens.
@@ -349,7 +365,7 @@ class Engine:
         self._propose_drafts()
         return [self._delta(req) for req in touched.values()]
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], counts: list[int]) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor | GreedyChoice, rows: list[SamplingRow], counts: list[int]) -> SamplerOutput:
         """Sample the batch; should the sampler raise, sample each sequence's rows (``counts`` of them,
         in order) alone, so that only the sequences that raise by themselves fail. The logits are
         already computed, so the retry costs no forward. The seeded generators are put back first:

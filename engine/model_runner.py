@@ -25,6 +25,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.parallel_layers import SINGLE, AttentionShards, TensorParallel
+from engine.sampler import GreedyChoice
 from engine.scheduler import ScheduledBatch
 from engine.step_stats import StepStats
 from kernels import host_memory
@@ -137,18 +138,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, batch: ScheduledBatch, sample_rows: list[int], num_logits: list[int] | None = None
-    ) -> torch.Tensor | None:
+        self,
+        batch: ScheduledBatch,
+        sample_rows: list[int],
+        num_logits: list[int] | None = None,
+        greedy: bool = False,
+    ) -> torch.Tensor | GreedyChoice | None:
         """Run the batch; returns float32 logits for the sequences at ``sample_rows`` (batch order),
         or None when every sequence was a mid-prompt chunk (its KV still had to be written).
 
         ``num_logits[i]``: how many of that sequence's last positions need logits (1, or 1 + its
         draft tokens when speculating); the rows come out sequence by sequence, positions in order.
+        ``greedy``: every row will be sampled as plain greedy (``sampler.plain_greedy``), so their argmax
+        will do: a :class:`GreedyChoice` comes back where the model computes it without the logits.
         """
         t0 = time.perf_counter()
         input_ids, positions, meta = self.prepare_inputs(batch)
         t1 = time.perf_counter()
-        logits = self.run(input_ids, positions, meta, logit_rows(batch, sample_rows, num_logits))
+        logits = self.run(input_ids, positions, meta, logit_rows(batch, sample_rows, num_logits), greedy)
         t2 = time.perf_counter()
         self.stats.phase_s["prepare_inputs"] += t1 - t0
         self.stats.phase_s["forward"] += t2 - t1
@@ -156,18 +163,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows: list[int]
-    ) -> torch.Tensor | None:
-        """The forward over prepared inputs; float32 logits of ``rows`` (None when there are none)."""
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        rows: list[int],
+        greedy: bool = False,
+    ) -> torch.Tensor | GreedyChoice | None:
+        """The forward over prepared inputs; float32 logits of ``rows`` (None when there are none), or with
+        ``greedy`` their :class:`GreedyChoice` where the model has one."""
         if self.graphs is not None and self.graphs.can_run(meta.num_seqs, meta.max_query_len):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             self.model.ops.attention.prepare(meta)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        logits = None
+        logits: torch.Tensor | GreedyChoice | None = None
         if rows:
             index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden.index_select(0, index))
+            selected = hidden.index_select(0, index)
+            choice = self.model.compute_greedy(selected) if greedy else None
+            logits = GreedyChoice(*choice) if choice is not None else self.model.compute_logits(selected)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return logits

@@ -19,6 +19,7 @@ Design choices, and why:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -51,6 +52,37 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+
+
+@dataclass
+class GreedyChoice:
+    """What a batch of plain greedy rows needs from the logits, computed without them: each row's largest
+    logit and the index of its first occurrence (``torch.max(dim=1)``'s answer; NaN when the row has one).
+    The model's head returns it where its matmul kernel can (``LlamaForCausalLM.compute_greedy``): the
+    logits of a decode step are rows x vocab fp32, written and read back for this answer alone."""
+
+    values: torch.Tensor  # float32 [rows]
+    indices: torch.Tensor  # int64 [rows]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(rows, 0)``: the batch's row count, as a logits tensor's first dimension gives it."""
+        return (int(self.indices.shape[0]), 0)
+
+    def __getitem__(self, rows: slice | torch.Tensor) -> GreedyChoice:
+        return GreedyChoice(self.values[rows], self.indices[rows])
+
+
+def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a row of these params is sampled from the argmax alone (:class:`GreedyChoice` serves it):
+    greedy, no penalties (they rewrite the logits), no logprobs (they read them), and past ``min_tokens``
+    (before it, EOS and the stop tokens are masked out of the logits first)."""
+    return (
+        params.greedy
+        and not params.has_penalties
+        and params.logprobs is None
+        and (num_output_tokens >= params.min_tokens)
+    )
 
 
 @dataclass
@@ -185,13 +217,16 @@ class Sampler:
         self.eos_token_ids = set(eos_token_ids)
         self.generator = generator
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Sample one token per row of ``logits`` [M, V]; ``rows[i]`` describes row ``i``.
+    def sample(self, logits: torch.Tensor | GreedyChoice, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [M, V]; ``rows[i]`` describes row ``i``. A
+        :class:`GreedyChoice` stands for the logits of rows that are all :func:`plain_greedy`.
 
         Stage order: penalties -> min_tokens masking -> greedy argmax -> temperature -> top-k -> top-p
         -> min-p -> multinomial draw. ``logits`` is not modified. A row that cannot be sampled (see
         ``_choose``) is reported in ``failed`` rather than raising.
         """
+        if isinstance(logits, GreedyChoice):
+            return self._greedy_choice(logits, rows)
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         x = logits.float()
@@ -213,6 +248,23 @@ class Sampler:
         token_ids, failed = self._choose(x, rows)
         logprobs = self._logprobs(logits, rows, token_ids, failed)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, failed=failed)
+
+    @staticmethod
+    def _greedy_choice(choice: GreedyChoice, rows: list[SamplingRow]) -> SamplerOutput:
+        """:meth:`sample` for plain greedy rows from their argmax: the same tokens, and the same failures
+        (NaN, or nothing above -inf), as the argmax over the logits gives."""
+        if choice.indices.shape[0] != len(rows):
+            raise ValueError(f"{choice.indices.shape[0]} greedy choices do not match {len(rows)} rows")
+        if not all(plain_greedy(r.params, len(r.output_token_ids)) for r in rows):
+            raise ValueError("a greedy choice stands only for plain greedy rows (no penalties, logprobs or bans)")
+        values = choice.values.tolist()
+        token_ids = [int(t) for t in choice.indices.tolist()]
+        failed: dict[int, str] = {}
+        for i, value in enumerate(values):
+            if not value > float("-inf"):  # False for NaN and -inf
+                token_ids[i] = FAILED_TOKEN
+                failed[i] = NAN_LOGITS if math.isnan(value) else NO_CANDIDATE
+        return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(rows), failed=failed)
 
     def _min_tokens_bans(self, rows: list[SamplingRow], vocab: int) -> tuple[list[int], list[int]]:
         """(row, token) pairs to set to -inf: EOS and stop tokens of rows short of ``min_tokens``.

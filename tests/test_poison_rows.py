@@ -19,7 +19,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.engine import Engine
-from engine.sampler import NAN_LOGITS, NONFINITE_PROBS, Sampler, SamplerOutput, SamplingRow
+from engine.sampler import NAN_LOGITS, NONFINITE_PROBS, GreedyChoice, Sampler, SamplerOutput, SamplingRow
 from schemas.jobs import InvalidJob, JobRequest
 from schemas.sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
@@ -183,7 +183,7 @@ class RaisingSampler(Sampler):
     own guard does not know. It draws first, so the batch's seeded generators have moved on when it
     raises, as they would after a failure midway; the engine must put them back."""
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor | GreedyChoice, rows: list[SamplingRow]) -> SamplerOutput:
         out = super().sample(logits, rows)
         if any(row.prompt_token_ids[:1] == [MARKER] for row in rows):
             raise RuntimeError("this row's sampling broke")

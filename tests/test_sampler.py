@@ -15,6 +15,7 @@ from engine.sampler import (
     NAN_LOGITS,
     NO_CANDIDATE,
     NONFINITE_PROBS,
+    GreedyChoice,
     Sampler,
     SamplerOutput,
     SamplingRow,
@@ -477,3 +478,20 @@ def test_a_failed_seeded_row_does_not_draw() -> None:
     out = Sampler({EOS}).sample(torch.full((1, V), float("nan")), [_row(gen, temperature=1.0)])
     assert out.failed == {0: NONFINITE_PROBS}
     assert torch.equal(gen.get_state(), before)
+
+
+def test_greedy_choice_samples_what_the_logits_sample() -> None:
+    """A GreedyChoice (the head's argmax without its logits) gives the tokens and failures the logits give."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    logits[1] = float("-inf")  # nothing to choose
+    logits[2, 7] = float("nan")
+    params = SamplingParams(temperature=0.0)
+    rows = [SamplingRow(params, None, [1, 2], []) for _ in range(4)]
+    sampler = Sampler(eos_token_ids={0})
+    want = sampler.sample(logits, rows)
+    values, indices = logits.max(dim=1)
+    got = sampler.sample(GreedyChoice(values, indices), rows)
+    assert got.token_ids == want.token_ids and got.failed == want.failed and got.logprobs == [None] * 4
+    asked = [SamplingRow(SamplingParams(temperature=0.0, logprobs=1), None, [1], []), *rows[1:]]
+    with pytest.raises(ValueError, match="plain greedy"):
+        sampler.sample(GreedyChoice(values, indices), asked)

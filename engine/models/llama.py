@@ -311,6 +311,13 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm.forward_residual(hidden, residual)
         return hidden
 
+    def compute_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``compute_logits(hidden).max(dim=1)`` (values, indices) without the logits, where the lm_head's
+        kernel has that epilogue (``cpu_linear.argmax_linear``; one rank); else None."""
+        if self.lm_head_packed is None or self.tp.size != 1:
+            return None
+        return cpu_linear.argmax_linear(hidden, self.lm_head_packed)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [M, hidden]`` -> float32 logits ``[M, vocab]`` (matmul in the model dtype, like HF).
 

@@ -45,6 +45,8 @@
  * column block prefetched into L2 in shares spread over the current block's row tiles (so that the row
  * tiles after the first, which read the block from L1, also keep memory busy): within the noise.
  */
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,11 +64,22 @@
 #define DP_PF 4096 /* weight elements to prefetch ahead: 8 KB, four K chunks (measured above) */
 #endif
 
+/* One thread's running argmax over the columns it has multiplied so far (gemm_bf16_dp_argmax), per row:
+ * per lane the largest value and its column (16 lanes; a strict > keeps a lane's first), and the first NaN's
+ * column (-1: none yet). */
+typedef struct {
+    float *best;     /* [m][16] */
+    int32_t *col;    /* [m][16] */
+    int64_t *nan_at; /* [m] */
+} dp_argmax;
+
 /* rows x 32 outputs of one column block: acc = x rows (bf16, stride k) @ the block's weight, then + bias,
- * or with glu silu(columns 0-15) * columns 16-31 (16 outputs), ncols of them valid. */
+ * or with glu silu(columns 0-15) * columns 16-31 (16 outputs), ncols of them valid. With `am` (column `col`,
+ * first row `row0`), nothing is stored: the rows' running argmax takes the block's ncols values instead. */
 static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16_t *x, int64_t k,
                                                           const uint16_t *panel, const float *bias, float *y,
-                                                          int64_t ldy, int ncols, int glu)
+                                                          int64_t ldy, int ncols, int glu, dp_argmax *am,
+                                                          int64_t row0, int64_t col)
 {
     __m512 c0a = _mm512_setzero_ps(), c1a = c0a, c2a = c0a, c3a = c0a, c4a = c0a, c5a = c0a;
     __m512 c6a = c0a, c7a = c0a, c8a = c0a, c9a = c0a, c10a = c0a, c11a = c0a;
@@ -101,6 +114,32 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
 #undef ROW
     const __m512 acc0[DP_MR] = {c0a, c1a, c2a, c3a, c4a, c5a, c6a, c7a, c8a, c9a, c10a, c11a};
     const __m512 acc1[DP_MR] = {c0b, c1b, c2b, c3b, c4b, c5b, c6b, c7b, c8b, c9b, c10b, c11b};
+    if (am) { /* lane l sees columns col + l, then col + 16 + l: in order, so a strict > keeps its first */
+        const __mmask16 m0 = lanes16(ncols), m1 = lanes16(ncols > 16 ? ncols - 16 : 0);
+        const __m512i c0 = _mm512_add_epi32(_mm512_set1_epi32((int)col),
+                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        const __m512i c1 = _mm512_add_epi32(c0, _mm512_set1_epi32(16));
+        for (int r = 0; r < DP_MR; r++) {
+            if (r >= rows) break;
+            float *bp = am->best + (row0 + r) * 16;
+            int32_t *cp = am->col + (row0 + r) * 16;
+            __m512 best = _mm512_loadu_ps(bp);
+            __m512i at = _mm512_loadu_si512((const void *)cp);
+            __mmask16 gt = _mm512_mask_cmp_ps_mask(m0, acc0[r], best, _CMP_GT_OQ);
+            best = _mm512_mask_mov_ps(best, gt, acc0[r]);
+            at = _mm512_mask_mov_epi32(at, gt, c0);
+            gt = _mm512_mask_cmp_ps_mask(m1, acc1[r], best, _CMP_GT_OQ);
+            best = _mm512_mask_mov_ps(best, gt, acc1[r]);
+            at = _mm512_mask_mov_epi32(at, gt, c1);
+            _mm512_storeu_ps(bp, best);
+            _mm512_storeu_si512((void *)cp, at);
+            const __mmask16 n0 = _mm512_mask_cmp_ps_mask(m0, acc0[r], acc0[r], _CMP_UNORD_Q);
+            const __mmask16 n1 = _mm512_mask_cmp_ps_mask(m1, acc1[r], acc1[r], _CMP_UNORD_Q);
+            if ((n0 | n1) && am->nan_at[row0 + r] < 0)
+                am->nan_at[row0 + r] = col + (n0 ? __builtin_ctz(n0) : 16 + __builtin_ctz(n1));
+        }
+        return;
+    }
     if (glu) {
         const __mmask16 mask = lanes16(ncols);
         const __m512 one = _mm512_set1_ps(1.f);
@@ -125,15 +164,44 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
 
 /* dp_tile, one inlined copy per row count: constant counts keep every accumulator in a register. */
 static inline void dp_tile_rows(int rows, const uint16_t *x, int64_t k, const uint16_t *panel, const float *bias,
-                                float *y, int64_t ldy, int ncols, int glu)
+                                float *y, int64_t ldy, int ncols, int glu, dp_argmax *am, int64_t row0, int64_t col)
 {
-#define DP_CASE(n) case n: dp_tile(n, x, k, panel, bias, y, ldy, ncols, glu); break;
+#define DP_CASE(n) case n: dp_tile(n, x, k, panel, bias, y, ldy, ncols, glu, am, row0, col); break;
     switch (rows) {
     DP_CASE(12) DP_CASE(11) DP_CASE(10) DP_CASE(9) DP_CASE(8) DP_CASE(7)
     DP_CASE(6) DP_CASE(5) DP_CASE(4) DP_CASE(3) DP_CASE(2)
-    default: dp_tile(1, x, k, panel, bias, y, ldy, ncols, glu); break;
+    default: dp_tile(1, x, k, panel, bias, y, ldy, ncols, glu, am, row0, col); break;
     }
 #undef DP_CASE
+}
+
+/* The column blocks of this thread's static share, every MB-row pass of x over them (inside the caller's
+ * parallel region, after round_rows): stored into y, or taken by the thread's running argmax `am`. The static
+ * schedule hands each thread one contiguous range of blocks, the same in every pass, in thread order. */
+static void dp_blocks(const uint16_t *x, int64_t m, const uint16_t *w, const float *bias, float *y, int64_t ldy,
+                      int64_t n, int64_t k, int glu, dp_argmax *am)
+{
+    const int64_t width = glu ? 16 : 32; /* outputs per column block */
+    const int64_t blocks = (n + width - 1) / width;
+    const int64_t block_elems = k * 32;
+    for (int64_t m0 = 0; m0 < m; m0 += MB) {
+        const int64_t m1 = m0 + MB < m ? m0 + MB : m;
+        const int64_t tiles = (m1 - m0 + DP_MR - 1) / DP_MR;
+        #pragma omp for schedule(static) nowait
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t col = b * width;
+            const int ncols = (int)(n - col < width ? n - col : width);
+            const uint16_t *panel = w + b * block_elems;
+            const float *bp = bias && !glu ? bias + col : NULL;
+            int64_t r0 = m0;
+            for (int64_t t = tiles; t > 0; t--) { /* the rows left spread evenly over the tiles left */
+                const int rows = (int)((m1 - r0 + t - 1) / t);
+                dp_tile_rows(rows, x + r0 * k, k, panel, bp, am ? NULL : y + r0 * ldy + col, ldy, ncols, glu, am, r0,
+                             col);
+                r0 += rows;
+            }
+        }
+    }
 }
 
 /* y [m, n] (row stride ldy) = x @ W^T + bias; x fp32 [m, k] (row stride ldx), k a multiple of 32; with glu
@@ -143,31 +211,72 @@ static inline void dp_tile_rows(int rows, const uint16_t *x, int64_t k, const ui
 int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w, const float *bias,
                  float *y, int64_t ldy, int64_t n, int64_t k, int glu, int num_threads)
 {
-    const int64_t width = glu ? 16 : 32; /* outputs per column block */
-    const int64_t blocks = (n + width - 1) / width;
-    const int64_t block_elems = k * 32;
+    const int64_t blocks = (n + (glu ? 16 : 32) - 1) / (glu ? 16 : 32);
     #pragma omp parallel num_threads(num_threads) if (blocks > 1)
     {
         round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
-        for (int64_t m0 = 0; m0 < m; m0 += MB) {
-            const int64_t m1 = m0 + MB < m ? m0 + MB : m;
-            const int64_t tiles = (m1 - m0 + DP_MR - 1) / DP_MR;
-            #pragma omp for schedule(static) nowait
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t col = b * width;
-                const int ncols = (int)(n - col < width ? n - col : width);
-                const uint16_t *panel = w + b * block_elems;
-                const float *bp = bias && !glu ? bias + col : NULL;
-                int64_t r0 = m0;
-                for (int64_t t = tiles; t > 0; t--) { /* the rows left spread evenly over the tiles left */
-                    const int rows = (int)((m1 - r0 + t - 1) / t);
-                    dp_tile_rows(rows, x + r0 * k, k, panel, bp, y + r0 * ldy + col, ldy, ncols, glu);
-                    r0 += rows;
-                }
-            }
-        }
+        dp_blocks(x, m, w, bias, y, ldy, n, k, glu, NULL);
     }
     return 0;
+}
+
+/* Per row of x @ W^T (no bias, not glu): its largest value into best[i] and the first column holding it into
+ * idx[i], torch.max(dim=1)'s answer (a NaN anywhere is the maximum, at the first NaN), without writing the
+ * product: the greedy sampler's argmax over the lm_head's logits (kernels/cpu_linear.argmax_linear). The
+ * logits of a decode step are rows x 49152 fp32 for SmolLM2 (12.6 MB at 64 rows, 113 MB for a speculative
+ * step's 576), written by the matmul and read back by the argmax; here each thread keeps per row a running
+ * maximum over the columns of its blocks (16 lanes, dp_tile's epilogue), and the threads' answers merge in
+ * thread order (the static schedule's ranges ascend with the thread number, so on a tie the earlier thread's
+ * column is the first). Returns 0, or -1 when scratch memory could not be had. */
+int gemm_bf16_dp_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w, int64_t n,
+                        int64_t k, float *best, int64_t *idx, int num_threads)
+{
+    const int64_t blocks = (n + 31) / 32;
+    const int teams = num_threads > 0 ? num_threads : 1;
+    float *lane_best = (float *)malloc(sizeof(float) * teams * m * 16);
+    int32_t *lane_col = (int32_t *)malloc(sizeof(int32_t) * teams * m * 16);
+    int64_t *nan_at = (int64_t *)malloc(sizeof(int64_t) * teams * m);
+    float *thread_best = (float *)malloc(sizeof(float) * teams * m);
+    int64_t *thread_col = (int64_t *)malloc(sizeof(int64_t) * teams * m);
+    int status = lane_best && lane_col && nan_at && thread_best && thread_col ? 0 : -1;
+    int used = 1;
+    if (status == 0) {
+        #pragma omp parallel num_threads(teams) if (blocks > 1)
+        {
+            const int t = omp_get_thread_num();
+            #pragma omp single
+            used = omp_get_num_threads();
+            dp_argmax am = {lane_best + (int64_t)t * m * 16, lane_col + (int64_t)t * m * 16, nan_at + (int64_t)t * m};
+            for (int64_t i = 0; i < m * 16; i++) { am.best[i] = -INFINITY; am.col[i] = 0; }
+            for (int64_t i = 0; i < m; i++) am.nan_at[i] = -1;
+            round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
+            dp_blocks(x, m, w, NULL, NULL, 0, n, k, 0, &am);
+            for (int64_t i = 0; i < m; i++) { /* this thread's 16 lanes -> its maximum and first column */
+                float mx = am.best[i * 16];
+                int64_t at = am.col[i * 16];
+                for (int l = 1; l < 16; l++) {
+                    const float v = am.best[i * 16 + l];
+                    const int64_t c = am.col[i * 16 + l];
+                    if (v > mx || (v == mx && c < at)) { mx = v; at = c; }
+                }
+                thread_best[(int64_t)t * m + i] = mx;
+                thread_col[(int64_t)t * m + i] = at;
+            }
+        }
+        for (int64_t i = 0; i < m; i++) { /* the threads in order: the first NaN, else a strict > */
+            float mx = thread_best[i];
+            int64_t at = thread_col[i], first_nan = -1;
+            for (int t = 0; t < used; t++) {
+                const int64_t nan_col = nan_at[(int64_t)t * m + i];
+                if (nan_col >= 0 && (first_nan < 0 || nan_col < first_nan)) first_nan = nan_col;
+                if (t && thread_best[(int64_t)t * m + i] > mx) { mx = thread_best[(int64_t)t * m + i]; at = thread_col[(int64_t)t * m + i]; }
+            }
+            best[i] = first_nan >= 0 ? NAN : mx;
+            idx[i] = first_nan >= 0 ? first_nan : at;
+        }
+    }
+    free(lane_best); free(lane_col); free(nan_at); free(thread_best); free(thread_col);
+    return status;
 }
 
 #else /* not the avx512 build: no AVX512-bf16 code here */
@@ -177,6 +286,13 @@ int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const 
 {
     (void)x_f32, (void)ldx, (void)x, (void)m, (void)w, (void)bias, (void)y, (void)ldy, (void)n, (void)k, (void)glu;
     (void)num_threads;
+    return -2;
+}
+
+int gemm_bf16_dp_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w, int64_t n,
+                        int64_t k, float *best, int64_t *idx, int num_threads)
+{
+    (void)x_f32, (void)ldx, (void)x, (void)m, (void)w, (void)n, (void)k, (void)best, (void)idx, (void)num_threads;
     return -2;
 }
 

@@ -89,6 +89,8 @@ def _bind(lib: ctypes.CDLL) -> None:
         fn.restype = None
     lib.gemm_panels_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
     lib.gemm_panels_f32.restype = None
+    lib.gemm_panels_argmax_f32.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, i32]
+    lib.gemm_panels_argmax_f32.restype = i32
 
 
 def _panels_lib() -> ctypes.CDLL | None:
@@ -331,37 +333,38 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
 def argmax_linear(x: torch.Tensor, packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(x @ W.T).max(dim=1)`` without the product: each row's largest value (fp32) and the index of its
     first occurrence (int64), NaN first as torch's ``max`` has it, for ``x [rows, in]``; None where the
-    packed kind has no such epilogue (then: :func:`linear`, and the argmax over its output).
+    packed kind has none (then: :func:`linear`, and the argmax over its output): the dpbf16 kernel keeps a
+    running maximum in its tile epilogue, the fp32 panel kernel reads its tiles back from an L1-sized block.
 
     The greedy sampler's question about the lm_head (``LlamaForCausalLM.compute_greedy``): the logits are
     rows x vocab fp32 (49152 wide for SmolLM2: 12.6 MB at 64 rows, 113 MB in a speculative step's 576),
     which the matmul wrote and the argmax read back. The values are those :func:`linear` computes (the same
     kernel and order of sums), so the answer is the one the argmax over its output gives."""
-    if packed.kind != "dpbf16" or packed.glu or x.dim() != 2 or x.shape[1] != packed.in_features:
+    if packed.kind not in ("dpbf16", "panels") or packed.glu or x.dim() != 2 or x.shape[1] != packed.in_features:
         return None
-    lib = _dp_lib()
+    lib = _dp_lib() if packed.kind == "dpbf16" else c_build.load("cpu_gemm", _bind)
     if lib is None:
         return None
     x2 = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
     m, k = x2.shape
     best = torch.empty((m,), dtype=torch.float32)
     index = torch.empty((m,), dtype=torch.int64)
-    if m:
-        xb = torch.empty((m, k), dtype=torch.bfloat16)
+    if not m:
+        return best, index
+    threads = torch.get_num_threads()
+    if packed.kind == "dpbf16":
+        xb = torch.empty((m, k), dtype=torch.bfloat16)  # x rounded into it, as for linear()
         status = lib.gemm_bf16_dp_argmax(
-            x2.data_ptr(),
-            x2.stride(0),
-            xb.data_ptr(),
-            m,
-            packed.data.data_ptr(),
-            packed.out_features,
-            k,
-            best.data_ptr(),
-            index.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if status != 0:
-            raise RuntimeError(f"the dpbf16 argmax kernel failed (status {status})")
+            x2.data_ptr(), x2.stride(0), xb.data_ptr(), m, packed.data.data_ptr(), packed.out_features, k,
+            best.data_ptr(), index.data_ptr(), threads,
+        )  # fmt: skip
+    else:
+        status = lib.gemm_panels_argmax_f32(
+            x2.data_ptr(), x2.stride(0), packed.data.data_ptr(), m, packed.out_features, k,
+            best.data_ptr(), index.data_ptr(), threads,
+        )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"the {packed.kind} argmax kernel could not run (status {status})")
     return best, index
 
 

@@ -19,6 +19,7 @@ from engine.models.llama import LlamaForCausalLM, LlamaMLP
 from engine.sampler import GreedyChoice, Sampler, SamplerOutput, SamplingRow
 from kernels import cpu_isa, cpu_linear
 from schemas.sampling import SamplingParams
+from tests.argmax_checks import check_argmax_epilogue
 from tests.tiny_models import random_linear
 from worker.__main__ import kernel_path
 from worker.settings import Settings
@@ -194,47 +195,13 @@ def test_tiny_bf16_model_on_the_kernel_generates_as_on_onednn(
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_argmax_epilogue_is_the_argmax_of_the_product(kind: str, threads: int) -> None:
-    """``argmax_linear``: the argmax over :func:`linear`'s own output (the same sums), tie-broken to the first
-    column and NaN first as ``torch.max`` has them, across threads' column ranges; only the dpbf16 kernel has
-    the epilogue (None elsewhere: the caller computes the logits)."""
-    g = torch.Generator().manual_seed(7)
-    n, k = 1000, 64  # a partial last block (1000 = 31 x 32 + 8), so its padding columns must never win
-    w = torch.randn(n, k, generator=g)
-    w[500] = w[40]  # an exact tie between columns 40 and 500, in different threads' ranges at 2 threads
-    w[777] = w[776]  # and one inside a block
-    packed = cpu_linear.pack(w, dtype=torch.bfloat16)
-    assert packed is not None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        result = cpu_linear.argmax_linear(torch.randn(3, k, generator=g), packed)
-        if kind != "dpbf16":
-            assert result is None
-            return
-        x = torch.randn(40, k, generator=g)
-        x[1] = 0.0  # every logit 0: a tie over all columns, the first wins (not a zero padding column)
-        x[2] = -x[2].abs()
-        x[3] = float("nan")  # NaN everywhere: NaN at column 0
-        for rows in (1, 13, 40):
-            values, indices = cpu_linear.argmax_linear(x[:rows], packed) or (None, None)
-            assert values is not None and indices is not None
-            ref_values, ref_indices = cpu_linear.linear(x[:rows], packed, None).max(dim=1)
-            assert torch.equal(indices, ref_indices)
-            torch.testing.assert_close(values, ref_values, rtol=0, atol=0, equal_nan=True)
-        ties = torch.zeros(2, k)
-        ties[:, 0] = 1.0
-        w_pos = w.clone()
-        w_pos[:, 0] = 1.0
-        w_pos[900, 0] = float("nan")  # a NaN weight: column 900 is NaN in every row
-        w_pos[300, 0] = 2.0
-        nan_packed = cpu_linear.pack(w_pos, dtype=torch.bfloat16)
-        assert nan_packed is not None
-        values, indices = cpu_linear.argmax_linear(ties, nan_packed) or (None, None)
-        assert values is not None and indices is not None
-        assert indices.tolist() == [900, 900] and bool(values.isnan().all())
-        assert cpu_linear.argmax_linear(torch.empty(0, k), packed) is not None
-    finally:
-        torch.set_num_threads(before)
+    """The dpbf16 kernel's argmax epilogue (tests/argmax_checks.py); the AMX kernel has none (None: the caller
+    computes the logits)."""
+    if kind != "dpbf16":
+        packed = cpu_linear.pack(torch.randn(64, 64), dtype=torch.bfloat16)
+        assert packed is not None and cpu_linear.argmax_linear(torch.randn(2, 64), packed) is None
+        return
+    check_argmax_epilogue(lambda w: cpu_linear.pack(w, dtype=torch.bfloat16), threads)
 
 
 def test_greedy_steps_skip_the_logits_and_sample_the_same_tokens(

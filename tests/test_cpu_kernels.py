@@ -14,6 +14,7 @@ from kernels import cpu_linear, cpu_ops
 from kernels.activation import silu_and_mul_torch
 from kernels.rms_norm import rms_norm_torch
 from kernels.rotary import rotary_embedding_torch
+from tests.argmax_checks import check_argmax_epilogue
 from tests.tiny_models import random_linear
 
 # Every test here runs once per C-kernel variant the machine can run (tests/conftest.py, isa_variant).
@@ -164,6 +165,15 @@ def test_max_rows_is_torch_max(rows: int, width: int) -> None:
     assert indices.dtype == torch.int64
     assert torch.equal(indices, ref_indices)
     torch.testing.assert_close(values, ref_values, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_panel_argmax_epilogue_is_the_argmax_of_the_product(threads: int) -> None:
+    """The fp32 panel kernel's argmax (tests/argmax_checks.py); oneDNN's packed weights have none."""
+    onednn = cpu_linear.pack(torch.randn(64, 64), "onednn")
+    assert onednn is None or cpu_linear.argmax_linear(torch.randn(2, 64), onednn) is None
+    need_kind("panels")
+    check_argmax_epilogue(lambda w: cpu_linear.pack(w, "panels"), threads)
 
 
 def test_max_rows_falls_back_to_torch_for_other_dtypes() -> None:

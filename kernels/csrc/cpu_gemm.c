@@ -19,7 +19,10 @@
  * register tile lives in gemm_tile.h (prefill attention runs on it too); with glu, the merged
  * gate/up weight is packed so the tile's epilogue emits silu(gate) * up directly.
  */
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "gemm_tile.h"
 
@@ -103,4 +106,97 @@ void gemm_panels_f32(const float *x, int64_t ldx, const float *packed, const flo
             }
         }
     }
+}
+
+/* Per row of x @ W^T (W packed by pack_panels_f32, no bias): its largest value into best[i] and the first
+ * column holding it into idx[i], torch.max(dim=1)'s answer (a NaN anywhere is the maximum, at the first NaN),
+ * without writing the product: the greedy sampler's argmax over the lm_head's logits
+ * (kernels/cpu_linear.argmax_linear), which are rows x vocab fp32 (12.6 MB at 64 rows of SmolLM2, 113 MB in a
+ * speculative step's 576) written by the matmul and read back. Each work item's tiles go to a thread-local
+ * block of up to MB rows x 32 columns (in L1/L2), which the thread's running per-row maximum then reads, in
+ * ascending columns: each thread's static range of items ascends with its number, so the threads' answers
+ * merge in thread order (on a tie the earlier thread's column is the first). Returns 0, or -1 without
+ * scratch memory. */
+int gemm_panels_argmax_f32(const float *x, int64_t ldx, const float *packed, int64_t m, int64_t n, int64_t k,
+                           float *best, int64_t *idx, int num_threads)
+{
+    const int64_t panels = (n + NR - 1) / NR;
+#ifdef PAGEDQ_AVX512
+    const int64_t step = 2;
+#else
+    const int64_t step = 1;
+#endif
+    const int64_t items = (panels + step - 1) / step;
+    const int teams = num_threads > 0 ? num_threads : 1;
+    float *thread_best = (float *)malloc(sizeof(float) * teams * m);
+    int64_t *thread_col = (int64_t *)malloc(sizeof(int64_t) * teams * m);
+    int64_t *nan_at = (int64_t *)malloc(sizeof(int64_t) * teams * m);
+    int status = thread_best && thread_col && nan_at ? 0 : -1;
+    int used = 1;
+    if (status == 0) {
+        #pragma omp parallel num_threads(teams) if (items > 1)
+        {
+            const int t = omp_get_thread_num();
+            #pragma omp single
+            used = omp_get_num_threads();
+            float *mx = thread_best + (int64_t)t * m;
+            int64_t *at = thread_col + (int64_t)t * m, *first_nan = nan_at + (int64_t)t * m;
+            for (int64_t i = 0; i < m; i++) { mx[i] = -INFINITY; at[i] = 0; first_nan[i] = -1; }
+            float *block = (float *)aligned_alloc(64, sizeof(float) * MB * 2 * NR);
+            for (int64_t m0 = 0; block && m0 < m; m0 += MB) {
+                const int64_t m1 = m0 + MB < m ? m0 + MB : m;
+                #pragma omp for schedule(static) nowait
+                for (int64_t item = 0; item < items; item++) {
+                    const int64_t p = item * step, col = p * NR;
+                    const float *panel = packed + p * k * NR;
+                    const int ncols = (int)(n - col < NR ? n - col : NR);
+                    int cols = ncols;
+#ifdef PAGEDQ_AVX512
+                    if (p + 1 < panels) {
+                        const int ncols1 = (int)(n - col - NR < NR ? n - col - NR : NR);
+                        for (int64_t r = m0; r < m1; r += MR) {
+                            const int rows = (int)(m1 - r < MR ? m1 - r : MR);
+                            float *out = block + (r - m0) * 2 * NR;
+                            tile_pair_rows(rows, x + r * ldx, ldx, panel, panel + k * NR, NR, k, out, out + NR, 2 * NR,
+                                           NULL, NULL, ncols, ncols1, 0);
+                        }
+                        cols = NR + ncols1;
+                    } else
+#endif
+                    {
+                        for (int64_t r = m0; r < m1; r += MR) {
+                            const int rows = (int)(m1 - r < MR ? m1 - r : MR);
+                            tile_rows(rows, x + r * ldx, ldx, panel, NR, k, block + (r - m0) * 2 * NR, 2 * NR, NULL,
+                                      ncols, 0);
+                        }
+                    }
+                    for (int64_t r = m0; r < m1; r++) {
+                        const float *v = block + (r - m0) * 2 * NR;
+                        for (int c = 0; c < cols; c++) {
+                            if (v[c] > mx[r]) { mx[r] = v[c]; at[r] = col + c; }
+                            else if (v[c] != v[c] && first_nan[r] < 0) first_nan[r] = col + c;
+                        }
+                    }
+                }
+            }
+            if (!block) {
+                #pragma omp atomic write
+                status = -1;
+            }
+            free(block);
+        }
+        for (int64_t i = 0; status == 0 && i < m; i++) { /* the threads in order: the first NaN, else a strict > */
+            float v = thread_best[i];
+            int64_t at = thread_col[i], first_nan = -1;
+            for (int t = 0; t < used; t++) {
+                const int64_t nan_col = nan_at[(int64_t)t * m + i];
+                if (nan_col >= 0 && (first_nan < 0 || nan_col < first_nan)) first_nan = nan_col;
+                if (t && thread_best[(int64_t)t * m + i] > v) { v = thread_best[(int64_t)t * m + i]; at = thread_col[(int64_t)t * m + i]; }
+            }
+            best[i] = first_nan >= 0 ? NAN : v;
+            idx[i] = first_nan >= 0 ? first_nan : at;
+        }
+    }
+    free(thread_best); free(thread_col); free(nan_at);
+    return status;
 }

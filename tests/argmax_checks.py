@@ -1,0 +1,50 @@
+"""The argmax epilogue's checks (``kernels.cpu_linear.argmax_linear``), shared by every kernel kind that has one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kernels import cpu_linear
+
+
+def check_argmax_epilogue(pack: Callable[[torch.Tensor], cpu_linear.PackedWeight | None], threads: int) -> None:
+    """``argmax_linear`` is the argmax over :func:`~kernels.cpu_linear.linear`'s own output (the same sums),
+    tie-broken to the first column and NaN first as ``torch.max`` has them, across threads' column ranges.
+    A partial last block (1000 columns) whose padding columns must never win."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 1000, 64
+    w = torch.randn(n, k, generator=g)
+    w[500] = w[40]  # an exact tie between columns 40 and 500, in different threads' ranges at 2 threads
+    w[777] = w[776]  # and one inside a block
+    packed = pack(w)
+    assert packed is not None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(40, k, generator=g)
+        x[1] = 0.0  # every logit 0: a tie over all columns, the first wins (not a zero padding column)
+        x[2] = -x[2].abs()
+        x[3] = float("nan")  # NaN everywhere: NaN at column 0
+        for rows in (1, 13, 40):
+            values, indices = cpu_linear.argmax_linear(x[:rows], packed) or (None, None)
+            assert values is not None and indices is not None
+            ref_values, ref_indices = cpu_linear.linear(x[:rows], packed, None).max(dim=1)
+            assert torch.equal(indices, ref_indices)
+            torch.testing.assert_close(values, ref_values, rtol=0, atol=0, equal_nan=True)
+        w_nan = w.clone()
+        w_nan[:, 0] = 1.0
+        w_nan[900, 0] = float("nan")  # a NaN weight: column 900 is NaN in every row
+        w_nan[300, 0] = 2.0
+        nan_packed = pack(w_nan)
+        assert nan_packed is not None
+        ones = torch.zeros(2, k)
+        ones[:, 0] = 1.0
+        values, indices = cpu_linear.argmax_linear(ones, nan_packed) or (None, None)
+        assert values is not None and indices is not None
+        assert indices.tolist() == [900, 900] and bool(values.isnan().all())
+        empty = cpu_linear.argmax_linear(torch.empty(0, k), packed)
+        assert empty is not None and empty[0].shape == (0,)
+    finally:
+        torch.set_num_threads(before)

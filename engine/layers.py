@@ -112,6 +112,16 @@ class Linear(nn.Module):
             return int8_linear.linear_any(x, self.int8, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rms_norm(y), y)`` for ``y = self(x) + residual``, in one kernel call where the packed kind has
+        that epilogue (``cpu_linear.linear_add_norm``); None otherwise (:meth:`RMSNorm.forward_after` then runs
+        the two). Only a plain packed weight: quantised ones keep their own kernels."""
+        if self.packed is None or self.w8a8 is not None:
+            return None
+        return cpu_linear.linear_add_norm(x, self.packed, self.bias, residual, norm_weight, eps)
+
     def extra_repr(self) -> str:
         packed = f", {self.packed.kind}" if self.packed is not None else ""
         if self.int8 is not None or self.int8_packed is not None:
@@ -154,6 +164,17 @@ class RMSNorm(nn.Module):
         out, new_residual = self.ops.rms_norm(x, self.weight, self.eps, residual)
         assert new_residual is not None
         return out, new_residual
+
+    def forward_after(
+        self, linear: Linear, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_residual` of ``linear(x)``: the projection, the residual add and this norm in one
+        kernel call where ``linear``'s kernel has that epilogue (:meth:`Linear.add_norm`; the same floats),
+        else the projection (a module call: hooks see it) and then the norm."""
+        fused = linear.add_norm(x, residual, self.weight, self.eps)
+        if fused is not None:
+            return fused
+        return self.forward_residual(linear(x), residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -130,6 +130,12 @@ class RowParallelLinear(ShardedLinear):
     """``Linear`` holding this rank's band of input columns; its partial outputs are summed over the
     ranks (one all-reduce), and the bias, held whole by every rank, is added once after the sum."""
 
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`Linear.add_norm` on one rank only: over several, the partial sums meet in the all-reduce first."""
+        return super().add_norm(x, residual, norm_weight, eps) if self.tp.size == 1 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)

@@ -91,6 +91,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.gemm_panels_f32.restype = None
     lib.gemm_panels_argmax_f32.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, i32]
     lib.gemm_panels_argmax_f32.restype = i32
+    f32 = ctypes.c_float
+    lib.gemm_panels_add_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, f32, ptr, i32]
+    lib.gemm_panels_add_norm_f32.restype = None
 
 
 def _panels_lib() -> ctypes.CDLL | None:
@@ -110,9 +113,12 @@ def _bind_bf16(function: str) -> Callable[[ctypes.CDLL], None]:
         entry = getattr(lib, function)
         entry.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i32]
         entry.restype = i32
-        if function == "gemm_bf16_dp":  # its argmax-only twin (argmax_linear)
+        if function == "gemm_bf16_dp":  # its twins: argmax only (argmax_linear), + residual and norm (linear_add_norm)
             lib.gemm_bf16_dp_argmax.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, i32]
             lib.gemm_bf16_dp_argmax.restype = i32
+            f32 = ctypes.c_float
+            lib.gemm_bf16_dp_add_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, f32, ptr, i32]
+            lib.gemm_bf16_dp_add_norm.restype = i32
 
     return bind
 
@@ -366,6 +372,51 @@ def argmax_linear(x: torch.Tensor, packed: PackedWeight) -> tuple[torch.Tensor, 
     if status != 0:
         raise RuntimeError(f"the {packed.kind} argmax kernel could not run (status {status})")
     return best, index
+
+
+def linear_add_norm(
+    x: torch.Tensor,
+    packed: PackedWeight,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rms_norm(y) * norm_weight, y)`` with ``y = x @ W.T + bias + residual``: a projection, the residual add
+    after it and the RMSNorm before the next block, in one kernel call (the norm in the matmul's parallel
+    region, row by row as :func:`kernels.cpu_ops.rms_norm_cpu` computes it: the same floats). None where the
+    kind has no such epilogue or the operands are not fp32 rows (then: :func:`linear`, then the norm).
+
+    Why: a decode step runs two of these norms per layer, each a call of ~10-30 us (Python, ctypes, a
+    parallel region's start and end) for a few microseconds of work."""
+    n, k = packed.out_features, packed.in_features
+    if packed.kind not in ("dpbf16", "panels") or packed.glu or x.dim() != 2 or x.shape[1] != k:
+        return None
+    m = x.shape[0]
+    fp32_rows = all(t.dtype == torch.float32 and t.is_contiguous() for t in (residual, norm_weight))
+    if not fp32_rows or residual.shape != (m, n) or norm_weight.shape != (n,) or not m:
+        return None
+    lib = _dp_lib() if packed.kind == "dpbf16" else c_build.load("cpu_gemm", _bind)
+    if lib is None:
+        return None
+    x2, out, bias = panel_operands(x, n, k, bias, False, "linear_add_norm")
+    normed = torch.empty((m, n), dtype=torch.float32)
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    threads = torch.get_num_threads()
+    if packed.kind == "dpbf16":
+        xb = torch.empty((m, k), dtype=torch.bfloat16)  # x rounded into it, as for linear()
+        status = lib.gemm_bf16_dp_add_norm(
+            x2.data_ptr(), x2.stride(0), xb.data_ptr(), m, packed.data.data_ptr(), bias_ptr, out.data_ptr(), n, k,
+            residual.data_ptr(), norm_weight.data_ptr(), eps, normed.data_ptr(), threads,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"the dpbf16 add-and-norm kernel could not run (status {status})")
+    else:
+        lib.gemm_panels_add_norm_f32(
+            x2.data_ptr(), x2.stride(0), packed.data.data_ptr(), bias_ptr, out.data_ptr(), m, n, k,
+            residual.data_ptr(), norm_weight.data_ptr(), eps, normed.data_ptr(), threads,
+        )  # fmt: skip
+    return normed, out
 
 
 def _linear_bf16(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

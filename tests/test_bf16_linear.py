@@ -19,7 +19,7 @@ from engine.models.llama import LlamaForCausalLM, LlamaMLP
 from engine.sampler import GreedyChoice, Sampler, SamplerOutput, SamplingRow
 from kernels import cpu_isa, cpu_linear
 from schemas.sampling import SamplingParams
-from tests.argmax_checks import check_argmax_epilogue
+from tests.epilogue_checks import check_add_norm_epilogue, check_argmax_epilogue
 from tests.tiny_models import random_linear
 from worker.__main__ import kernel_path
 from worker.settings import Settings
@@ -195,13 +195,26 @@ def test_tiny_bf16_model_on_the_kernel_generates_as_on_onednn(
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_argmax_epilogue_is_the_argmax_of_the_product(kind: str, threads: int) -> None:
-    """The dpbf16 kernel's argmax epilogue (tests/argmax_checks.py); the AMX kernel has none (None: the caller
+    """The dpbf16 kernel's argmax epilogue (tests/epilogue_checks.py); the AMX kernel has none (None: the caller
     computes the logits)."""
     if kind != "dpbf16":
         packed = cpu_linear.pack(torch.randn(64, 64), dtype=torch.bfloat16)
         assert packed is not None and cpu_linear.argmax_linear(torch.randn(2, 64), packed) is None
         return
     check_argmax_epilogue(lambda w: cpu_linear.pack(w, dtype=torch.bfloat16), threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_add_norm_epilogue_is_the_projection_then_the_norm(kind: str, threads: int) -> None:
+    """The dpbf16 kernel's residual add and RMSNorm after the product (tests/epilogue_checks.py); the AMX
+    kernel has none (None: the model runs the projection, then the norm)."""
+    if kind != "dpbf16":
+        packed = cpu_linear.pack(torch.randn(64, 64), dtype=torch.bfloat16)
+        assert packed is not None
+        x, residual = torch.randn(2, 64), torch.randn(2, 64)
+        assert cpu_linear.linear_add_norm(x, packed, None, residual, torch.ones(64), 1e-5) is None
+        return
+    check_add_norm_epilogue(lambda w: cpu_linear.pack(w, dtype=torch.bfloat16), threads)
 
 
 def test_greedy_steps_skip_the_logits_and_sample_the_same_tokens(

@@ -14,7 +14,7 @@ from kernels import cpu_linear, cpu_ops
 from kernels.activation import silu_and_mul_torch
 from kernels.rms_norm import rms_norm_torch
 from kernels.rotary import rotary_embedding_torch
-from tests.argmax_checks import check_argmax_epilogue
+from tests.epilogue_checks import check_add_norm_epilogue, check_argmax_epilogue
 from tests.tiny_models import random_linear
 
 # Every test here runs once per C-kernel variant the machine can run (tests/conftest.py, isa_variant).
@@ -169,11 +169,18 @@ def test_max_rows_is_torch_max(rows: int, width: int) -> None:
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_panel_argmax_epilogue_is_the_argmax_of_the_product(threads: int) -> None:
-    """The fp32 panel kernel's argmax (tests/argmax_checks.py); oneDNN's packed weights have none."""
+    """The fp32 panel kernel's argmax (tests/epilogue_checks.py); oneDNN's packed weights have none."""
     onednn = cpu_linear.pack(torch.randn(64, 64), "onednn")
     assert onednn is None or cpu_linear.argmax_linear(torch.randn(2, 64), onednn) is None
     need_kind("panels")
     check_argmax_epilogue(lambda w: cpu_linear.pack(w, "panels"), threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_panel_add_norm_epilogue_is_the_projection_then_the_norm(threads: int) -> None:
+    """The fp32 panel kernel's residual add and RMSNorm after the product (tests/epilogue_checks.py)."""
+    need_kind("panels")
+    check_add_norm_epilogue(lambda w: cpu_linear.pack(w, "panels"), threads)
 
 
 def test_max_rows_falls_back_to_torch_for_other_dtypes() -> None:

@@ -17,6 +17,8 @@ row-parallel, the embedding and lm_head vocab-parallel. With one rank those are 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -79,6 +81,16 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        return self.o_proj(self.attend(positions, hidden, kv_cache, meta))
+
+    def attend(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The attention's output ``[N, q_size]`` before ``o_proj`` (which the layer fuses with what follows)."""
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -93,7 +105,7 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         k_cache, v_cache = kv_cache
         out = self.ops.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return out.reshape(n, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -172,20 +184,19 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
+        normed: torch.Tensor,
+        residual: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        next_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(mlp_out, residual)``; the caller adds them (fused into the next norm)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
-        return self.mlp(hidden), residual
+        """``normed``: this layer's input after its ``input_layernorm``; ``residual``: the stream before it.
+        Returns ``next_norm``'s output (the next layer's ``input_layernorm``, or the final norm) and the new
+        residual. Each projection that ends a block (``o_proj``, ``down``) runs with the residual add and the
+        norm after it in one kernel call where its kernel can (:meth:`RMSNorm.forward_after`)."""
+        attn = self.self_attn.attend(positions, normed, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.forward_after(self.self_attn.o_proj, attn, residual)
+        return next_norm.forward_after(self.mlp.down_proj, self.mlp.gate_up_act(hidden), residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -303,12 +314,14 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
         hidden = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
-        if residual is None:  # no layers at all
+        layers = cast(list[LlamaDecoderLayer], list(self.layers))
+        if not layers:
             return self.norm(hidden)
-        hidden, _ = self.norm.forward_residual(hidden, residual)
+        residual = hidden
+        hidden = layers[0].input_layernorm(hidden)
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, next_norm)
         return hidden
 
     def compute_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -220,6 +220,26 @@ int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const 
     return 0;
 }
 
+/* gemm_bf16_dp (not glu) followed, in the same parallel region, by the residual add and the RMSNorm after the
+ * projection: y [m, n] = x @ W^T + bias + residual (the new residual stream), normed = norm_w * y / rms(y), row
+ * by row as cpu_ops.c's rms_norm_f32 (add_rms_norm_row), the same floats. One call and one parallel region
+ * instead of two (cpu_gemm.c gemm_panels_add_norm_f32 says why). Returns 0. */
+int gemm_bf16_dp_add_norm(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w, const float *bias,
+                          float *y, int64_t n, int64_t k, const float *residual, const float *norm_w, float eps,
+                          float *normed, int num_threads)
+{
+    #pragma omp parallel num_threads(num_threads)
+    {
+        round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
+        dp_blocks(x, m, w, bias, y, n, n, k, 0, NULL);
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            add_rms_norm_row(y + i * n, residual + i * n, norm_w, normed + i * n, y + i * n, n, eps);
+    }
+    return 0;
+}
+
 /* Per row of x @ W^T (no bias, not glu): its largest value into best[i] and the first column holding it into
  * idx[i], torch.max(dim=1)'s answer (a NaN anywhere is the maximum, at the first NaN), without writing the
  * product: the greedy sampler's argmax over the lm_head's logits (kernels/cpu_linear.argmax_linear). The
@@ -293,6 +313,15 @@ int gemm_bf16_dp_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m,
                         int64_t k, float *best, int64_t *idx, int num_threads)
 {
     (void)x_f32, (void)ldx, (void)x, (void)m, (void)w, (void)n, (void)k, (void)best, (void)idx, (void)num_threads;
+    return -2;
+}
+
+int gemm_bf16_dp_add_norm(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w, const float *bias,
+                          float *y, int64_t n, int64_t k, const float *residual, const float *norm_w, float eps,
+                          float *normed, int num_threads)
+{
+    (void)x_f32, (void)ldx, (void)x, (void)m, (void)w, (void)bias, (void)y, (void)n, (void)k, (void)residual;
+    (void)norm_w, (void)eps, (void)normed, (void)num_threads;
     return -2;
 }
 

@@ -65,10 +65,10 @@ void pack_glu_panels_f32(const float *w, int64_t i, int64_t k, float *out)
     }
 }
 
-/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T + bias, W packed by pack_panels_f32;
- * with glu, W packed by pack_glu_panels_f32 and y [m, n] = silu(x @ gate^T) * (x @ up^T), no bias. */
-void gemm_panels_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *y,
-                     int64_t ldy, int64_t m, int64_t n, int64_t k, int glu, int num_threads)
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T + bias for this thread's static share of the
+ * panels, every MB-row block of x over them (inside the caller's parallel region; no barrier at the end). */
+static void panel_items(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
+                        int64_t m, int64_t n, int64_t k, int glu)
 {
     const int64_t width = glu ? NR / 2 : NR; /* output columns per panel */
     const int64_t panels = (n + width - 1) / width;
@@ -78,7 +78,6 @@ void gemm_panels_f32(const float *x, int64_t ldx, const float *packed, const flo
     const int64_t step = 1;
 #endif
     const int64_t items = (panels + step - 1) / step;
-    #pragma omp parallel num_threads(num_threads) if (items > 1)
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         const int64_t m1 = m0 + MB < m ? m0 + MB : m;
         #pragma omp for schedule(static) nowait
@@ -105,6 +104,44 @@ void gemm_panels_f32(const float *x, int64_t ldx, const float *packed, const flo
                 tile_rows(rows, x + r * ldx, ldx, panel, NR, k, y + r * ldy + col, ldy, bp, ncols, glu);
             }
         }
+    }
+}
+
+static int64_t panel_work_items(int64_t n, int glu)
+{
+    const int64_t panels = (n + (glu ? NR / 2 : NR) - 1) / (glu ? NR / 2 : NR);
+#ifdef PAGEDQ_AVX512
+    return (panels + 1) / 2;
+#else
+    return panels;
+#endif
+}
+
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T + bias, W packed by pack_panels_f32;
+ * with glu, W packed by pack_glu_panels_f32 and y [m, n] = silu(x @ gate^T) * (x @ up^T), no bias. */
+void gemm_panels_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *y,
+                     int64_t ldy, int64_t m, int64_t n, int64_t k, int glu, int num_threads)
+{
+    #pragma omp parallel num_threads(num_threads) if (panel_work_items(n, glu) > 1)
+    panel_items(x, ldx, packed, bias, y, ldy, m, n, k, glu);
+}
+
+/* The residual add and the RMSNorm after a projection (o_proj, down), in the product's parallel region: y [m, n]
+ * = x @ W^T + bias + residual (the new residual stream), normed [m, n] = norm_w * y / rms(y), each row by
+ * add_rms_norm_row as cpu_ops.c's rms_norm_f32 computes it (the same floats). One parallel region and one call
+ * instead of two: a decode step runs 60 such norms, ~10-30 us each in their own call (Python, the region's
+ * start and end) for a few microseconds of work. */
+void gemm_panels_add_norm_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *y,
+                              int64_t m, int64_t n, int64_t k, const float *residual, const float *norm_w, float eps,
+                              float *normed, int num_threads)
+{
+    #pragma omp parallel num_threads(num_threads)
+    {
+        panel_items(x, ldx, packed, bias, y, n, m, n, k, 0);
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            add_rms_norm_row(y + i * n, residual + i * n, norm_w, normed + i * n, y + i * n, n, eps);
     }
 }
 

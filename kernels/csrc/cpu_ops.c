@@ -31,20 +31,16 @@ void rms_norm_f32(const float *x, int64_t x_stride, const float *residual, const
     for (int64_t i = 0; i < n; i++) {
         const float *xr = x + i * x_stride;
         float *o = out + i * h;
-        const float *r = xr;
         if (residual) {
-            float *ro = res_out + i * h;
-            const float *rr = residual + i * h;
-            #pragma omp simd
-            for (int64_t j = 0; j < h; j++) ro[j] = xr[j] + rr[j];
-            r = ro;
+            add_rms_norm_row(xr, residual + i * h, w, o, res_out + i * h, h, eps);
+            continue;
         }
         float ss = 0.f;
         #pragma omp simd reduction(+:ss)
-        for (int64_t j = 0; j < h; j++) ss += r[j] * r[j];
+        for (int64_t j = 0; j < h; j++) ss += xr[j] * xr[j];
         const float inv = 1.f / sqrtf(ss / (float)h + eps);
         #pragma omp simd
-        for (int64_t j = 0; j < h; j++) o[j] = w[j] * (r[j] * inv);
+        for (int64_t j = 0; j < h; j++) o[j] = w[j] * (xr[j] * inv);
     }
 }
 

@@ -4,6 +4,7 @@
 #ifndef PAGEDQ_SIMD_MATH_H
 #define PAGEDQ_SIMD_MATH_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -145,6 +146,22 @@ static inline void f32_to_bf16(const float *restrict src, uint16_t *restrict dst
         const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
         dst[i] = (bits & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : (uint16_t)rounded;
     }
+}
+
+/* One row of RMSNorm after a residual add: ro = x + r (ro may be x itself), o = w * (ro / rms(ro)). The row
+ * body of cpu_ops.c's rms_norm_f32 and of the matmul kernels' add-and-norm epilogues (cpu_gemm.c,
+ * cpu_bf16_dp.c): one definition, so that the fused and the separate passes compute the same floats. */
+static inline void add_rms_norm_row(const float *x, const float *r, const float *w, float *o, float *ro, int64_t h,
+                                    float eps)
+{
+    #pragma omp simd
+    for (int64_t j = 0; j < h; j++) ro[j] = x[j] + r[j];
+    float ss = 0.f;
+    #pragma omp simd reduction(+:ss)
+    for (int64_t j = 0; j < h; j++) ss += ro[j] * ro[j];
+    const float inv = 1.f / sqrtf(ss / (float)h + eps);
+    #pragma omp simd
+    for (int64_t j = 0; j < h; j++) o[j] = w[j] * (ro[j] * inv);
 }
 
 #endif /* PAGEDQ_SIMD_MATH_H */

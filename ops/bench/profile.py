@@ -53,9 +53,12 @@ def _instrument_model(engine: Any, bucket: dict[str, float]) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.forward = _timed(module.forward, bucket, "linear (decoder matmuls)")  # type: ignore[method-assign]
+            # o_proj and down with the residual add and the next RMSNorm in one kernel call (Linear.add_norm)
+            module.add_norm = _timed(module.add_norm, bucket, "linear + residual + rms_norm (one call)")  # type: ignore[method-assign]
         elif isinstance(module, LlamaMLP) and (module.gated or module.gated_int8) is not None:  # one kernel
             module.gate_up_act = _timed(module.gate_up_act, bucket, "linear (decoder matmuls)")  # type: ignore[method-assign]
-    model.compute_logits = _timed(model.compute_logits, bucket, "lm_head (logits matmul)")
+    model.compute_logits = _timed(model.compute_logits, bucket, "lm_head (logits matmul, or its argmax)")
+    model.compute_greedy = _timed(model.compute_greedy, bucket, "lm_head (logits matmul, or its argmax)")
     model.embed_tokens.forward = _timed(model.embed_tokens.forward, bucket, "embedding")
     ops = model.ops
     attn = ops.attention

@@ -1,4 +1,6 @@
-"""The argmax epilogue's checks (``kernels.cpu_linear.argmax_linear``), shared by every kernel kind that has one."""
+"""Checks of the matmul kernels' epilogues, shared by every kernel kind that has them: the argmax without the
+product (``kernels.cpu_linear.argmax_linear``) and the residual add with the RMSNorm after a projection
+(``kernels.cpu_linear.linear_add_norm``)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import cpu_linear
+from kernels import cpu_linear, cpu_ops
 
 
 def check_argmax_epilogue(pack: Callable[[torch.Tensor], cpu_linear.PackedWeight | None], threads: int) -> None:
@@ -46,5 +48,33 @@ def check_argmax_epilogue(pack: Callable[[torch.Tensor], cpu_linear.PackedWeight
         assert indices.tolist() == [900, 900] and bool(values.isnan().all())
         empty = cpu_linear.argmax_linear(torch.empty(0, k), packed)
         assert empty is not None and empty[0].shape == (0,)
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_add_norm_epilogue(pack: Callable[[torch.Tensor], cpu_linear.PackedWeight | None], threads: int) -> None:
+    """``linear_add_norm`` computes exactly (bit for bit) what :func:`~kernels.cpu_linear.linear` and then
+    :func:`~kernels.cpu_ops.rms_norm_cpu` with the residual compute, with and without a bias, for every tile
+    height; the residual is not written; operands it does not take give None (the caller runs the two)."""
+    g = torch.Generator().manual_seed(11)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in ((576, 64), (40, 96)):  # 40: a partial last block
+            packed = pack(torch.randn(n, k, generator=g) * k**-0.5)
+            assert packed is not None
+            weight, bias = torch.randn(n, generator=g), torch.randn(n, generator=g)
+            for rows in (1, 5, 13, 40):
+                x, residual = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
+                kept = residual.clone()
+                for b in (None, bias):
+                    fused = cpu_linear.linear_add_norm(x, packed, b, residual, weight, 1e-5)
+                    assert fused is not None
+                    want = cpu_ops.rms_norm_cpu(cpu_linear.linear(x, packed, b), weight, 1e-5, residual)
+                    assert torch.equal(fused[0], want[0]) and want[1] is not None and torch.equal(fused[1], want[1])
+                assert torch.equal(residual, kept)
+            x, residual = torch.randn(3, k, generator=g), torch.randn(3, n, generator=g)
+            assert cpu_linear.linear_add_norm(x, packed, None, residual.double(), weight, 1e-5) is None
+            assert cpu_linear.linear_add_norm(x, packed, None, residual[:, :-1], weight, 1e-5) is None
     finally:
         torch.set_num_threads(before)

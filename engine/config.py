@@ -153,7 +153,9 @@ class EngineConfig:
         """What the paged KV cache stores. It follows ``dtype``: under CPU bf16 (fp32 activations) the cache
         is bf16, half the bytes per block, so twice the blocks in the same ``kv_cache_bytes`` and half the
         bytes each decode step reads; the C attention kernels widen it back to fp32 as they read it
-        (exactly) and the attention arithmetic stays fp32. The K/V are rounded to bf16 once, when written.
+        (exactly) and the attention arithmetic stays fp32, except prefill's two products where AVX512-bf16 runs
+        (bf16 dot products on the cache as it is: kernels/cpu_attention.prefill_dp_available). The K/V are
+        rounded to bf16 once, when written.
         fp32 keeps an fp32 cache (exact parity)."""
         activations = self.activation_dtype
         if self.torch_device.type == "cpu" and self.torch_dtype == torch.bfloat16 and self.backend == "torch":

@@ -154,7 +154,7 @@ class EngineConfig:
         is bf16, half the bytes per block, so twice the blocks in the same ``kv_cache_bytes`` and half the
         bytes each decode step reads; the C attention kernels widen it back to fp32 as they read it
         (exactly) and the attention arithmetic stays fp32, except prefill's two products where AVX512-bf16 runs
-        (bf16 dot products on the cache as it is: kernels/cpu_attention.prefill_dp_available). The K/V are
+        (bf16 dot products on the cache as it is: kernels/cpu_attention.dp_attention_enabled). The K/V are
         rounded to bf16 once, when written.
         fp32 keeps an fp32 cache (exact parity)."""
         activations = self.activation_dtype

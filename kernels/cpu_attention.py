@@ -25,12 +25,13 @@ def _bind(lib: ctypes.CDLL) -> None:
     query_and_cache: list[Any] = [ptr, i64, i64, ptr, ptr, ptr]  # what _query_and_cache passes
     shapes_and_scale: list[Any] = [i64, i64, i64, i64, i64, i64, f32]
     # Then kv_bf16 (the caches hold bfloat16, else float32).
-    decode = lib.paged_decode_attention_f32  # + rows, seq_lens, block_tables, q_lens; kv_bf16, cascade, num_threads
-    decode.argtypes = [*query_and_cache, ptr, ptr, ptr, ptr, *shapes_and_scale, c_int, c_int, c_int]
+    # + rows, seq_lens, block_tables, q_lens; kv_bf16, use_dp (dp_attention_enabled), cascade, num_threads
+    decode = lib.paged_decode_attention_f32
+    decode.argtypes = [*query_and_cache, ptr, ptr, ptr, ptr, *shapes_and_scale, c_int, c_int, c_int, c_int]
     decode.restype = c_int
     lib.paged_decode_multi_query_supported.argtypes = [c_int]
     lib.paged_decode_multi_query_supported.restype = c_int
-    # + q_starts, q_lens, seq_lens, block_tables; kv_bf16, use_dp (prefill_dp_available), num_threads
+    # + q_starts, q_lens, seq_lens, block_tables; kv_bf16, use_dp (dp_attention_enabled), num_threads
     prefill = lib.paged_prefill_attention_f32
     prefill.argtypes = [*query_and_cache, ptr, ptr, ptr, ptr, *shapes_and_scale, c_int, c_int, c_int]
     prefill.restype = None
@@ -60,13 +61,32 @@ def _shapes_and_scale(
 
 KV_DTYPES = (torch.float32, torch.bfloat16)
 """What the caches may hold: bf16 rows are widened to fp32 (exactly) as the kernels read them, except in the
-prefill kernel's bf16 dot-product path (:func:`prefill_dp_available`), which multiplies them as bf16."""
+kernels' bf16 dot-product paths (:func:`dp_attention_enabled`), which multiply them as bf16."""
 
 
 def _kv_bf16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in KV_DTYPES:
         raise TypeError(f"KV caches must both be float32 or bfloat16, got {k_cache.dtype} and {v_cache.dtype}")
     return int(k_cache.dtype == torch.bfloat16)
+
+
+DISABLE_DP_ENV = "PAGEDQ_DISABLE_DP_ATTENTION"
+"""Set (to anything non-empty) to keep the bf16 cache's attention on fp32 arithmetic where VDPBF16PS runs."""
+
+
+def dp_attention_enabled(kv_dtype: torch.dtype) -> bool:
+    """Whether the C attention (decode and prefill) over a ``kv_dtype`` cache runs its products on AVX512-bf16
+    dot products (VDPBF16PS): a bf16 cache, AVX512-bf16 probed runnable and allowed by the ``PAGEDQ_CPU_ISA``
+    cap, the avx512 kernel build, and not switched off by ``PAGEDQ_DISABLE_DP_ATTENTION`` (then K/V are
+    widened to fp32 and multiplied in fp32, as over an fp32 cache). It rounds q (scaled) and the softmax numerators to
+    bf16 (as bf16 flash attention does; max, sums and normalisation stay fp32): results differ from the fp32
+    arithmetic path by that rounding, ~1e-3 relative. Asked on every call, so the cap and the switch may move."""
+    return (
+        kv_dtype == torch.bfloat16
+        and not os.environ.get(DISABLE_DP_ENV)
+        and cpu_isa.current().bf16_matmul
+        and c_build.variant() == "avx512"
+    )
 
 
 def write_kv_cache(
@@ -137,7 +157,9 @@ def paged_decode_attention(
 
     ``q [N, H, D]`` float32 with a unit last stride; ``rows`` int64, ``seq_lens``/``block_tables``
     int32, all contiguous CPU tensors; caches contiguous ``[num_blocks, block_size, KVH, D]``, float32
-    or bfloat16 (:data:`KV_DTYPES`; the arithmetic is fp32 either way).
+    or bfloat16 (:data:`KV_DTYPES`; the arithmetic is fp32 either way, except that where
+    :func:`dp_attention_enabled` a bf16 cache's products run on VDPBF16PS, q and the softmax numerators
+    rounded to bf16).
     With ``cascade``, blocks that start every sequence's table (a shared prompt prefix) are attended
     once for all sequences and merged into each (same result; the prefix is read once, not per
     sequence). The kernel finds them itself, so the engine needs no plan for it.
@@ -152,6 +174,7 @@ def paged_decode_attention(
         q_lens.data_ptr() if q_lens is not None else None,
         *_shapes_and_scale(rows.shape[0], block_tables, q, k_cache, scale),
         _kv_bf16(k_cache, v_cache),
+        int(dp_attention_enabled(k_cache.dtype)),
         int(cascade),
         torch.get_num_threads(),
     )
@@ -196,16 +219,6 @@ def prefill_supported(head_dim: int) -> bool:
     return lib is not None and bool(lib.paged_prefill_attention_supported(head_dim))
 
 
-def prefill_dp_available() -> bool:
-    """Whether :func:`paged_prefill_attention` runs its products over a bf16 cache on AVX512-bf16 dot products
-    (VDPBF16PS; q and the softmax numerators rounded to bf16, fp32 sums): AVX512-bf16 probed runnable and allowed
-    by the ``PAGEDQ_CPU_ISA`` cap, the avx512 kernel build, and not switched off by
-    ``PAGEDQ_DISABLE_DP_ATTENTION`` (then K/V are widened to fp32 and multiplied in fp32, as over an fp32 cache)."""
-    if os.environ.get("PAGEDQ_DISABLE_DP_ATTENTION") or not cpu_isa.current().bf16_matmul:
-        return False
-    return c_build.variant() == "avx512" and c_build.load(_NAME, _bind) is not None
-
-
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -222,7 +235,7 @@ def paged_prefill_attention(
     Sequence ``i``'s ``q_lens[i]`` queries are rows ``q_starts[i]...`` of ``q [N, H, D]``, at the last
     ``q_lens[i]`` of its ``seq_lens[i]`` positions (their K/V already written to the cache); results go
     to the same rows of ``out [N, H, D]`` (contiguous). ``q_starts`` int64, the rest int32, contiguous.
-    Over a bf16 cache where :func:`prefill_dp_available`, q and the softmax numerators are rounded to bf16 for
+    Over a bf16 cache where :func:`dp_attention_enabled`, q and the softmax numerators are rounded to bf16 for
     the products (bf16 flash attention's numerics); otherwise the arithmetic is fp32.
     """
     lib = c_build.load(_NAME, _bind)
@@ -236,6 +249,6 @@ def paged_prefill_attention(
         block_tables.data_ptr(),
         *_shapes_and_scale(q_starts.shape[0], block_tables, q, k_cache, scale),
         kv_bf16,
-        int(kv_bf16 and prefill_dp_available()),
+        int(dp_attention_enabled(k_cache.dtype)),
         torch.get_num_threads(),
     )

@@ -337,14 +337,192 @@ def test_write_kv_cache_rounds_as_torch(kv_dtype: torch.dtype) -> None:
         assert torch.equal(ours.view(bits)[~nan], torchs.view(bits)[~nan])
 
 
-def _dp_prefill_or_skip(isa_variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lift the variant's cap to AVX512-bf16 for the prefill kernel's dot-product path, or skip where it cannot run."""
+# ---- The bf16 cache's decode and prefill on AVX512-bf16 dot products (VDPBF16PS; cpu_attention.dp_attention_enabled).
+# The suite caps the instruction set at avx512 (tests/conftest.py), which keeps every test above on fp32
+# arithmetic; these lift the cap to avx512_bf16 themselves. q (scaled) and the softmax numerators are rounded
+# to bf16 there, so results are held to bf16 tolerances against float64 on the same bf16 K/V, and to a tight
+# one against a float64 emulation of exactly that rounding.
+DP_ATOL = DP_RTOL = 2e-2
+
+
+@pytest.fixture
+def dp_on(isa_variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if isa_variant != "avx512":
-        pytest.skip(f"the bf16 dot-product prefill is the avx512 build's (this run: {isa_variant})")
+        pytest.skip(f"the dp attention paths are built only in the avx512 variant, not {isa_variant}")
+    if "avx512_bf16" not in cpu_isa.current().probed:
+        pytest.skip("this CPU does not run AVX512-bf16 (VDPBF16PS): the fp32-arithmetic paths run")
+    if not cpu_attention.available():
+        pytest.skip("no C compiler: the torch fallback is what runs here")
     monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512_bf16")
-    monkeypatch.delenv("PAGEDQ_DISABLE_DP_ATTENTION", raising=False)
-    if not cpu_attention.prefill_dp_available():
-        pytest.skip("this CPU has no AVX512-bf16 (or no C compiler): the prefill kernel widens bf16 to fp32")
+    monkeypatch.delenv(cpu_attention.DISABLE_DP_ENV, raising=False)
+    assert cpu_attention.dp_attention_enabled(torch.bfloat16)
+
+
+def bf16_cache_batch(
+    seq_lens: list[int],
+    q_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    shared_blocks: int = 0,
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """make_batch's metadata, q and caches, the caches rounded to bf16."""
+    meta, q, _, _, k32, v32 = make_batch(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, shared_blocks)
+    return meta, q, k32.bfloat16(), v32.bfloat16()
+
+
+def decode(
+    meta: AttentionMetadata,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    threads: int = 1,
+    cascade: bool = True,
+    multi_query: bool = False,
+) -> torch.Tensor:
+    """The decode kernel on every row of q (each sequence's last q_lens positions with ``multi_query``) with
+    ``threads`` (1: a task per sequence; more threads than sequences: a task per (sequence, kv head))."""
+    q_lens = torch.tensor(meta.query_lens_cpu, dtype=torch.int32)
+    rows = meta.query_start_loc[:-1].long()
+    out = torch.zeros_like(q)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        cpu_attention.paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            rows,
+            meta.seq_lens,
+            meta.block_tables.contiguous(),
+            q.shape[-1] ** -0.5,
+            cascade=cascade,
+            q_lens=q_lens if multi_query else None,
+        )
+    finally:
+        torch.set_num_threads(saved)
+    return out
+
+
+def reference64(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """The attention in float64 on the same (bf16) K/V values."""
+    args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, q.shape[-1] ** -0.5)
+    lens = (meta.max_query_len, meta.max_seq_len)
+    return paged_attention_torch(q.double(), k_cache.double(), v_cache.double(), *args, *lens).float()
+
+
+def dp_emulation(
+    meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> torch.Tensor:
+    """What the dp task computes, in float64: q * scale rounded to bf16, scores, max and sum unrounded, the
+    numerators exp(score - max) rounded to bf16 (from fp32) before they weight V; causal among a sequence's
+    queries."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = q.shape[1] // num_kv_heads
+    out = torch.zeros_like(q)
+    starts = meta.query_start_loc.tolist()
+    for i, (n, ql) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu, strict=True)):
+        table = meta.block_tables[i, : -(-n // block_size)].long()
+        keys = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:n].double().repeat_interleave(group, 1)
+        values = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:n].double().repeat_interleave(group, 1)
+        for j in range(ql):
+            qs = (q[starts[i] + j] * head_dim**-0.5).bfloat16().double()  # [H, D]
+            visible = n - ql + j + 1
+            scores = torch.einsum("hd,thd->ht", qs, keys[:visible])
+            numer = torch.exp(scores - scores.max(1, keepdim=True).values)
+            weights = numer.float().bfloat16().double()
+            sums = numer.sum(1, keepdim=True)
+            out[starts[i] + j] = (torch.einsum("ht,thd->hd", weights, values[:visible]) / sums).float()
+    return out
+
+
+# Groups 1, 3, 4 and 8; head_dim 64, 128 and two not a multiple of 32 (80: 64 + a masked 16; 20: one masked
+# chunk); blocks of 16 and 4, contexts not multiples of either, odd ones (a block's lone last token).
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 64), (9, 3, 64), (8, 2, 128), (8, 1, 80), (6, 2, 20)]
+)
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.usefixtures("dp_on")
+def test_dp_decode_matches_reference(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    rng = random.Random(head_dim * 31 + block_size + num_heads)
+    torch.manual_seed(rng.randrange(1000))
+    many = [rng.randint(1, 150) for _ in range(9)] + [block_size * 3 + 1, block_size - 1, 1, 2 * block_size + 3]
+    for seq_lens in ([rng.randint(200, 300) * 2 + 1], many):  # a single (long, odd) sequence; many
+        meta, q, k_cache, v_cache = bf16_cache_batch(
+            seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size
+        )
+        per_seq = decode(meta, q, k_cache, v_cache)
+        per_head = decode(meta, q, k_cache, v_cache, threads=len(seq_lens) + 1)
+        assert torch.equal(per_seq, per_head)  # the same arithmetic in the same order, task by task
+        torch.testing.assert_close(per_seq, reference64(meta, q, k_cache, v_cache), atol=DP_ATOL, rtol=DP_RTOL)
+        torch.testing.assert_close(per_seq, dp_emulation(meta, q, k_cache, v_cache), atol=2e-4, rtol=1e-3)
+
+
+# Speculative verification and short chunks: 2..10 queries per sequence, causal among themselves.
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 128), (8, 2, 80), (6, 2, 20)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.usefixtures("dp_on")
+def test_dp_multi_query(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    rng = random.Random(head_dim * 17 + block_size)
+    torch.manual_seed(rng.randrange(1000))
+    q_lens = [2, 3, 4, 5, 7, 9, 10, 1, 6]
+    seq_lens = [ql + rng.randint(0, 120) for ql in q_lens]
+    meta, q, k_cache, v_cache = bf16_cache_batch(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size)
+    assert cpu_attention.multi_query_supported(torch.bfloat16)
+    out = decode(meta, q, k_cache, v_cache, multi_query=True)
+    assert torch.equal(out, decode(meta, q, k_cache, v_cache, threads=len(seq_lens) + 1, multi_query=True))
+    torch.testing.assert_close(out, reference64(meta, q, k_cache, v_cache), atol=DP_ATOL, rtol=DP_RTOL)
+    torch.testing.assert_close(out, dp_emulation(meta, q, k_cache, v_cache), atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 128), (8, 2, 80)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.usefixtures("dp_on")
+def test_dp_cascade_over_shared_prefix(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    # 37 decodes behind a shared 96-token prefix: the prefix pass (fp32 flash tiles, where head_dim % 16 == 0)
+    # merged into each dp task's own part, against the same kernel reading every block per sequence.
+    rng = random.Random(head_dim * 5 + block_size)
+    torch.manual_seed(rng.randrange(1000))
+    shared = 96 // block_size
+    seq_lens = [shared * block_size + 1] + [shared * block_size + rng.randint(1, 150) for _ in range(36)]
+    meta, q, k_cache, v_cache = bf16_cache_batch(
+        seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, shared_blocks=shared
+    )
+    expected = shared if head_dim % 16 == 0 and cpu_attention.prefill_supported(head_dim) else 0
+    assert cpu_attention.cascade_blocks(meta.seq_lens, meta.block_tables.contiguous(), k_cache, num_heads) == expected
+    ref = reference64(meta, q, k_cache, v_cache)
+    for cascade in (True, False):
+        out = decode(meta, q, k_cache, v_cache, cascade=cascade)
+        torch.testing.assert_close(out, ref, atol=DP_ATOL, rtol=DP_RTOL)
+    # Without the cascade the whole context goes through the dp task: exactly its rounding.
+    torch.testing.assert_close(out, dp_emulation(meta, q, k_cache, v_cache), atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.usefixtures("dp_on")
+def test_dp_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PAGEDQ_DISABLE_DP_ATTENTION=1 puts a bf16 cache back on the fp32-arithmetic task (the bits the avx512
+    # cap gives, and the fp32 reference within 2e-5); with it unset, the dp task runs (different bits, bf16's
+    # tolerance). An fp32 cache never takes the dp task.
+    torch.manual_seed(7)
+    q_lens = [1, 1, 3, 1, 9, 1]
+    meta, q, k_cache, v_cache = bf16_cache_batch([77, 5, 130, 16, 41, 200], q_lens, 9, 3, 64, 16)
+    args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125, meta.max_query_len, meta.max_seq_len)
+    ref32 = paged_attention_torch(q, k_cache.float(), v_cache.float(), *args)
+    dp = decode(meta, q, k_cache, v_cache, multi_query=True)
+    monkeypatch.setenv(cpu_attention.DISABLE_DP_ENV, "1")
+    assert not cpu_attention.dp_attention_enabled(torch.bfloat16)
+    off = decode(meta, q, k_cache, v_cache, multi_query=True)
+    torch.testing.assert_close(off, ref32, atol=2e-5, rtol=1e-4)
+    monkeypatch.delenv(cpu_attention.DISABLE_DP_ENV)
+    monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512")
+    assert not cpu_attention.dp_attention_enabled(torch.bfloat16)
+    assert torch.equal(decode(meta, q, k_cache, v_cache, multi_query=True), off)
+    assert not torch.equal(dp, off)
+    torch.testing.assert_close(dp, ref32, atol=DP_ATOL, rtol=DP_RTOL)
+    monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512_bf16")
+    assert not cpu_attention.dp_attention_enabled(torch.float32)
 
 
 def _prefill(
@@ -374,11 +552,10 @@ def _prefill(
 )
 @pytest.mark.parametrize("block_size", [16, 7])
 def test_prefill_dp_matches_reference(
-    isa_variant: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, monkeypatch: pytest.MonkeyPatch
+    dp_on: None, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The bf16 cache's products on AVX512-bf16 dot products: q and the softmax numerators rounded to bf16, fp32
     # sums. Against float64 attention over the same (bf16) K/V: bf16's rounding of q and P, not fp32's, bounds it.
-    _dp_prefill_or_skip(isa_variant, monkeypatch)
     torch.manual_seed(head_dim * 31 + block_size + num_heads)
     seq_lens, q_lens = [300, 250, 45, 77, 9, 131], [300, 70, 13, 77, 5, 1]
     meta, q, _, _, k32, v32 = make_batch(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size)
@@ -389,18 +566,17 @@ def test_prefill_dp_matches_reference(
     ref = paged_attention_torch(q.double(), k_cache.double(), v_cache.double(), *args).float()
     torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
     # the dot-product path ran: the fp32 path's result (switched off) is within fp32 rounding of the reference
-    monkeypatch.setenv("PAGEDQ_DISABLE_DP_ATTENTION", "1")
+    monkeypatch.setenv(cpu_attention.DISABLE_DP_ENV, "1")
     widened = _prefill(q, k_cache, v_cache, meta, q_lens, scale)
     torch.testing.assert_close(widened, ref, atol=2e-5, rtol=1e-4)
     assert (out - widened).abs().max() > 1e-5
 
 
-def test_prefill_dp_switched_off(isa_variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_dp_switched_off(dp_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # PAGEDQ_DISABLE_DP_ATTENTION=1: the bf16 cache is widened and multiplied in fp32, as over an fp32 cache of
     # the same values (fp32 tolerance), even where AVX512-bf16 runs.
-    _dp_prefill_or_skip(isa_variant, monkeypatch)
-    monkeypatch.setenv("PAGEDQ_DISABLE_DP_ATTENTION", "1")
-    assert not cpu_attention.prefill_dp_available()
+    monkeypatch.setenv(cpu_attention.DISABLE_DP_ENV, "1")
+    assert not cpu_attention.dp_attention_enabled(torch.bfloat16)
     torch.manual_seed(5)
     seq_lens, q_lens = [200, 90, 33], [200, 40, 33]
     meta, q, _, _, k32, v32 = make_batch(seq_lens, q_lens, 9, 3, 64, 16)

@@ -18,10 +18,12 @@
  * copies) on its way in: bf16 rows are widened to fp32 there, into the L1-resident staging the fp32 path
  * already copies through. Either way the arithmetic is fp32, and widening is exact (a bf16 is the top
  * half of a float), so a bf16 cache gives what the fp32 kernels give on the same values, to float
- * rounding (the order of the sums differs between tasks). The one exception: prefill over a bf16 cache
- * where AVX512-bf16 runs (use_dp from kernels/cpu_attention.py; PAGEDQ_DISABLE_DP_ATTENTION=1 turns it
- * off) does both of its products on bf16 dot products (flash_rows_dp: q and the softmax numerators
- * rounded to bf16, K/V read as they are, fp32 sums and softmax), ~2x the fp32 path's speed there.
+ * rounding (the order of the sums differs between tasks). The one exception: over a bf16 cache where
+ * AVX512-bf16 runs (use_dp, from kernels/cpu_attention.py dp_attention_enabled;
+ * PAGEDQ_DISABLE_DP_ATTENTION=1 turns it off), both kernels do their products on bf16 dot products
+ * (VDPBF16PS: decode's task_in_place_dp, prefill's flash_rows_dp): q and the softmax numerators rounded
+ * to bf16 as bf16 flash attention rounds them, K/V read as they are, fp32 sums and softmax. Prefill runs
+ * ~2x the fp32 path's speed there; decode, memory bound, ~10-20% (most in a verify step's 9 queries).
  *
  * Below the avx512 build, two implementations of one (sequence, kv head) task: an AVX2/FMA one for
  * head_dim % 8 == 0 (every model pagedq ships for) and a portable one. The AVX2 one computes 8 scores at a time with 8
@@ -558,7 +560,13 @@ static inline __attribute__((always_inline)) void accumulate_block(const int NQ,
  * The same task over an fp32 cache, against the AVX2 task on staging it replaced there (and the masked
  * AVX-512 staging task for head_dim % 8 != 0), 30 layers' caches, ms: 64 x 350 2.555 -> 2.200, 64 x 700
  * 4.974 -> 4.197, 1 x 2000 0.232 -> 0.201, head_dim 20 (32 x 350) 0.336 -> 0.228, head_dim 80 1.157 ->
- * 0.936; results within 5e-7 of the staged ones. */
+ * 0.936; results within 5e-7 of the staged ones.
+ * On an AMD EPYC (family 26 model 2 = Zen 5, 2 threads), bf16 cache, this task -> task_in_place_dp (its
+ * VDPBF16PS twin, below), ms: 64 x 350 over 30 layers 0.540-0.562 -> 0.536-0.560 (32 GB/s of K/V either way,
+ * where a pure 2-thread read of the same 6 KB blocks in the same order, prefetched one block ahead, takes
+ * 0.517-0.529 ms, 33 GB/s: memory-bound, the arithmetic hidden behind it); with K/V in the caches the
+ * arithmetic shows: 64 x 350 0.286-0.301 -> 0.250-0.257, 64 x 700 0.833 -> 0.713, head_dim 80 0.196 -> 0.167,
+ * and 9 verification queries per sequence over 30 layers 1.98-2.03 -> 1.55-1.61. */
 static inline __attribute__((always_inline)) void task_in_place(const attn_args *a, int64_t s, int64_t h0,
                                                                   int64_t h1, float *scratch, const int fp32)
 {
@@ -676,6 +684,240 @@ static void task_f32_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h
 {
     task_in_place(a, s, h0, h1, scratch, 1);
 }
+
+/* ---- AVX512-bf16: the bf16-cache task on VDPBF16PS (task_in_place_dp), where that instruction runs.
+ *
+ * task_in_place widens every K and V value to fp32 in registers and multiplies in fp32: per (query row, key,
+ * 32 columns) a widen and 2 FMAs for the scores, per token a widen and 4 FMAs per query row and 64 columns
+ * for the output, all on the 512-bit ports that bound it once K/V sit in the caches. VDPBF16PS takes the
+ * bf16 cache as it lies: one instruction per (row, key, 32 columns) on the raw K row, and over token pairs
+ * (V rows t and t+1 interleaved per column by one unpack per 32 columns, shared by the group's rows) half
+ * the output instructions. Its inputs are bf16, so q (after scaling) is rounded to bf16 once per task and the
+ * softmax numerators P once after the softmax, as bf16 flash attention kernels round their operands; max,
+ * sum, normalisation, the cascade merge and every sum stay fp32. Results differ from task_in_place's by that
+ * rounding: against float64 on the same bf16 K/V (N(0, 1) q, K, V; head_dim 20-128) at most 2-4e-3; the tests
+ * hold it to 2e-2 there and to 2e-4 against a float64 emulation of exactly this rounding.
+ * Compiled with the bf16 target for these functions only: the rest of the avx512 build runs on AVX-512 CPUs
+ * without it, and Python passes use_dp only where kernels/cpu_isa.py probed AVX512-bf16 runnable under the
+ * PAGEDQ_CPU_ISA cap and PAGEDQ_DISABLE_DP_ATTENTION is unset (kernels/cpu_attention.py dp_attention_enabled).
+ * Measured on an AMD EPYC (family 26 model 2 = Zen 5, 2 threads; ops/bench/kernel_timing.py --kv-dtype
+ * bfloat16, the avx512 column against avx512_bf16, SmolLM2-135M's heads; ms): K/V from memory (64 x 350
+ * over 30 layers) 0.540-0.562 -> 0.536-0.560, memory-bound at 32 GB/s (task_in_place's comment); in the
+ * caches 64 x 350 0.286-0.301 -> 0.250-0.257, 64 x 700 0.833 -> 0.713, 1 x 2000 0.041 -> 0.038, head_dim 80
+ * 0.196 -> 0.167, head_dim 20 0.105 -> 0.096; 9 verification queries per sequence over 30 layers 1.98-2.03
+ * -> 1.55-1.61 (the group's rows share each K/V load, so the arithmetic, not the bytes, sets that pace).
+ * Tried and dropped: prefetching 2 or 3 blocks ahead instead of 1 (0.559, 0.571 ms over 30 layers): with
+ * the arithmetic shorter, one block ahead still covers memory's latency. */
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+
+/* Lanes 0..3 of block g of w (hsum16x16's sums, row g's 4 keys) -> sc[g * stride + 0..nk-1], g < NQ. */
+static inline __attribute__((always_inline)) void store_scores_dp(const int NQ, __m512 w, float *sc, int64_t stride,
+                                                                  int64_t nk)
+{
+    const __mmask8 keys = (__mmask8)((1u << nk) - 1u);
+    const __m512i first4 = _mm512_setr_epi32(0, 1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int g = 0; g < NQ; g++)
+        _mm_mask_storeu_ps(sc + g * stride, keys,
+                           _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(4 * g),
+                                                                                          first4), w)));
+}
+
+/* scores_4keys for the dp task: NQ (<= 4) query rows qb, qb + D32, ... (scaled, rounded to bf16, columns in
+ * order) against 4 bf16 key rows kr[0..3] in place, one VDPBF16PS per (row, key, 32 columns): each lane
+ * sums the products of a column pair, the 16 chains are reduced by hsum16x16 as there. */
+static inline __attribute__((always_inline)) void scores_4keys_dp(const int NQ, const uint16_t *qb, int64_t D,
+                                                                  int64_t D32, const void *const kr[4], float *sc,
+                                                                  int64_t stride, int64_t nk)
+{
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 32) {
+        const __mmask32 m = lanes32(D - c);
+        __m512bh k[4];
+        for (int i = 0; i < 4; i++) k[i] = (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)kr[i] + c);
+        for (int g = 0; g < NQ; g++) {
+            const __m512bh q = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D32 + c));
+            for (int i = 0; i < 4; i++) acc[4 * g + i] = _mm512_dpbf16_ps(acc[4 * g + i], q, k[i]);
+        }
+    }
+    store_scores_dp(NQ, hsum16x16(acc), sc, stride, nk);
+}
+
+/* One step of accumulate_block_dp: tokens t and t + 1 (`two`; else t alone, its partner's V and P read as 0).
+ * V rows interleaved per column pair by unpacklo/unpackhi_epi16, which work within 128-bit lanes: of a
+ * 32-column chunk, the lo vector holds columns 0-3, 8-11, 16-19, 24-27, the hi vector 4-7, 12-15, 20-23,
+ * 28-31 (dp_order; the outputs are restored at the end of the task). */
+static inline __attribute__((always_inline)) void pair_step_dp(const int NQ, const int two, const uint16_t *p,
+                                                               int64_t stride, const uint16_t *v, int64_t rs,
+                                                               int nc, __mmask32 mlast, __m512 acc[4][4])
+{
+    const __mmask32 m0 = nc == 1 ? mlast : 0xFFFFFFFFu;
+    const __m512i a0 = _mm512_maskz_loadu_epi16(m0, v);
+    const __m512i b0 = two ? _mm512_maskz_loadu_epi16(m0, v + rs) : _mm512_setzero_si512();
+    __m512bh w[4];
+    w[0] = (__m512bh)_mm512_unpacklo_epi16(a0, b0);
+    w[1] = (__m512bh)_mm512_unpackhi_epi16(a0, b0);
+    if (nc == 2) {
+        const __m512i a1 = _mm512_maskz_loadu_epi16(mlast, v + 32);
+        const __m512i b1 = two ? _mm512_maskz_loadu_epi16(mlast, v + rs + 32) : _mm512_setzero_si512();
+        w[2] = (__m512bh)_mm512_unpacklo_epi16(a1, b1);
+        w[3] = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
+    } else {
+        w[2] = w[3] = (__m512bh)_mm512_setzero_si512();
+    }
+    for (int g = 0; g < NQ; g++) {
+        uint32_t pair = p[g * stride]; /* P_t in the low half, P_t+1 in the high */
+        if (two) memcpy(&pair, p + g * stride, sizeof pair);
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pair);
+        for (int j = 0; j < 4; j++)
+            if (j < 2 * nc) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], pv, w[j]);
+    }
+}
+
+/* accumulate_block for the dp task: o[g] += sum over rows t < n of P[g * stride + t] * v_t, P rounded to
+ * bf16, two tokens per VDPBF16PS; o rows of D32 floats in dp_order. The block's prefetch share is taken
+ * per token as there (two shares a step). */
+static inline __attribute__((always_inline)) void accumulate_block_dp(const int NQ, const uint16_t *p, int64_t stride,
+                                                                      const uint16_t *vr, int64_t rs, int64_t n,
+                                                                      float *o, int64_t D32, int nc, __mmask32 mlast,
+                                                                      prefetcher *pf, int64_t pf_per_row)
+{
+    __m512 acc[4][4];
+    for (int g = 0; g < NQ; g++)
+        for (int j = 0; j < 4; j++) acc[g][j] = j < 2 * nc ? _mm512_loadu_ps(o + g * D32 + 16 * j) : _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 2 <= n; t += 2) {
+        prefetch_lines(pf, 2 * pf_per_row);
+        pair_step_dp(NQ, 1, p + t, stride, vr + t * rs, rs, nc, mlast, acc);
+    }
+    if (t < n) {
+        prefetch_lines(pf, pf_per_row);
+        pair_step_dp(NQ, 0, p + t, stride, vr + t * rs, rs, nc, mlast, acc);
+    }
+    for (int g = 0; g < NQ; g++)
+        for (int j = 0; j < 4; j++)
+            if (j < 2 * nc) _mm512_storeu_ps(o + g * D32 + 16 * j, acc[g][j]);
+}
+
+/* task_in_place over a bf16 cache on VDPBF16PS: the same walk (rows of the task's query heads and tokens 4
+ * at a time, blocks in table order, the same prefetch plan spread over each block's steps, the same causal
+ * masking of a multi-query task and the same cascade merge), the same scratch. q is stored rounded to bf16
+ * (in qs's space), P rounded to bf16 over its own row of scores after the softmax. */
+static void task_in_place_dp(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
+{
+    const task_view tv = view_of(a, s, h0);
+    const int64_t nq = a->q_lens ? a->q_lens[s] : 1, group = tv.group, gq = group * nq;
+    const int64_t D = a->head_dim, block_size = a->block_size, nh = (h1 - h0) * gq;
+    const int64_t rs = tv.rs, block_stride = tv.block_stride, nblocks = tv.nblocks;
+    const int64_t b0 = a->prefix_blocks, first = b0 * block_size, len = tv.len - first;
+    const int32_t *table = tv.table;
+    const int64_t esize = 2;
+    const char *kc = (const char *)a->k_cache, *vc = (const char *)a->v_cache;
+    float *acc = tv.acc;
+    const int64_t D32 = (D + 31) / 32 * 32;
+    float *scores = scratch, *qs = scores + nh * len, *os = qs + nh * D32, *mxs = os + nh * D32, *sums = mxs + nh;
+    uint16_t *qb = (uint16_t *)qs; /* nh rows of D32 bf16 */
+    const __m512 vscale = _mm512_set1_ps(a->scale);
+    for (int64_t r = 0; r < nh; r++)  /* scaled, rounded to nearest even, columns in order, zero past D */
+        for (int64_t c = 0; c < D; c += 32) {
+            const int64_t i = r % gq / group, head = r / gq * group + r % group; /* token, head - h0 * group */
+            const float *src = tv.qg + i * a->q_tok + head * a->q_head + c;
+            const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c), src), vscale);
+            const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c - 16 < 0 ? 0 : D - c - 16), src + 16), vscale);
+            _mm512_storeu_si512((void *)(qb + r * D32 + c), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    const int64_t col0 = h0 * D, cols = (h1 - h0) * D;
+
+    const int64_t quads = (block_size + 3) / 4, gchunks = (gq + 3) / 4;
+    const int64_t kv_lines = prefetch_plan(kc, block_size, rs, col0, cols, esize).left;
+    const int64_t k_steps = (h1 - h0) * gchunks * quads, k_per_step = (kv_lines + k_steps - 1) / k_steps;
+    for (int64_t b = b0; b < nblocks; b++) {
+        const int64_t base = b * block_size - first;
+        const int64_t n = base + block_size <= len ? block_size : len - base;
+        /* the next block, or after the last, V's first */
+        prefetcher pf = prefetch_plan(b + 1 < nblocks ? kc + table[b + 1] * block_stride * esize
+                                                      : vc + table[b0] * block_stride * esize,
+                                      block_size, rs, col0, cols, esize);
+        const char *kb = kc + table[b] * block_stride * esize;
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t g0 = 0; g0 < gq; g0 += 4) {
+                const int nr = gq - g0 < 4 ? (int)(gq - g0) : 4;
+                const int64_t r = (h - h0) * gq + g0;
+                for (int64_t t = 0; t < n; t += 4) {
+                    prefetch_lines(&pf, k_per_step);
+                    const int64_t nk = n - t < 4 ? n - t : 4;
+                    const void *kr[4];
+                    for (int j = 0; j < 4; j++) kr[j] = kb + (h * D + (j < nk ? t + j : 0) * rs) * esize;
+                    float *sc = scores + r * len + base + t;
+                    switch (nr) {
+                    case 1: scores_4keys_dp(1, qb + r * D32, D, D32, kr, sc, len, nk); break;
+                    case 2: scores_4keys_dp(2, qb + r * D32, D, D32, kr, sc, len, nk); break;
+                    case 3: scores_4keys_dp(3, qb + r * D32, D, D32, kr, sc, len, nk); break;
+                    default: scores_4keys_dp(4, qb + r * D32, D, D32, kr, sc, len, nk); break;
+                    }
+                }
+            }
+        prefetch_lines(&pf, pf.left);
+    }
+    softmax_rows512(scores, len, nh, mxs, sums, gq, group, nq);
+    /* P to bf16, each row over the front half of its own fp32 row (a store never reaches a float not yet
+       read): row r's P at pb + r * 2 * len. */
+    uint16_t *pb = (uint16_t *)scores;
+    for (int64_t r = 0; r < nh; r++)
+        for (int64_t pos = 0; pos < len; pos += 16) {
+            const __mmask16 m = lanes16(len - pos);
+            const __m256i p16 = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, scores + r * len + pos));
+            _mm256_mask_storeu_epi16(pb + r * 2 * len + pos, m, p16);
+        }
+    memset(os, 0, sizeof(float) * nh * D32);
+    for (int64_t b = b0; b < nblocks; b++) {
+        const int64_t base = b * block_size - first;
+        const int64_t n = base + block_size <= len ? block_size : len - base;
+        prefetcher pf = prefetch_plan(b + 1 < nblocks ? vc + table[b + 1] * block_stride * esize : NULL, block_size, rs,
+                                      col0, cols, esize);
+        const int64_t v_steps = (h1 - h0) * gchunks * ((D + 63) / 64) * block_size;
+        const int64_t v_per_row = (kv_lines + v_steps - 1) / v_steps;
+        const uint16_t *vb = (const uint16_t *)(vc + table[b] * block_stride * esize);
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t g0 = 0; g0 < gq; g0 += 4) {
+                const int nr = gq - g0 < 4 ? (int)(gq - g0) : 4;
+                const int64_t r = (h - h0) * gq + g0;
+                for (int64_t c0 = 0; c0 < D; c0 += 64) {
+                    const int nc = D - c0 > 32 ? 2 : 1;
+                    const __mmask32 mlast = lanes32(D - c0 - 32 * (nc - 1));
+                    const uint16_t *p = pb + r * 2 * len + base;
+                    const uint16_t *vr = vb + h * D + c0;
+                    float *o = os + r * D32 + c0;
+                    const int64_t ps = 2 * len;
+                    switch (nr) {
+                    case 1: accumulate_block_dp(1, p, ps, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
+                    case 2: accumulate_block_dp(2, p, ps, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
+                    case 3: accumulate_block_dp(3, p, ps, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
+                    default: accumulate_block_dp(4, p, ps, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
+                    }
+                }
+            }
+    }
+    /* dp_order -> columns: column k of a 32-column chunk (128-bit lane k / 8, place k % 8) lies in the lo
+       vector at 4 * (k / 8) + k % 8 if k % 8 < 4, else in the hi vector at 4 * (k / 8) + k % 8 - 4. */
+    const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    const int prefix = b0 > 0;
+    for (int64_t r = 0; r < nh; r++) {
+        const int64_t i = r % gq / group, head = r / gq * group + r % group;
+        float *dst = acc + (i * a->num_heads + head) * D;
+        const __m512 inv = _mm512_set1_ps(prefix ? 1.f : 1.f / sums[r]);
+        for (int64_t c = 0; c < D; c += 32) {
+            const __m512 ol = _mm512_loadu_ps(os + r * D32 + c), oh = _mm512_loadu_ps(os + r * D32 + c + 16);
+            _mm512_mask_storeu_ps(dst + c, lanes16(D - c), _mm512_mul_ps(_mm512_permutex2var_ps(ol, lo_idx, oh), inv));
+            _mm512_mask_storeu_ps(dst + c + 16, lanes16(D - c - 16 < 0 ? 0 : D - c - 16),
+                                  _mm512_mul_ps(_mm512_permutex2var_ps(ol, hi_idx, oh), inv));
+        }
+    }
+    if (prefix) finish_rows512(a, s, h0 * group, nh, 1, mxs, sums, acc);
+}
+#pragma GCC pop_options
 #endif
 
 /* ---- Flash-style attention of a tile of query rows over a range of cached positions, shared by
@@ -1226,14 +1468,18 @@ int paged_decode_multi_query_supported(int kv_bf16)
  * panels, 64 x 350 again: 9 queries 4.14 vs 4.92 ms, 12: 5.37 vs 5.19; over an fp32 cache 9: 4.27 vs 5.57,
  * 12: 5.29 vs 6.01, 16: 6.79 vs 7.20, so up to 16 there). In the compass bench (bf16, speculation on) the
  * step's attention fell from 5.4 s to 4.2 s (verification 4.4 s in the prefill kernel -> 2.4 s with the
- * single-token decodes). */
+ * single-token decodes).
+ * use_dp (avx512 build, bf16 cache; the caller's promise that AVX512-bf16 runs here): task_in_place_dp. */
 int paged_decode_attention_f32(
     const float *q, int64_t q_tok, int64_t q_head,
     const void *k_cache, const void *v_cache, float *out,
     const int64_t *rows, const int32_t *seq_lens, const int32_t *block_tables, const int32_t *q_lens,
     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, int kv_bf16, int cascade, int num_threads)
+    int64_t head_dim, int64_t block_size, float scale, int kv_bf16, int use_dp, int cascade, int num_threads)
 {
+#ifndef PAGEDQ_AVX512
+    (void)use_dp; /* the dp task exists only in the avx512 build */
+#endif
     if (q_lens && !paged_decode_multi_query_supported(kv_bf16)) return -1;
     int64_t max_q = 1;
     for (int64_t s = 0; q_lens && s < num_seqs; s++) max_q = q_lens[s] > max_q ? q_lens[s] : max_q;
@@ -1287,7 +1533,8 @@ int paged_decode_attention_f32(
                 if (seq_lens[s] <= 0) continue;
 #ifdef PAGEDQ_AVX512
                 /* read in place, either cache dtype (task_in_place's comment, measurements) */
-                if (kv_bf16) task_bf16_avx512(&a, s, part * per_task, (part + 1) * per_task, scratch);
+                if (kv_bf16 && use_dp) task_in_place_dp(&a, s, part * per_task, (part + 1) * per_task, scratch);
+                else if (kv_bf16) task_bf16_avx512(&a, s, part * per_task, (part + 1) * per_task, scratch);
                 else task_f32_avx512(&a, s, part * per_task, (part + 1) * per_task, scratch);
                 continue;
 #endif

@@ -529,6 +529,98 @@ static inline __attribute__((always_inline)) void accumulate_block(const int NQ,
             if (j < 2 * nc) _mm512_storeu_ps(o + g * D32 + 16 * j, acc[g][j]);
 }
 
+/* The walk both in-place tasks (task_in_place, task_in_place_dp) share: one task's rows, its scratch split
+ * into scores, staged q, output rows, maxima and sums, and the prefetch plan's share per step. */
+typedef struct {
+    task_view tv;
+    int64_t nq, group, gq;           /* query tokens, query heads per kv head, rows per kv head (group * nq) */
+    int64_t D, D32, block_size, nh;  /* nh rows in all, each staged in D32 (a multiple of 32) floats */
+    int64_t b0, first, len;          /* blocks from b0 (after a cascade's shared prefix), len positions from first */
+    int64_t esize, col0, cols, gchunks, kv_lines, k_per_step, v_per_row;
+    const char *kc, *vc;
+    float *scores, *qs, *os, *mxs, *sums;
+} in_place_plan;
+
+static inline in_place_plan plan_in_place(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch,
+                                          int64_t esize)
+{
+    in_place_plan p;
+    p.tv = view_of(a, s, h0);
+    p.nq = a->q_lens ? a->q_lens[s] : 1;
+    p.group = p.tv.group;
+    p.gq = p.group * p.nq;
+    p.D = a->head_dim;
+    p.D32 = (p.D + 31) / 32 * 32;
+    p.block_size = a->block_size;
+    p.nh = (h1 - h0) * p.gq;
+    p.b0 = a->prefix_blocks;
+    p.first = p.b0 * p.block_size;
+    p.len = p.tv.len - p.first;
+    p.esize = esize;
+    p.kc = (const char *)a->k_cache;
+    p.vc = (const char *)a->v_cache;
+    p.scores = scratch;
+    p.qs = p.scores + p.nh * p.len;
+    p.os = p.qs + p.nh * p.D32;
+    p.mxs = p.os + p.nh * p.D32;
+    p.sums = p.mxs + p.nh;
+    p.col0 = h0 * p.D;
+    p.cols = (h1 - h0) * p.D;
+    p.gchunks = (p.gq + 3) / 4;
+    p.kv_lines = prefetch_plan(p.kc, p.block_size, p.tv.rs, p.col0, p.cols, esize).left;
+    const int64_t k_steps = (h1 - h0) * p.gchunks * ((p.block_size + 3) / 4);
+    const int64_t v_steps = (h1 - h0) * p.gchunks * ((p.D + 63) / 64) * p.block_size;
+    p.k_per_step = (p.kv_lines + k_steps - 1) / k_steps;
+    p.v_per_row = (p.kv_lines + v_steps - 1) / v_steps;
+    return p;
+}
+
+/* Block b's positions (n of them, from base) and the prefetch of what comes after it: in the K pass the next
+ * K block, or after the last, V's first; in the V pass the next V block. */
+static inline int64_t block_rows(const in_place_plan *p, int64_t b, int64_t *base)
+{
+    *base = b * p->block_size - p->first;
+    return *base + p->block_size <= p->len ? p->block_size : p->len - *base;
+}
+
+static inline prefetcher k_pass_prefetch(const in_place_plan *p, int64_t b)
+{
+    const int32_t *table = p->tv.table;
+    const int64_t bs = p->tv.block_stride * p->esize;
+    return prefetch_plan(b + 1 < p->tv.nblocks ? p->kc + table[b + 1] * bs : p->vc + table[p->b0] * bs,
+                         p->block_size, p->tv.rs, p->col0, p->cols, p->esize);
+}
+
+static inline prefetcher v_pass_prefetch(const in_place_plan *p, int64_t b)
+{
+    const int64_t bs = p->tv.block_stride * p->esize;
+    return prefetch_plan(b + 1 < p->tv.nblocks ? p->vc + p->tv.table[b + 1] * bs : NULL, p->block_size, p->tv.rs,
+                         p->col0, p->cols, p->esize);
+}
+
+/* The output rows back to column order (each 32-column chunk's two vectors through lo_idx / hi_idx, or as
+ * they are with `in_order`), divided by their sums into their places in out, or merged with the cascade's
+ * shared-prefix results. */
+static inline void store_rows512(const attn_args *a, const in_place_plan *p, int64_t s, int64_t h0, int in_order,
+                                 __m512i lo_idx, __m512i hi_idx)
+{
+    const int64_t D = p->D, D32 = p->D32, gq = p->gq, group = p->group;
+    const int prefix = p->b0 > 0; /* merged by finish_rows512 (nq is 1 then); else divided by the sum here */
+    for (int64_t r = 0; r < p->nh; r++) {
+        const int64_t i = r % gq / group, head = r / gq * group + r % group; /* token, head - h0 * group */
+        float *dst = p->tv.acc + (i * a->num_heads + head) * D;
+        const __m512 inv = _mm512_set1_ps(prefix ? 1.f : 1.f / p->sums[r]);
+        for (int64_t c = 0; c < D; c += 32) {
+            const __m512 oa = _mm512_loadu_ps(p->os + r * D32 + c), ob = _mm512_loadu_ps(p->os + r * D32 + c + 16);
+            const __m512 lo = in_order ? oa : _mm512_permutex2var_ps(oa, lo_idx, ob);
+            const __m512 hi = in_order ? ob : _mm512_permutex2var_ps(oa, hi_idx, ob);
+            _mm512_mask_storeu_ps(dst + c, lanes16(D - c), _mm512_mul_ps(lo, inv));
+            _mm512_mask_storeu_ps(dst + c + 16, lanes16(D - c - 16 < 0 ? 0 : D - c - 16), _mm512_mul_ps(hi, inv));
+        }
+    }
+    if (prefix) finish_rows512(a, s, h0 * group, p->nh, 1, p->mxs, p->sums, p->tv.acc);
+}
+
 /* Kv heads h0..h1-1 of sequence s over a bf16 (fp32 = 0) or fp32 cache, any head_dim and group. `scratch`
  * holds nh * (len + 2 * D32 + 2) floats (D32: head_dim rounded up to 32).
  *
@@ -570,50 +662,36 @@ static inline __attribute__((always_inline)) void accumulate_block(const int NQ,
 static inline __attribute__((always_inline)) void task_in_place(const attn_args *a, int64_t s, int64_t h0,
                                                                   int64_t h1, float *scratch, const int fp32)
 {
-    const task_view tv = view_of(a, s, h0);
     /* nq query tokens (a->q_lens): gq = group * nq rows per kv head, row (h - h0) * gq + i * group + g the
        query of token i for head h * group + g; every 4 consecutive rows share each K/V vector load. */
-    const int64_t nq = a->q_lens ? a->q_lens[s] : 1, group = tv.group, gq = group * nq;
-    const int64_t D = a->head_dim, block_size = a->block_size, nh = (h1 - h0) * gq;
-    const int64_t rs = tv.rs, block_stride = tv.block_stride, nblocks = tv.nblocks;
-    const int64_t b0 = a->prefix_blocks, first = b0 * block_size, len = tv.len - first;
-    const int32_t *table = tv.table;
-    const int64_t esize = fp32 ? 4 : 2; /* bytes per cached value */
-    const char *kc = (const char *)a->k_cache, *vc = (const char *)a->v_cache;
-    float *acc = tv.acc;
-    const int64_t D32 = (D + 31) / 32 * 32;
-    float *scores = scratch, *qs = scores + nh * len, *os = qs + nh * D32, *mxs = os + nh * D32, *sums = mxs + nh;
+    const in_place_plan pl = plan_in_place(a, s, h0, h1, scratch, fp32 ? 4 : 2);
+    const int64_t group = pl.group, gq = pl.gq, D = pl.D, D32 = pl.D32, len = pl.len, nh = pl.nh;
+    const int64_t rs = pl.tv.rs, block_stride = pl.tv.block_stride, esize = pl.esize;
+    const int32_t *table = pl.tv.table;
+    float *scores = pl.scores, *qs = pl.qs, *os = pl.os;
     const __m512 vscale = _mm512_set1_ps(a->scale);
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     for (int64_t r = 0; r < nh; r++)  /* scaled, in load32_kv's column order (bf16: even/odd per 32) */
         for (int64_t c = 0; c < D; c += 32) {
             const int64_t i = r % gq / group, head = r / gq * group + r % group; /* token, head - h0 * group */
-            const float *src = tv.qg + i * a->q_tok + head * a->q_head + c;
+            const float *src = pl.tv.qg + i * a->q_tok + head * a->q_head + c;
             const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c), src), vscale);
             const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c - 16 < 0 ? 0 : D - c - 16), src + 16), vscale);
             _mm512_storeu_ps(qs + r * D32 + c, fp32 ? lo : _mm512_permutex2var_ps(lo, even, hi));
             _mm512_storeu_ps(qs + r * D32 + c + 16, fp32 ? hi : _mm512_permutex2var_ps(lo, odd, hi));
         }
-    const int64_t col0 = h0 * D, cols = (h1 - h0) * D;
-
-    const int64_t quads = (block_size + 3) / 4, gchunks = (gq + 3) / 4;
-    const int64_t kv_lines = prefetch_plan(kc, block_size, rs, col0, cols, esize).left;
-    const int64_t k_steps = (h1 - h0) * gchunks * quads, k_per_step = (kv_lines + k_steps - 1) / k_steps;
-    for (int64_t b = b0; b < nblocks; b++) {
-        const int64_t base = b * block_size - first;
-        const int64_t n = base + block_size <= len ? block_size : len - base;
-        /* the next block, or after the last, V's first */
-        prefetcher pf = prefetch_plan(b + 1 < nblocks ? kc + table[b + 1] * block_stride * esize
-                                                      : vc + table[b0] * block_stride * esize,
-                                      block_size, rs, col0, cols, esize);
-        const char *kb = kc + table[b] * block_stride * esize;
+    for (int64_t b = pl.b0; b < pl.tv.nblocks; b++) {
+        int64_t base;
+        const int64_t n = block_rows(&pl, b, &base);
+        prefetcher pf = k_pass_prefetch(&pl, b);
+        const char *kb = pl.kc + table[b] * block_stride * esize;
         for (int64_t h = h0; h < h1; h++)
             for (int64_t g0 = 0; g0 < gq; g0 += 4) {
                 const int nr = gq - g0 < 4 ? (int)(gq - g0) : 4;
                 const int64_t r = (h - h0) * gq + g0;
                 for (int64_t t = 0; t < n; t += 4) {
-                    prefetch_lines(&pf, k_per_step);
+                    prefetch_lines(&pf, pl.k_per_step);
                     const int64_t nk = n - t < 4 ? n - t : 4;
                     const void *kr[4]; /* a short block's missing keys: row 0 again, its scores not stored */
                     for (int j = 0; j < 4; j++) kr[j] = kb + (h * D + (j < nk ? t + j : 0) * rs) * esize;
@@ -628,16 +706,13 @@ static inline __attribute__((always_inline)) void task_in_place(const attn_args 
             }
         prefetch_lines(&pf, pf.left); /* what a short block left */
     }
-    softmax_rows512(scores, len, nh, mxs, sums, gq, group, nq);
+    softmax_rows512(scores, len, nh, pl.mxs, pl.sums, gq, group, pl.nq);
     memset(os, 0, sizeof(float) * nh * D32);
-    for (int64_t b = b0; b < nblocks; b++) {
-        const int64_t base = b * block_size - first;
-        const int64_t n = base + block_size <= len ? block_size : len - base;
-        prefetcher pf = prefetch_plan(b + 1 < nblocks ? vc + table[b + 1] * block_stride * esize : NULL, block_size, rs,
-                                      col0, cols, esize);
-        const int64_t v_steps = (h1 - h0) * gchunks * ((D + 63) / 64) * block_size;
-        const int64_t v_per_row = (kv_lines + v_steps - 1) / v_steps;
-        const char *vb = vc + table[b] * block_stride * esize;
+    for (int64_t b = pl.b0; b < pl.tv.nblocks; b++) {
+        int64_t base;
+        const int64_t n = block_rows(&pl, b, &base);
+        prefetcher pf = v_pass_prefetch(&pl, b);
+        const char *vb = pl.vc + table[b] * block_stride * esize;
         for (int64_t h = h0; h < h1; h++)
             for (int64_t g0 = 0; g0 < gq; g0 += 4) {
                 const int nr = gq - g0 < 4 ? (int)(gq - g0) : 4;
@@ -648,31 +723,19 @@ static inline __attribute__((always_inline)) void task_in_place(const attn_args 
                     const float *p = scores + r * len + base;
                     const void *vr = vb + (h * D + c0) * esize;
                     float *o = os + r * D32 + c0;
+                    const int64_t vp = pl.v_per_row;
                     switch (nr) {
-                    case 1: accumulate_block(1, fp32, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
-                    case 2: accumulate_block(2, fp32, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
-                    case 3: accumulate_block(3, fp32, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
-                    default: accumulate_block(4, fp32, p, len, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
+                    case 1: accumulate_block(1, fp32, p, len, vr, rs, n, o, D32, nc, mlast, &pf, vp); break;
+                    case 2: accumulate_block(2, fp32, p, len, vr, rs, n, o, D32, nc, mlast, &pf, vp); break;
+                    case 3: accumulate_block(3, fp32, p, len, vr, rs, n, o, D32, nc, mlast, &pf, vp); break;
+                    default: accumulate_block(4, fp32, p, len, vr, rs, n, o, D32, nc, mlast, &pf, vp); break;
                     }
                 }
             }
     }
+    /* bf16: load32_kv's even/odd order back to columns */
     const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
-    const int prefix = b0 > 0; /* merged by finish_rows512 (nq is 1 then); else divided by the sum here */
-    for (int64_t r = 0; r < nh; r++) { /* back to column order, into the row's place in out */
-        const int64_t i = r % gq / group, head = r / gq * group + r % group;
-        float *dst = acc + (i * a->num_heads + head) * D;
-        const __m512 inv = _mm512_set1_ps(prefix ? 1.f : 1.f / sums[r]);
-        for (int64_t c = 0; c < D; c += 32) {
-            const __m512 oe = _mm512_loadu_ps(os + r * D32 + c), oo = _mm512_loadu_ps(os + r * D32 + c + 16);
-            const __m512 lo = fp32 ? oe : _mm512_permutex2var_ps(oe, lo_idx, oo);
-            const __m512 hi = fp32 ? oo : _mm512_permutex2var_ps(oe, hi_idx, oo);
-            _mm512_mask_storeu_ps(dst + c, lanes16(D - c), _mm512_mul_ps(lo, inv));
-            _mm512_mask_storeu_ps(dst + c + 16, lanes16(D - c - 16 < 0 ? 0 : D - c - 16), _mm512_mul_ps(hi, inv));
-        }
-    }
-    if (prefix) finish_rows512(a, s, h0 * group, nh, 1, mxs, sums, acc);
+    store_rows512(a, &pl, s, h0, fp32, lo_idx, _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8)));
 }
 
 static void task_bf16_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
@@ -806,46 +869,32 @@ static inline __attribute__((always_inline)) void accumulate_block_dp(const int 
  * (in qs's space), P rounded to bf16 over its own row of scores after the softmax. */
 static void task_in_place_dp(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
 {
-    const task_view tv = view_of(a, s, h0);
-    const int64_t nq = a->q_lens ? a->q_lens[s] : 1, group = tv.group, gq = group * nq;
-    const int64_t D = a->head_dim, block_size = a->block_size, nh = (h1 - h0) * gq;
-    const int64_t rs = tv.rs, block_stride = tv.block_stride, nblocks = tv.nblocks;
-    const int64_t b0 = a->prefix_blocks, first = b0 * block_size, len = tv.len - first;
-    const int32_t *table = tv.table;
-    const int64_t esize = 2;
-    const char *kc = (const char *)a->k_cache, *vc = (const char *)a->v_cache;
-    float *acc = tv.acc;
-    const int64_t D32 = (D + 31) / 32 * 32;
-    float *scores = scratch, *qs = scores + nh * len, *os = qs + nh * D32, *mxs = os + nh * D32, *sums = mxs + nh;
-    uint16_t *qb = (uint16_t *)qs; /* nh rows of D32 bf16 */
+    const in_place_plan pl = plan_in_place(a, s, h0, h1, scratch, 2);
+    const int64_t group = pl.group, gq = pl.gq, D = pl.D, D32 = pl.D32, len = pl.len, nh = pl.nh;
+    const int64_t rs = pl.tv.rs, block_stride = pl.tv.block_stride, esize = pl.esize;
+    const int32_t *table = pl.tv.table;
+    float *scores = pl.scores, *os = pl.os;
+    uint16_t *qb = (uint16_t *)pl.qs; /* nh rows of D32 bf16 */
     const __m512 vscale = _mm512_set1_ps(a->scale);
     for (int64_t r = 0; r < nh; r++)  /* scaled, rounded to nearest even, columns in order, zero past D */
         for (int64_t c = 0; c < D; c += 32) {
             const int64_t i = r % gq / group, head = r / gq * group + r % group; /* token, head - h0 * group */
-            const float *src = tv.qg + i * a->q_tok + head * a->q_head + c;
+            const float *src = pl.tv.qg + i * a->q_tok + head * a->q_head + c;
             const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c), src), vscale);
             const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes16(D - c - 16 < 0 ? 0 : D - c - 16), src + 16), vscale);
             _mm512_storeu_si512((void *)(qb + r * D32 + c), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
-    const int64_t col0 = h0 * D, cols = (h1 - h0) * D;
-
-    const int64_t quads = (block_size + 3) / 4, gchunks = (gq + 3) / 4;
-    const int64_t kv_lines = prefetch_plan(kc, block_size, rs, col0, cols, esize).left;
-    const int64_t k_steps = (h1 - h0) * gchunks * quads, k_per_step = (kv_lines + k_steps - 1) / k_steps;
-    for (int64_t b = b0; b < nblocks; b++) {
-        const int64_t base = b * block_size - first;
-        const int64_t n = base + block_size <= len ? block_size : len - base;
-        /* the next block, or after the last, V's first */
-        prefetcher pf = prefetch_plan(b + 1 < nblocks ? kc + table[b + 1] * block_stride * esize
-                                                      : vc + table[b0] * block_stride * esize,
-                                      block_size, rs, col0, cols, esize);
-        const char *kb = kc + table[b] * block_stride * esize;
+    for (int64_t b = pl.b0; b < pl.tv.nblocks; b++) {
+        int64_t base;
+        const int64_t n = block_rows(&pl, b, &base);
+        prefetcher pf = k_pass_prefetch(&pl, b);
+        const char *kb = pl.kc + table[b] * block_stride * esize;
         for (int64_t h = h0; h < h1; h++)
             for (int64_t g0 = 0; g0 < gq; g0 += 4) {
                 const int nr = gq - g0 < 4 ? (int)(gq - g0) : 4;
                 const int64_t r = (h - h0) * gq + g0;
                 for (int64_t t = 0; t < n; t += 4) {
-                    prefetch_lines(&pf, k_per_step);
+                    prefetch_lines(&pf, pl.k_per_step);
                     const int64_t nk = n - t < 4 ? n - t : 4;
                     const void *kr[4];
                     for (int j = 0; j < 4; j++) kr[j] = kb + (h * D + (j < nk ? t + j : 0) * rs) * esize;
@@ -860,7 +909,7 @@ static void task_in_place_dp(const attn_args *a, int64_t s, int64_t h0, int64_t 
             }
         prefetch_lines(&pf, pf.left);
     }
-    softmax_rows512(scores, len, nh, mxs, sums, gq, group, nq);
+    softmax_rows512(scores, len, nh, pl.mxs, pl.sums, gq, group, pl.nq);
     /* P to bf16, each row over the front half of its own fp32 row (a store never reaches a float not yet
        read): row r's P at pb + r * 2 * len. */
     uint16_t *pb = (uint16_t *)scores;
@@ -871,14 +920,11 @@ static void task_in_place_dp(const attn_args *a, int64_t s, int64_t h0, int64_t 
             _mm256_mask_storeu_epi16(pb + r * 2 * len + pos, m, p16);
         }
     memset(os, 0, sizeof(float) * nh * D32);
-    for (int64_t b = b0; b < nblocks; b++) {
-        const int64_t base = b * block_size - first;
-        const int64_t n = base + block_size <= len ? block_size : len - base;
-        prefetcher pf = prefetch_plan(b + 1 < nblocks ? vc + table[b + 1] * block_stride * esize : NULL, block_size, rs,
-                                      col0, cols, esize);
-        const int64_t v_steps = (h1 - h0) * gchunks * ((D + 63) / 64) * block_size;
-        const int64_t v_per_row = (kv_lines + v_steps - 1) / v_steps;
-        const uint16_t *vb = (const uint16_t *)(vc + table[b] * block_stride * esize);
+    for (int64_t b = pl.b0; b < pl.tv.nblocks; b++) {
+        int64_t base;
+        const int64_t n = block_rows(&pl, b, &base);
+        prefetcher pf = v_pass_prefetch(&pl, b);
+        const uint16_t *vb = (const uint16_t *)(pl.vc + table[b] * block_stride * esize);
         for (int64_t h = h0; h < h1; h++)
             for (int64_t g0 = 0; g0 < gq; g0 += 4) {
                 const int nr = gq - g0 < 4 ? (int)(gq - g0) : 4;
@@ -889,12 +935,12 @@ static void task_in_place_dp(const attn_args *a, int64_t s, int64_t h0, int64_t 
                     const uint16_t *p = pb + r * 2 * len + base;
                     const uint16_t *vr = vb + h * D + c0;
                     float *o = os + r * D32 + c0;
-                    const int64_t ps = 2 * len;
+                    const int64_t ps = 2 * len, vp = pl.v_per_row;
                     switch (nr) {
-                    case 1: accumulate_block_dp(1, p, ps, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
-                    case 2: accumulate_block_dp(2, p, ps, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
-                    case 3: accumulate_block_dp(3, p, ps, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
-                    default: accumulate_block_dp(4, p, ps, vr, rs, n, o, D32, nc, mlast, &pf, v_per_row); break;
+                    case 1: accumulate_block_dp(1, p, ps, vr, rs, n, o, D32, nc, mlast, &pf, vp); break;
+                    case 2: accumulate_block_dp(2, p, ps, vr, rs, n, o, D32, nc, mlast, &pf, vp); break;
+                    case 3: accumulate_block_dp(3, p, ps, vr, rs, n, o, D32, nc, mlast, &pf, vp); break;
+                    default: accumulate_block_dp(4, p, ps, vr, rs, n, o, D32, nc, mlast, &pf, vp); break;
                     }
                 }
             }
@@ -902,20 +948,7 @@ static void task_in_place_dp(const attn_args *a, int64_t s, int64_t h0, int64_t 
     /* dp_order -> columns: column k of a 32-column chunk (128-bit lane k / 8, place k % 8) lies in the lo
        vector at 4 * (k / 8) + k % 8 if k % 8 < 4, else in the hi vector at 4 * (k / 8) + k % 8 - 4. */
     const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
-    const int prefix = b0 > 0;
-    for (int64_t r = 0; r < nh; r++) {
-        const int64_t i = r % gq / group, head = r / gq * group + r % group;
-        float *dst = acc + (i * a->num_heads + head) * D;
-        const __m512 inv = _mm512_set1_ps(prefix ? 1.f : 1.f / sums[r]);
-        for (int64_t c = 0; c < D; c += 32) {
-            const __m512 ol = _mm512_loadu_ps(os + r * D32 + c), oh = _mm512_loadu_ps(os + r * D32 + c + 16);
-            _mm512_mask_storeu_ps(dst + c, lanes16(D - c), _mm512_mul_ps(_mm512_permutex2var_ps(ol, lo_idx, oh), inv));
-            _mm512_mask_storeu_ps(dst + c + 16, lanes16(D - c - 16 < 0 ? 0 : D - c - 16),
-                                  _mm512_mul_ps(_mm512_permutex2var_ps(ol, hi_idx, oh), inv));
-        }
-    }
-    if (prefix) finish_rows512(a, s, h0 * group, nh, 1, mxs, sums, acc);
+    store_rows512(a, &pl, s, h0, 0, lo_idx, _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8)));
 }
 #pragma GCC pop_options
 #endif

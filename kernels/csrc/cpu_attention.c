@@ -1101,7 +1101,7 @@ static void flash_rows(flash_tile *t, const void *k_cache, const void *v_cache, 
 #ifdef PAGEDQ_AVX512
                 if (c + NR < nk16) {
                     tile_pair_rows(rows, t->Qs + r * D, D, Kt + c, Kt + c + NR, KC, D, S + r * KC + c,
-                                   S + r * KC + c + NR, KC, NULL, NULL, NR, NR, 0);
+                                   S + r * KC + c + NR, KC, NULL, NULL, NR, NR, 0, NULL, 0);
                     continue;
                 }
 #endif
@@ -1118,7 +1118,7 @@ static void flash_rows(flash_tile *t, const void *k_cache, const void *v_cache, 
 #ifdef PAGEDQ_AVX512
                 if (c + NR < D) {
                     tile_pair_rows(rows, S + r * KC, KC, Vc + c, Vc + c + NR, D, nk, t->T + r * D + c,
-                                   t->T + r * D + c + NR, D, NULL, NULL, NR, NR, 0);
+                                   t->T + r * D + c + NR, D, NULL, NULL, NR, NR, 0, NULL, 0);
                     continue;
                 }
 #endif

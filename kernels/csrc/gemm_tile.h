@@ -84,12 +84,14 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *x,
  * x feeds two FMAs, so a k step issues 12 broadcasts + 2 weight loads + 2 prefetches for 24 FMAs where two
  * single-panel tiles issue 26 + 2 for the same work: the load ports, not the FMA units, bound the single
  * tile. panel1's outputs go to y1 (its ncols1, its own bias slice). Measured in cpu_gemm.c's header and
- * beside flash_rows (cpu_attention.c). */
+ * beside flash_rows (cpu_attention.c). `ahead` (or NULL): ahead_lines cache lines from there are prefetched
+ * into L2 over the k steps, evenly (the next work item's panels, cpu_gemm.c ahead_share). */
 static inline __attribute__((always_inline)) void tile_pair(int rows, const float *x, int64_t ldx,
                                                             const float *panel0, const float *panel1, int64_t ldw,
                                                             int64_t k, float *y0, float *y1, int64_t ldy,
                                                             const float *bias0, const float *bias1, int ncols0,
-                                                            int ncols1, int glu)
+                                                            int ncols1, int glu, const char *ahead,
+                                                            int64_t ahead_lines)
 {
     __m512 c0a = _mm512_setzero_ps(), c1a = c0a, c2a = c0a, c3a = c0a, c4a = c0a, c5a = c0a;
     __m512 c6a = c0a, c7a = c0a, c8a = c0a, c9a = c0a, c10a = c0a, c11a = c0a;
@@ -104,10 +106,13 @@ static inline __attribute__((always_inline)) void tile_pair(int rows, const floa
         c##r##a = _mm512_fmadd_ps(xb, w0, c##r##a);     \
         c##r##b = _mm512_fmadd_ps(xb, w1, c##r##b);     \
     }
+    int64_t due = 0; /* ahead_lines / k lines of `ahead` per k step, by a running count (no divide) */
     for (int64_t kk = 0; kk < k; kk++) {
         const float *wp0 = panel0 + kk * ldw, *wp1 = panel1 + kk * ldw;
         _mm_prefetch((const char *)(wp0 + PF * ldw), _MM_HINT_T0);
         _mm_prefetch((const char *)(wp1 + PF * ldw), _MM_HINT_T0);
+        for (due += ahead_lines; due >= k; due -= k, ahead += 64)
+            _mm_prefetch(ahead, _MM_HINT_T1);
         const __m512 w0 = _mm512_loadu_ps(wp0), w1 = _mm512_loadu_ps(wp1);
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
     }
@@ -206,14 +211,21 @@ static inline void tile_rows(int rows, const float *x, int64_t ldx, const float 
 /* tile_pair, one inlined copy per row count (as tile_rows). */
 static inline void tile_pair_rows(int rows, const float *x, int64_t ldx, const float *panel0, const float *panel1,
                                   int64_t ldw, int64_t k, float *y0, float *y1, int64_t ldy, const float *bias0,
-                                  const float *bias1, int ncols0, int ncols1, int glu)
+                                  const float *bias1, int ncols0, int ncols1, int glu, const char *ahead,
+                                  int64_t ahead_lines)
 {
 #define PAIR_CASE(n) \
-    case n: tile_pair(n, x, ldx, panel0, panel1, ldw, k, y0, y1, ldy, bias0, bias1, ncols0, ncols1, glu); break;
+    case n: \
+        tile_pair(n, x, ldx, panel0, panel1, ldw, k, y0, y1, ldy, bias0, bias1, ncols0, ncols1, glu, ahead, \
+                  ahead_lines); \
+        break;
     switch (rows) {
     PAIR_CASE(12) PAIR_CASE(11) PAIR_CASE(10) PAIR_CASE(9) PAIR_CASE(8) PAIR_CASE(7)
     PAIR_CASE(6) PAIR_CASE(5) PAIR_CASE(4) PAIR_CASE(3) PAIR_CASE(2)
-    default: tile_pair(1, x, ldx, panel0, panel1, ldw, k, y0, y1, ldy, bias0, bias1, ncols0, ncols1, glu); break;
+    default:
+        tile_pair(1, x, ldx, panel0, panel1, ldw, k, y0, y1, ldy, bias0, bias1, ncols0, ncols1, glu, ahead,
+                  ahead_lines);
+        break;
     }
 #undef PAIR_CASE
 }

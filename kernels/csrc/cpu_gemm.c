@@ -80,15 +80,19 @@ void pack_glu_panels_f32(const float *w, int64_t i, int64_t k, float *out)
 #ifndef AHEAD_MIN_TILES
 #define AHEAD_MIN_TILES 2 /* row tiles an item needs before its tiles prefetch the next item (measured above) */
 #endif
-/* Row tile `tile` of `tiles` over a work item prefetches this share of the next item's panels (`lines` cache
- * lines from `next`) into L2: sets *ahead and returns its line count (0: none). */
-static inline int64_t ahead_share(const float *next, int64_t lines, int64_t tile, int64_t tiles, const char **ahead)
+/* The row tile at row offset `r0` of a block of `rows` over the pair of panels from panel p (of `panels`, each
+ * k x NR floats: k cache lines) prefetches this share of the next work item's panels into L2, when there is a
+ * next item: sets *ahead and returns its line count (0: none). */
+static inline int64_t ahead_share(const float *panel, int64_t p, int64_t panels, int64_t k, int has_next, int64_t r0,
+                                  int64_t rows, const char **ahead)
 {
+    const int64_t tiles = (rows + MR - 1) / MR, tile = r0 / MR;
     *ahead = NULL;
-    if (!next || tiles < AHEAD_MIN_TILES) return 0;
+    if (!has_next || tiles < AHEAD_MIN_TILES) return 0;
+    const int64_t lines = (p + 3 < panels ? 2 : panels - p - 2) * k; /* one 64-byte line per k row of a panel */
     const int64_t share = (lines + tiles - 1) / tiles, first = tile * share;
     if (first >= lines) return 0;
-    *ahead = (const char *)next + first * 64;
+    *ahead = (const char *)(panel + 2 * k * NR) + first * 64;
     return lines - first < share ? lines - first : share;
 }
 
@@ -118,13 +122,10 @@ static void panel_items(const float *x, int64_t ldx, const float *packed, const 
             if (p + 1 < panels) {
                 const int64_t col1 = col + width;
                 const int ncols1 = (int)(n - col1 < width ? n - col1 : width);
-                const int64_t tiles = (m1 - m0 + MR - 1) / MR;
-                const float *next = item + 1 < items ? panel + 2 * k * NR : NULL;
-                const int64_t next_lines = (p + 3 < panels ? 2 : panels - p - 2) * k * NR * 4 / 64;
                 for (int64_t r = m0; r < m1; r += MR) {
                     const int rows = (int)(m1 - r < MR ? m1 - r : MR);
                     const char *ahead;
-                    const int64_t ahead_lines = ahead_share(next, next_lines, (r - m0) / MR, tiles, &ahead);
+                    const int64_t ahead_lines = ahead_share(panel, p, panels, k, item + 1 < items, r - m0, m1 - m0, &ahead);
                     tile_pair_rows(rows, x + r * ldx, ldx, panel, panel + k * NR, NR, k, y + r * ldy + col,
                                    y + r * ldy + col1, ldy, bp, bp ? bp + width : NULL, ncols, ncols1, glu, ahead,
                                    ahead_lines);
@@ -224,14 +225,11 @@ int gemm_panels_argmax_f32(const float *x, int64_t ldx, const float *packed, int
 #ifdef PAGEDQ_AVX512
                     if (p + 1 < panels) {
                         const int ncols1 = (int)(n - col - NR < NR ? n - col - NR : NR);
-                        const int64_t tiles = (m1 - m0 + MR - 1) / MR;
-                        const float *next = item + 1 < items ? panel + 2 * k * NR : NULL;
-                        const int64_t next_lines = (p + 3 < panels ? 2 : panels - p - 2) * k * NR * 4 / 64;
                         for (int64_t r = m0; r < m1; r += MR) {
                             const int rows = (int)(m1 - r < MR ? m1 - r : MR);
                             float *out = block + (r - m0) * 2 * NR;
                             const char *ahead;
-                            const int64_t ahead_lines = ahead_share(next, next_lines, (r - m0) / MR, tiles, &ahead);
+                            const int64_t ahead_lines = ahead_share(panel, p, panels, k, item + 1 < items, r - m0, m1 - m0, &ahead);
                             tile_pair_rows(rows, x + r * ldx, ldx, panel, panel + k * NR, NR, k, out, out + NR, 2 * NR,
                                            NULL, NULL, ncols, ncols1, 0, ahead, ahead_lines);
                         }

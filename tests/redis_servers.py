@@ -302,8 +302,18 @@ class ClusterServers:
     def live_nodes(self) -> list[DebianServer]:
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
 
+    def slot_masters(self, node: DebianServer) -> set[int]:
+        """The ports ``node`` believes serve slots (its ``CLUSTER SLOTS``): after a failover a node that has
+        not yet heard the new config epoch by gossip still names the old master here."""
+        client = redis.Redis(port=node.port, socket_connect_timeout=1, decode_responses=True)
+        try:
+            return {int(master[1]) for _start, _end, master, *_ in client.execute_command("CLUSTER", "SLOTS")}
+        finally:
+            client.close()
+
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
-        """Until every live node says the cluster is ok, all slots served, and one master per slot range."""
+        """Until every live node says the cluster is ok, all slots served, one master per slot range, and
+        every live node's slot map names exactly the nodes that are masters by their own ``ROLE``."""
         deadline = time.monotonic() + timeout_s
         last: object = None
         while time.monotonic() < deadline:
@@ -312,7 +322,10 @@ class ClusterServers:
                 last = infos
                 serving = all(i.get("cluster_state") == "ok" and i.get("cluster_slots_ok") == "16384" for i in infos)
                 agreed = len({i.get("cluster_known_nodes") for i in infos}) == 1
-                if serving and agreed and len(self.masters()) == 3:
+                masters = {n.port for n in self.masters()}
+                views = [self.slot_masters(n) for n in self.live_nodes()]
+                last = (infos, masters, views)
+                if serving and agreed and len(masters) == 3 and all(view == masters for view in views):
                     return
             except redis.RedisError as exc:
                 last = exc

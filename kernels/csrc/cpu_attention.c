@@ -1105,7 +1105,7 @@ static void flash_rows(flash_tile *t, const void *k_cache, const void *v_cache, 
                     continue;
                 }
 #endif
-                tile_rows(rows, t->Qs + r * D, D, Kt + c, KC, D, S + r * KC + c, KC, NULL, NR, 0);
+                tile_rows(rows, t->Qs + r * D, D, Kt + c, KC, D, S + r * KC + c, KC, NULL, NR, 0, NULL, 0);
             }
         }
         /* Some key of the chunk is past some query (the chunk's padding keys count as past). */
@@ -1122,7 +1122,7 @@ static void flash_rows(flash_tile *t, const void *k_cache, const void *v_cache, 
                     continue;
                 }
 #endif
-                tile_rows(rows, S + r * KC, KC, Vc + c, D, nk, t->T + r * D + c, D, NULL, NR, 0);
+                tile_rows(rows, S + r * KC, KC, Vc + c, D, nk, t->T + r * D + c, D, NULL, NR, 0, NULL, 0);
             }
         }
         for (int64_t r = 0; r < R; r++) {  /* O = O * alpha + T */

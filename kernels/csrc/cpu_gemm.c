@@ -25,7 +25,11 @@
  * 194 / 438 / 432 / 442; o 255 / 393 / 417 / 460 -> 244 / 434 / 440 / 468; gate_up 154 / 363 / 381 / 440
  * -> 156 / 433 / 422 / 446; down 316 / 437 / 450 / 460 -> 311 / 436 / 451 / 448; the lm_head's argmax 146 /
  * 347 / 396 / 416 -> 142 / 429 / 415 / 421. One row tile (<= 12 rows) gains nothing consistent from it
- * (its own prefetch already streams), so it keeps none.
+ * (its own prefetch already streams), so it keeps none. The avx2 build's single-panel items (6-row tiles) do
+ * the same; its build on that Zen 5 (7 rounds, GFLOP/s at 8 / 36 / 64 / 256 rows, without -> with): qkv 151 /
+ * 231 / 239 / 253 -> 170 / 232 / 243 / 254; gate_up 152 / 223 / 233 / 235 -> 170 / 239 / 240 / 240; o and down
+ * within +-3 %. Not yet measured on an AVX2-only CPU (Zen 3), whose memory is slower per FMA, where it
+ * should matter more.
  *
  * Layout of a packed weight: ceil(N/16) panels of K x 16 floats; columns past N are zero. The
  * register tile lives in gemm_tile.h (prefill attention runs on it too); with glu, the merged
@@ -80,19 +84,20 @@ void pack_glu_panels_f32(const float *w, int64_t i, int64_t k, float *out)
 #ifndef AHEAD_MIN_TILES
 #define AHEAD_MIN_TILES 2 /* row tiles an item needs before its tiles prefetch the next item (measured above) */
 #endif
-/* The row tile at row offset `r0` of a block of `rows` over the pair of panels from panel p (of `panels`, each
- * k x NR floats: k cache lines) prefetches this share of the next work item's panels into L2, when there is a
- * next item: sets *ahead and returns its line count (0: none). */
-static inline int64_t ahead_share(const float *panel, int64_t p, int64_t panels, int64_t k, int has_next, int64_t r0,
-                                  int64_t rows, const char **ahead)
+/* The row tile at row offset `r0` of a block of `rows` over the work item of `step` panels from panel p (of
+ * `panels`, each k x NR floats: k cache lines) prefetches this share of the next item's panels into L2, when
+ * there is a next item: sets *ahead and returns its line count (0: none). */
+static inline int64_t ahead_share(const float *panel, int64_t p, int64_t step, int64_t panels, int64_t k,
+                                  int has_next, int64_t r0, int64_t rows, const char **ahead)
 {
     const int64_t tiles = (rows + MR - 1) / MR, tile = r0 / MR;
     *ahead = NULL;
     if (!has_next || tiles < AHEAD_MIN_TILES) return 0;
-    const int64_t lines = (p + 3 < panels ? 2 : panels - p - 2) * k; /* one 64-byte line per k row of a panel */
+    const int64_t next_panels = panels - p - step < step ? panels - p - step : step;
+    const int64_t lines = next_panels * k; /* one 64-byte line per k row of a panel */
     const int64_t share = (lines + tiles - 1) / tiles, first = tile * share;
     if (first >= lines) return 0;
-    *ahead = (const char *)(panel + 2 * k * NR) + first * 64;
+    *ahead = (const char *)(panel + step * k * NR) + first * 64;
     return lines - first < share ? lines - first : share;
 }
 
@@ -125,7 +130,7 @@ static void panel_items(const float *x, int64_t ldx, const float *packed, const 
                 for (int64_t r = m0; r < m1; r += MR) {
                     const int rows = (int)(m1 - r < MR ? m1 - r : MR);
                     const char *ahead;
-                    const int64_t ahead_lines = ahead_share(panel, p, panels, k, item + 1 < items, r - m0, m1 - m0, &ahead);
+                    const int64_t ahead_lines = ahead_share(panel, p, step, panels, k, item + 1 < items, r - m0, m1 - m0, &ahead);
                     tile_pair_rows(rows, x + r * ldx, ldx, panel, panel + k * NR, NR, k, y + r * ldy + col,
                                    y + r * ldy + col1, ldy, bp, bp ? bp + width : NULL, ncols, ncols1, glu, ahead,
                                    ahead_lines);
@@ -135,7 +140,10 @@ static void panel_items(const float *x, int64_t ldx, const float *packed, const 
 #endif
             for (int64_t r = m0; r < m1; r += MR) {
                 const int rows = (int)(m1 - r < MR ? m1 - r : MR);
-                tile_rows(rows, x + r * ldx, ldx, panel, NR, k, y + r * ldy + col, ldy, bp, ncols, glu);
+                const char *ahead;
+                const int64_t ahead_lines = ahead_share(panel, p, step, panels, k, item + 1 < items, r - m0, m1 - m0, &ahead);
+                tile_rows(rows, x + r * ldx, ldx, panel, NR, k, y + r * ldy + col, ldy, bp, ncols, glu, ahead,
+                          ahead_lines);
             }
         }
     }
@@ -229,7 +237,7 @@ int gemm_panels_argmax_f32(const float *x, int64_t ldx, const float *packed, int
                             const int rows = (int)(m1 - r < MR ? m1 - r : MR);
                             float *out = block + (r - m0) * 2 * NR;
                             const char *ahead;
-                            const int64_t ahead_lines = ahead_share(panel, p, panels, k, item + 1 < items, r - m0, m1 - m0, &ahead);
+                            const int64_t ahead_lines = ahead_share(panel, p, step, panels, k, item + 1 < items, r - m0, m1 - m0, &ahead);
                             tile_pair_rows(rows, x + r * ldx, ldx, panel, panel + k * NR, NR, k, out, out + NR, 2 * NR,
                                            NULL, NULL, ncols, ncols1, 0, ahead, ahead_lines);
                         }
@@ -239,8 +247,10 @@ int gemm_panels_argmax_f32(const float *x, int64_t ldx, const float *packed, int
                     {
                         for (int64_t r = m0; r < m1; r += MR) {
                             const int rows = (int)(m1 - r < MR ? m1 - r : MR);
+                            const char *ahead;
+                            const int64_t ahead_lines = ahead_share(panel, p, step, panels, k, item + 1 < items, r - m0, m1 - m0, &ahead);
                             tile_rows(rows, x + r * ldx, ldx, panel, NR, k, block + (r - m0) * 2 * NR, 2 * NR, NULL,
-                                      ncols, 0);
+                                      ncols, 0, ahead, ahead_lines);
                         }
                     }
                     for (int64_t r = m0; r < m1; r++) {

@@ -116,7 +116,7 @@ int gemm_int8_panels(const float *x, int64_t ldx, const int8_t *values, const fl
 #if defined(PAGEDQ_AVX2)
                 for (int64_t r = m0; r < m1; r += MR) {
                     const int rows = (int)(m1 - r < MR ? m1 - r : MR);
-                    tile_rows(rows, x + r * ldx, ldx, buf, NR, k, y + r * ldy + col, ldy, bp, ncols, glu);
+                    tile_rows(rows, x + r * ldx, ldx, buf, NR, k, y + r * ldy + col, ldy, bp, ncols, glu, NULL, 0);
                 }
 #else
                 tile_rows_generic((int)(m1 - m0), x + m0 * ldx, ldx, buf, k, y + m0 * ldy + col, ldy, bp, ncols, glu);

@@ -60,7 +60,8 @@ static inline __attribute__((always_inline)) void tile_store(const __m512 *acc, 
 /* rows x 16 tile, one zmm accumulator per row; partial column counts use masked stores (no bounce). */
 static inline __attribute__((always_inline)) void tile(int rows, const float *x, int64_t ldx,
                                                        const float *panel, int64_t ldw, int64_t k, float *y,
-                                                       int64_t ldy, const float *bias, int ncols, int glu)
+                                                       int64_t ldy, const float *bias, int ncols, int glu,
+                                                       const char *ahead, int64_t ahead_lines)
 {
     __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
     __m512 c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
@@ -69,9 +70,12 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *x,
                 *x10 = x + 10 * ldx, *x11 = x + 11 * ldx;
 #define ROW(r) \
     if (rows > r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(x##r[kk]), w, c##r);
+    int64_t due = 0; /* as tile_pair's */
     for (int64_t kk = 0; kk < k; kk++) {
         const float *wp = panel + kk * ldw;
         _mm_prefetch((const char *)(wp + PF * ldw), _MM_HINT_T0);
+        for (due += ahead_lines; due >= k; due -= k, ahead += 64)
+            _mm_prefetch(ahead, _MM_HINT_T1);
         const __m512 w = _mm512_loadu_ps(wp);
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
     }
@@ -125,10 +129,12 @@ static inline __attribute__((always_inline)) void tile_pair(int rows, const floa
 
 #elif defined(PAGEDQ_AVX2)
 
-/* rows x 16 tile: acc[r] += x[r, :] * panel[:, 0:16], then stored (+bias) into y (ncols valid). */
+/* rows x 16 tile: acc[r] += x[r, :] * panel[:, 0:16], then stored (+bias) into y (ncols valid). `ahead` (or
+ * NULL): ahead_lines cache lines from there prefetched into L2 over the k steps, as tile_pair's. */
 static inline __attribute__((always_inline)) void tile(int rows, const float *x, int64_t ldx,
                                                        const float *panel, int64_t ldw, int64_t k, float *y,
-                                                       int64_t ldy, const float *bias, int ncols, int glu)
+                                                       int64_t ldy, const float *bias, int ncols, int glu,
+                                                       const char *ahead, int64_t ahead_lines)
 {
     /* Named accumulators, not an array: gcc spills an accumulator array to the stack every step. */
     __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a;
@@ -141,9 +147,12 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *x,
         ca = _mm256_fmadd_ps(b, w0, ca);                        \
         cb = _mm256_fmadd_ps(b, w1, cb);                        \
     }
+    int64_t due = 0; /* as tile_pair's */
     for (int64_t kk = 0; kk < k; kk++) {
         const float *wp = panel + kk * ldw;
         _mm_prefetch((const char *)(wp + PF * ldw), _MM_HINT_T0);
+        for (due += ahead_lines; due >= k; due -= k, ahead += 64)
+            _mm_prefetch(ahead, _MM_HINT_T1);
         const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
         ROW(0, c0a, c0b) ROW(1, c1a, c1b) ROW(2, c2a, c2b) ROW(3, c3a, c3b) ROW(4, c4a, c4b) ROW(5, c5a, c5b)
     }
@@ -193,15 +202,15 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *x,
 /* One tile call per row count: constant row counts let the compiler keep every accumulator in a
  * register (a runtime count spills them), so each count up to MR gets its own inlined copy. */
 static inline void tile_rows(int rows, const float *x, int64_t ldx, const float *panel, int64_t ldw, int64_t k, float *y,
-                             int64_t ldy, const float *bias, int ncols, int glu)
+                             int64_t ldy, const float *bias, int ncols, int glu, const char *ahead, int64_t ahead_lines)
 {
-#define TILE_CASE(n) case n: tile(n, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+#define TILE_CASE(n) case n: tile(n, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu, ahead, ahead_lines); break;
     switch (rows) {
 #if MR > 6
     TILE_CASE(12) TILE_CASE(11) TILE_CASE(10) TILE_CASE(9) TILE_CASE(8) TILE_CASE(7)
 #endif
     TILE_CASE(6) TILE_CASE(5) TILE_CASE(4) TILE_CASE(3) TILE_CASE(2)
-    default: tile(1, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu); break;
+    default: tile(1, x, ldx, panel, ldw, k, y, ldy, bias, ncols, glu, ahead, ahead_lines); break;
     }
 #undef TILE_CASE
 }

@@ -291,12 +291,16 @@ class ClusterServers:
             raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout}\n{created.stderr}")
         self.wait_healthy()
 
-    def node_info(self, node: DebianServer) -> dict[str, str]:
+    def command(self, node: DebianServer, *args: str) -> Any:
+        """One command on ``node`` over a connection of its own (closed after)."""
         client = redis.Redis(port=node.port, socket_connect_timeout=1, decode_responses=True)
         try:
-            raw = str(client.execute_command("CLUSTER", "INFO"))
+            return client.execute_command(*args)
         finally:
             client.close()
+
+    def node_info(self, node: DebianServer) -> dict[str, str]:
+        raw = str(self.command(node, "CLUSTER", "INFO"))
         return dict(line.split(":", 1) for line in raw.splitlines() if ":" in line)
 
     def live_nodes(self) -> list[DebianServer]:
@@ -305,11 +309,7 @@ class ClusterServers:
     def slot_masters(self, node: DebianServer) -> set[int]:
         """The ports ``node`` believes serve slots (its ``CLUSTER SLOTS``): after a failover a node that has
         not yet heard the new config epoch by gossip still names the old master here."""
-        client = redis.Redis(port=node.port, socket_connect_timeout=1, decode_responses=True)
-        try:
-            return {int(master[1]) for _start, _end, master, *_ in client.execute_command("CLUSTER", "SLOTS")}
-        finally:
-            client.close()
+        return {int(master[1]) for _start, _end, master, *_ in self.command(node, "CLUSTER", "SLOTS")}
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
         """Until every live node says the cluster is ok, all slots served, one master per slot range, and
@@ -319,7 +319,6 @@ class ClusterServers:
         while time.monotonic() < deadline:
             try:
                 infos = [self.node_info(n) for n in self.live_nodes()]
-                last = infos
                 serving = all(i.get("cluster_state") == "ok" and i.get("cluster_slots_ok") == "16384" for i in infos)
                 agreed = len({i.get("cluster_known_nodes") for i in infos}) == 1
                 masters = {n.port for n in self.masters()}
@@ -333,11 +332,7 @@ class ClusterServers:
         raise RuntimeError(f"cluster not healthy within {timeout_s} s: {last}")
 
     def role(self, node: DebianServer) -> str:
-        client = redis.Redis(port=node.port, socket_connect_timeout=1, decode_responses=True)
-        try:
-            return str(client.execute_command("ROLE")[0])
-        finally:
-            client.close()
+        return str(self.command(node, "ROLE")[0])
 
     def masters(self) -> list[DebianServer]:
         return [n for n in self.live_nodes() if self.role(n) == "master"]
@@ -348,11 +343,7 @@ class ClusterServers:
     def failover(self, replica: DebianServer) -> None:
         """``CLUSTER FAILOVER`` on ``replica`` (a coordinated switch: no write lost) and wait until it is a
         master and the cluster is ok again."""
-        client = redis.Redis(port=replica.port, socket_connect_timeout=1, decode_responses=True)
-        try:
-            client.execute_command("CLUSTER", "FAILOVER")
-        finally:
-            client.close()
+        self.command(replica, "CLUSTER", "FAILOVER")
         deadline = time.monotonic() + 60
         while self.role(replica) != "master":
             if time.monotonic() > deadline:

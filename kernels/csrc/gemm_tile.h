@@ -27,6 +27,17 @@
 #define PF 128 /* k-rows ahead to prefetch (8 KB): DRAM latency is ~300 cycles of a few FMAs each */
 #endif
 
+#if defined(PAGEDQ_AVX512) || defined(PAGEDQ_AVX2)
+/* One k step's part of a tile's `ahead` prefetch: ahead_lines / k cache lines of *ahead per step, by a running
+ * count in *due (no divide), into L2 (the next work item's panels, cpu_gemm.c ahead_share; NULL, 0: none). */
+static inline __attribute__((always_inline)) void ahead_step(const char **ahead, int64_t *due, int64_t ahead_lines,
+                                                             int64_t k)
+{
+    for (*due += ahead_lines; *due >= k; *due -= k, *ahead += 64)
+        _mm_prefetch(*ahead, _MM_HINT_T1);
+}
+#endif
+
 #ifdef PAGEDQ_AVX2
 static inline __m256 silu_mul8(__m256 g, __m256 u)
 {
@@ -70,12 +81,11 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *x,
                 *x10 = x + 10 * ldx, *x11 = x + 11 * ldx;
 #define ROW(r) \
     if (rows > r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(x##r[kk]), w, c##r);
-    int64_t due = 0; /* as tile_pair's */
+    int64_t due = 0;
     for (int64_t kk = 0; kk < k; kk++) {
         const float *wp = panel + kk * ldw;
         _mm_prefetch((const char *)(wp + PF * ldw), _MM_HINT_T0);
-        for (due += ahead_lines; due >= k; due -= k, ahead += 64)
-            _mm_prefetch(ahead, _MM_HINT_T1);
+        ahead_step(&ahead, &due, ahead_lines, k);
         const __m512 w = _mm512_loadu_ps(wp);
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
     }
@@ -110,13 +120,12 @@ static inline __attribute__((always_inline)) void tile_pair(int rows, const floa
         c##r##a = _mm512_fmadd_ps(xb, w0, c##r##a);     \
         c##r##b = _mm512_fmadd_ps(xb, w1, c##r##b);     \
     }
-    int64_t due = 0; /* ahead_lines / k lines of `ahead` per k step, by a running count (no divide) */
+    int64_t due = 0;
     for (int64_t kk = 0; kk < k; kk++) {
         const float *wp0 = panel0 + kk * ldw, *wp1 = panel1 + kk * ldw;
         _mm_prefetch((const char *)(wp0 + PF * ldw), _MM_HINT_T0);
         _mm_prefetch((const char *)(wp1 + PF * ldw), _MM_HINT_T0);
-        for (due += ahead_lines; due >= k; due -= k, ahead += 64)
-            _mm_prefetch(ahead, _MM_HINT_T1);
+        ahead_step(&ahead, &due, ahead_lines, k);
         const __m512 w0 = _mm512_loadu_ps(wp0), w1 = _mm512_loadu_ps(wp1);
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
     }
@@ -147,12 +156,11 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *x,
         ca = _mm256_fmadd_ps(b, w0, ca);                        \
         cb = _mm256_fmadd_ps(b, w1, cb);                        \
     }
-    int64_t due = 0; /* as tile_pair's */
+    int64_t due = 0;
     for (int64_t kk = 0; kk < k; kk++) {
         const float *wp = panel + kk * ldw;
         _mm_prefetch((const char *)(wp + PF * ldw), _MM_HINT_T0);
-        for (due += ahead_lines; due >= k; due -= k, ahead += 64)
-            _mm_prefetch(ahead, _MM_HINT_T1);
+        ahead_step(&ahead, &due, ahead_lines, k);
         const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
         ROW(0, c0a, c0b) ROW(1, c1a, c1b) ROW(2, c2a, c2b) ROW(3, c3a, c3b) ROW(4, c4a, c4b) ROW(5, c5a, c5b)
     }

@@ -15,7 +15,12 @@ def write_kv_cache_torch(
     """Store ``k, v [N, KVH, D]`` at ``slot_mapping [N]`` of caches ``[num_blocks, block_size, KVH, D]``.
 
     Into a narrower cache (fp32 K/V into a bf16 one) they are rounded to nearest, ties to even, as torch's
-    conversions round."""
+    conversions round. A negative slot marks a padding token and is skipped, as the C and Triton writers skip
+    it: the engine's batches carry such rows, and index_copy_ would reject -1 (or, on some builds, wrap it
+    into the last block)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

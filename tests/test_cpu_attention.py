@@ -337,6 +337,26 @@ def test_write_kv_cache_rounds_as_torch(kv_dtype: torch.dtype) -> None:
         assert torch.equal(ours.view(bits)[~nan], torchs.view(bits)[~nan])
 
 
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=["reference", "fallback"])
+def test_torch_writer_skips_padding_slots(src_dtype: torch.dtype) -> None:
+    # The torch writer is the fallback behind write_kv_cache (bf16 K/V, no compiler, odd strides): it keeps
+    # the C writer's padding rule, so a -1 slot neither raises nor lands in any block. bf16 K/V send
+    # cpu_attention.write_kv_cache to that fallback on every machine.
+    torch.manual_seed(0)
+    num_kv_heads, head_dim, n = 2, 8, 5
+    k = torch.randn(n, num_kv_heads, head_dim).to(src_dtype)
+    v = torch.randn(n, num_kv_heads, head_dim).to(src_dtype)
+    slots = torch.tensor([-1, 7, 2, -1, 10])
+    keep = slots >= 0
+    expected = [torch.zeros(3, 4, num_kv_heads, head_dim) for _ in range(2)]
+    expected[0].view(-1, num_kv_heads, head_dim)[slots[keep]] = k[keep].float()
+    expected[1].view(-1, num_kv_heads, head_dim)[slots[keep]] = v[keep].float()
+    for write in (write_kv_cache_torch, cpu_attention.write_kv_cache):
+        caches = [torch.zeros(3, 4, num_kv_heads, head_dim) for _ in range(2)]
+        write(k, v, caches[0], caches[1], slots)
+        assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
 # ---- The bf16 cache's decode and prefill on AVX512-bf16 dot products (VDPBF16PS; cpu_attention.dp_attention_enabled).
 # The suite caps the instruction set at avx512 (tests/conftest.py), which keeps every test above on fp32
 # arithmetic; these lift the cap to avx512_bf16 themselves. q (scaled) and the softmax numerators are rounded

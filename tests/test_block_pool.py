@@ -119,3 +119,104 @@ def test_fork_without_a_block_for_the_copy_raises_and_changes_nothing() -> None:
     with pytest.raises(NoFreeBlocks):
         kv.fork(parent, child)
     assert child.block_table == [] and kv.pool.blocks[parent.block_table[0]].ref_count == 1
+
+
+# ---- Placement: empty blocks before cached ones, and each sequence's blocks in runs (engine/block_pool.py).
+
+
+def grow(kv: KVCacheManager, seq: Sequence, num_tokens: int) -> None:
+    """Decode ``num_tokens`` more tokens into ``seq``: room for each, then computed, as the scheduler does."""
+    for _ in range(num_tokens):
+        seq.token_ids.append(7)
+        assert kv.allocate(seq, 1)
+        seq.num_computed_tokens += 1
+
+
+def test_sequences_decoding_side_by_side_keep_their_blocks_in_runs() -> None:
+    # Three prompts admitted together, then decoded in lockstep: every new block lands right after the
+    # sequence's last one, in the room left after its prompt, not after whichever sequence asked last.
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_caching=True)
+    seqs = [make_seq(list(range(100 * i, 100 * i + 6)), rid=str(i)) for i in range(3)]
+    for seq in seqs:
+        seq.params = SamplingParams(max_tokens=10)  # 16 tokens in all: 4 blocks each
+        run_prefill(kv, seq)
+    for _ in range(10):
+        for seq in seqs:
+            grow(kv, seq, 1)
+    for seq in seqs:
+        assert len(seq.block_table) == 4
+        assert seq.block_table == list(range(seq.block_table[0], seq.block_table[0] + 4))
+    assert sorted(seq.block_table[0] for seq in seqs) == [0, 4, 8]
+
+
+def test_a_run_grows_past_its_room_where_the_next_block_is_empty() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=False)
+    seq = make_seq(list(range(4)))
+    seq.params = SamplingParams(max_tokens=1)  # expects 2 blocks, then outgrows them
+    run_prefill(kv, seq)
+    grow(kv, seq, 12)
+    assert seq.block_table == [0, 1, 2, 3]
+
+
+def test_empty_blocks_go_before_cached_ones() -> None:
+    # A finished prompt's full blocks stay cached while any empty block remains, wherever the empty one
+    # was freed; with none left, the least recently freed cached block goes first (a sequence's tail).
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=True)
+    a = make_seq(list(range(8)))  # 2 full blocks
+    run_prefill(kv, a)
+    b = make_seq([50, 51, 52])  # 1 partly filled block: nothing to cache
+    run_prefill(kv, b)
+    a_blocks, b_block = list(a.block_table), b.block_table[0]
+    kv.free(a)
+    kv.free(b)  # freed after a's blocks, yet empty
+    c = make_seq(list(range(100, 111)))  # 3 blocks: the 2 empty ones, then a's tail evicted
+    run_prefill(kv, c)
+    assert b_block in c.block_table[:2]
+    assert set(c.block_table) == ({0, 1, 2, 3} - {a_blocks[0]})
+    kv.free(c)
+    assert run_prefill(kv, make_seq([0, 1, 2, 3, 9])) == 4  # a's head block still hits
+
+
+def test_pool_keeps_its_books_under_any_interleaving() -> None:
+    hypothesis = pytest.importorskip("hypothesis")
+    st = pytest.importorskip("hypothesis.strategies")
+
+    @hypothesis.settings(max_examples=150, deadline=None, derandomize=True)
+    @hypothesis.given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(1, 20)), max_size=60))
+    def check(actions: list[tuple[int, int, int]]) -> None:
+        # Actions on up to 6 sequences over a 24-block pool: admit (prompt of n tokens, prefix-cache
+        # lookups on a small vocabulary so that hits happen), decode n tokens, free, reset the cache.
+        kv = KVCacheManager(num_blocks=24, block_size=4, enable_caching=True)
+        live: dict[int, Sequence] = {}
+        for kind, slot, n in actions:
+            seq = live.get(slot)
+            if kind == 0 and seq is None:
+                seq = make_seq([(slot + j) % 3 for j in range(n)], rid=str(slot))
+                seq.params = SamplingParams(max_tokens=n)
+                cached = kv.find_cached_prefix(seq)
+                if kv.allocate(seq, seq.num_tokens - len(cached) * kv.block_size, cached):
+                    seq.num_computed_tokens = seq.num_tokens
+                    kv.commit(seq)
+                    live[slot] = seq
+            elif kind == 1 and seq is not None:
+                for _ in range(n):
+                    seq.token_ids.append(slot % 3)
+                    if not kv.allocate(seq, 1):
+                        seq.token_ids.pop()
+                        break
+                    seq.num_computed_tokens += 1
+                    kv.commit(seq)
+            elif kind == 2 and seq is not None:
+                kv.free(live.pop(slot))
+            elif kind == 3:
+                kv.pool.reset_prefix_cache()
+            held = [b for s in live.values() for b in s.block_table]
+            users = {b: held.count(b) for b in held}
+            pool = kv.pool
+            for block in pool.blocks:
+                assert block.ref_count == users.get(block.block_id, 0)
+            assert pool.num_free_blocks == pool.num_blocks - len(users)
+            for s in live.values():  # each sequence's own blocks are distinct
+                assert len(set(s.block_table)) == len(s.block_table)
+
+    check()

@@ -206,18 +206,24 @@ def test_host_memory_buffers_are_ordinary_tensors() -> None:
 
 
 def test_host_memory_stops_asking_for_huge_pages_that_fault_slowly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Huge pages that the kernel must compact memory for cost more than they save: the first 32 MB of a
-    large buffer are timed, and below the threshold the rest (and later buffers) take ordinary pages."""
+    """Huge pages that the kernel must compact memory for cost more than they save: a large buffer's 64 MB
+    chunks are timed, and below the threshold the next chunk is touched in ordinary pages; when those are
+    COMPACTION_RATIO times faster the rest (and later buffers) take ordinary pages, else huge pages stay
+    (a slow first touch that every page size pays, as a hypervisor's)."""
     from kernels import host_memory
 
     if host_memory._madvise_fn is None:
         pytest.skip("no madvise here: buffers are ordinary memory")
     monkeypatch.setattr(host_memory, "_huge_pages_slow", False)
     monkeypatch.setattr(host_memory, "SLOW_BYTES_PER_S", 0)  # nothing is slower than 0 B/s: keeps asking
-    buffer = host_memory.zeros((160 << 20,), torch.uint8)
+    buffer = host_memory.zeros((200 << 20,), torch.uint8)
     assert not host_memory.huge_pages_measured_slow() and not buffer.any()
     monkeypatch.setattr(host_memory, "SLOW_BYTES_PER_S", 1 << 60)  # every fault measures "slow"
-    buffer = host_memory.zeros((160 << 20,), torch.uint8)
+    monkeypatch.setattr(host_memory, "COMPACTION_RATIO", float("inf"))  # ... and ordinary pages never cure it
+    buffer = host_memory.zeros((200 << 20,), torch.uint8)
+    assert not host_memory.huge_pages_measured_slow() and not buffer.any()
+    monkeypatch.setattr(host_memory, "COMPACTION_RATIO", 0.0)  # ordinary pages always count as the cure
+    buffer = host_memory.zeros((200 << 20,), torch.uint8)
     assert host_memory.huge_pages_measured_slow() and not buffer.any()
     later = host_memory.empty((160 << 20,), torch.uint8)  # asks for nothing now: touched by nobody
     assert later.shape == (160 << 20,)

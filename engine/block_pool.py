@@ -77,8 +77,9 @@ class BlockPool:
         return out
 
     def _take_empty(self, after: int, room: int) -> int:
+        """The empty block after ``after`` (the run goes on), else a new run's first block from the cursor."""
         empty = self._empty
-        block_id = after + 1
+        block_id = after + 1  # 0 only when there is no previous block (after = -1): no run to go on
         if not (0 < block_id < self.num_blocks and empty[block_id]):
             block_id = empty.find(1, self._cursor)
             if block_id < 0:

@@ -126,10 +126,10 @@ class KVCacheManager:
             seq.block_table.extend(block.block_id for block in cached)
             seq.num_committed_blocks = len(cached)
         if num_new_blocks:
-            # Room for the run: the blocks the sequence still expects to fill once these are full (its
-            # max_tokens, at most RUN_BLOCKS), so that its decode blocks can follow in memory.
+            # Room for the run: the blocks the sequence still expects to fill (its max_tokens, at most
+            # RUN_BLOCKS; the pool makes it num_new_blocks at least), so its decode blocks can follow in memory.
             expected = -(-(seq.num_prompt_tokens + seq.params.max_tokens) // bs) - held
-            room = min(max(expected, num_new_blocks), RUN_BLOCKS)
+            room = min(expected, RUN_BLOCKS)
             after = seq.block_table[-1] if seq.block_table else -1
             seq.block_table.extend(block.block_id for block in self.pool.allocate(num_new_blocks, after, room))
         return True

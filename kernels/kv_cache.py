@@ -19,8 +19,8 @@ def write_kv_cache_torch(
     it: the engine's batches carry such rows, and index_copy_ would reject -1 (or, on some builds, wrap it
     into the last block)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    if bool((slot_mapping < 0).any()):
-        keep = slot_mapping >= 0
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

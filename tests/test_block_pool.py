@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import kv_cache_manager as kvm
 from engine.block_pool import NoFreeBlocks
@@ -178,11 +180,8 @@ def test_empty_blocks_go_before_cached_ones() -> None:
 
 
 def test_pool_keeps_its_books_under_any_interleaving() -> None:
-    hypothesis = pytest.importorskip("hypothesis")
-    st = pytest.importorskip("hypothesis.strategies")
-
-    @hypothesis.settings(max_examples=150, deadline=None, derandomize=True)
-    @hypothesis.given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(1, 20)), max_size=60))
+    @settings(max_examples=150, deadline=None, derandomize=True)
+    @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(1, 20)), max_size=60))
     def check(actions: list[tuple[int, int, int]]) -> None:
         # Actions on up to 6 sequences over a 24-block pool: admit (prompt of n tokens, prefix-cache
         # lookups on a small vocabulary so that hits happen), decode n tokens, free, reset the cache.

@@ -11,7 +11,7 @@
 FROM python:3.11-slim
 
 # The C compiler (gcc, with OpenMP's libgomp and the libc headers): pagedq builds its CPU kernels
-# (kernels/csrc) at start, for the best instruction set the CPU it runs on was probed to run (AVX2,
+# (pagedq_kernels/csrc) at start, for the best instruction set the CPU it runs on was probed to run (AVX2,
 # AVX-512), and Triton builds its launcher on CUDA; without one the CPU kernels fall back to torch's slower ops (the worker logs which path
 # runs: `worker.kernels`).
 RUN apt-get update \
@@ -36,7 +36,7 @@ RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY engine ./engine
-COPY kernels ./kernels
+COPY pagedq_kernels ./pagedq_kernels
 COPY schemas ./schemas
 COPY worker ./worker
 COPY ops ./ops

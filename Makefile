@@ -27,4 +27,4 @@ test-all: $(STAMP)
 lint: $(STAMP)
 	ruff check .
 	ruff format --check .
-	mypy engine kernels schemas worker ops tests
+	mypy engine pagedq_kernels schemas worker ops tests

@@ -1,7 +1,7 @@
 """Attention backends: write the new tokens' K/V into the paged cache, then attend through block tables.
 
 A backend plans once per step (``prepare``: index tensors shared by every layer) and is then called
-once per layer (``forward``). ``torch`` is the CPU path; ``triton`` runs the kernels in ``kernels/``
+once per layer (``forward``). ``torch`` is the CPU path; ``triton`` runs the kernels in ``pagedq_kernels/``
 (natively on CUDA, through the interpreter on CPU).
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata
-from kernels import cpu_attention
+from pagedq_kernels import cpu_attention
 
 
 class AttentionBackend(Protocol):
@@ -74,7 +74,7 @@ class _Split:
 
 # Query chunks of up to this many tokens (by cache dtype) go to the decode kernel where it takes several per
 # sequence (cpu_attention.multi_query_supported: the avx512 build): speculative verification (1 + up to 8
-# drafts) and short prefill tails. Measured in kernels/csrc/cpu_attention.c (paged_decode_attention_f32's
+# drafts) and short prefill tails. Measured in pagedq_kernels/csrc/cpu_attention.c (paged_decode_attention_f32's
 # comment) against the prefill kernel: the crossover lies at 11-12 queries over a bf16 cache, past 16 over
 # an fp32 one (whose prefill path copies twice the bytes per key).
 MULTI_QUERY_MAX = {torch.bfloat16: 10, torch.float32: 16}
@@ -140,7 +140,7 @@ class TorchAttention:
     """CPU backend.
 
     Decode tokens (one query each, the bulk of a busy step) and prefill chunks each go through a C
-    kernel that reads the cache in place (``kernels/cpu_attention``), one call per layer for all of
+    kernel that reads the cache in place (``pagedq_kernels/cpu_attention``), one call per layer for all of
     them; without a compiler, for queries other than float32 or head sizes the prefill kernel does not
     cover, torch paths gather the blocks instead (decode: one batched SDPA; prefill: one per chunk).
     The cache may hold a narrower dtype than the queries (bf16 under fp32 activations: half the bytes):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -13,9 +14,9 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 QUANTIZATIONS = ("int8", "w8a8")
 """``EngineConfig.quantization`` values: ``int8`` is symmetric per-output-channel int8 weights for every decoder
-linear, activations unchanged (weight-only; kernels/int8_linear). ``w8a8`` quantises the same weights and,
+linear, activations unchanged (weight-only; pagedq_kernels/int8_linear). ``w8a8`` quantises the same weights and,
 on CPU, each linear's input per token too, multiplying in int8 on the CPU's int8 dot products
-(kernels/w8a8_linear); it fails at load where that cannot run. GGUF checkpoints need none: they are
+(pagedq_kernels/w8a8_linear); it fails at load where that cannot run. GGUF checkpoints need none: they are
 loaded in their own quantisation."""
 
 
@@ -30,13 +31,13 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     # auto: bfloat16 on CUDA, and on CPUs that multiply bf16 in hardware (AMX, AVX512-bf16; probed by
-    # kernels/cpu_isa), else float32. bfloat16 on CPU means bf16 matmul weights under fp32 activations.
+    # pagedq_kernels/cpu_isa), else float32. bfloat16 on CPU means bf16 matmul weights under fp32 activations.
     dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None -> the model's own context length
     attention_backend: str = "auto"  # auto | torch | triton
     cuda_graphs: bool = True
-    cpu_weight_prepack: bool = True  # CPU: matmul weights packed once (kernels/cpu_linear)
+    cpu_weight_prepack: bool = True  # CPU: matmul weights packed once (pagedq_kernels/cpu_linear)
     # CPU: fewer threads while other processes take some of our cores, back when they leave
     # (engine/cpu_runtime.CoreShare); off keeps the start-up count.
     adapt_cpu_threads: bool = True
@@ -94,6 +95,13 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         torch.device(self.device)  # raises on a malformed device string
+        if self.backend == "triton" and self.torch_device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            # Compiled Triton targets the GPU: handed CPU tensors it fails at the first launch with
+            # "Pointer argument cannot be accessed from Triton", deep inside a step. Say so here instead.
+            raise ValueError(
+                "attention_backend='triton' on a CPU device runs only under Triton's interpreter: set "
+                "TRITON_INTERPRET=1 before starting (slow, for tests), or use attention_backend='torch'"
+            )
         if self.quantization is not None:
             self.quantization = self.quantization.strip().lower()
             if self.quantization in ("", "none"):
@@ -114,7 +122,7 @@ class EngineConfig:
         if self.dtype == "auto":
             if self.torch_device.type == "cuda":
                 return torch.bfloat16
-            from kernels import cpu_isa
+            from pagedq_kernels import cpu_isa
 
             return torch.bfloat16 if cpu_isa.current().bf16_matmul else torch.float32
         return _DTYPES[self.dtype]
@@ -123,11 +131,11 @@ class EngineConfig:
     def activation_dtype(self) -> torch.dtype:
         """What the model computes in between matmuls. On CPU bf16 is a matmul-weight and KV-cache
         format (:attr:`kv_cache_dtype`): norms, rotary and attention run in fp32, on the fp32 C kernels
-        (kernels/cpu_*), and each matmul rounds its input to bf16 (kernels/cpu_linear). The bf16 weights
+        (pagedq_kernels/cpu_*), and each matmul rounds its input to bf16 (pagedq_kernels/cpu_linear). The bf16 weights
         halve what a decode step streams; the fp32 activations cost little and keep more precision."""
         dtype = self.torch_dtype
         if self.torch_device.type == "cpu" and dtype == torch.bfloat16 and self.cpu_weight_prepack:
-            from kernels import cpu_isa
+            from pagedq_kernels import cpu_isa
 
             if cpu_isa.current().bf16_matmul:
                 return torch.float32
@@ -154,7 +162,7 @@ class EngineConfig:
         is bf16, half the bytes per block, so twice the blocks in the same ``kv_cache_bytes`` and half the
         bytes each decode step reads; the C attention kernels widen it back to fp32 as they read it
         (exactly) and the attention arithmetic stays fp32, except prefill's two products where AVX512-bf16 runs
-        (bf16 dot products on the cache as it is: kernels/cpu_attention.dp_attention_enabled). The K/V are
+        (bf16 dot products on the cache as it is: pagedq_kernels/cpu_attention.dp_attention_enabled). The K/V are
         rounded to bf16 once, when written.
         fp32 keeps an fp32 cache (exact parity)."""
         activations = self.activation_dtype

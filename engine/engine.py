@@ -133,7 +133,7 @@ class Engine:
         torch.manual_seed(config.seed)
         self.kernel_variant: str | None = None
         if config.torch_device.type == "cpu":
-            from kernels import cpu_isa
+            from pagedq_kernels import cpu_isa
 
             self.kernel_variant = cpu_isa.current().kernel_variant
         log.info(

@@ -4,7 +4,7 @@
 package's reader (a memory map; nothing is converted on disk). Each tensor of a llama-architecture file is
 mapped onto pagedq's modules by its llama.cpp name:
 
-- ``Q8_0``, ``Q4_0`` and ``Q4_1`` decoder linears are repacked into :class:`kernels.int8_linear.Int8Weight`
+- ``Q8_0``, ``Q4_0`` and ``Q4_1`` decoder linears are repacked into :class:`pagedq_kernels.int8_linear.Int8Weight`
   (blocks of 32 along K; ``Q4_0``'s codes stored as ``q - 8``, ``Q4_1``'s minimum as the offset). Exact:
   ``dequantize()`` equals gguf's own. The C kernel then streams one byte per weight;
 - ``F32``, ``F16`` and ``BF16`` tensors, and quantised embeddings / lm_head / norms, are loaded as floats
@@ -31,7 +31,7 @@ from engine.kernel_dispatch import get_ops
 from engine.layers import Linear
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from kernels.int8_linear import Int8Weight
+from pagedq_kernels.int8_linear import Int8Weight
 
 if TYPE_CHECKING:
     from engine.loader import Target

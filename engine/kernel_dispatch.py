@@ -49,20 +49,20 @@ class Ops:
 
 
 def get_ops(name: str) -> Ops:
-    """``"torch"``: the CPU ops (``kernels/cpu_*.py``, falling back to the torch references in
-    ``kernels/*.py``); ``"triton"``: ``kernels/*_triton.py``."""
+    """``"torch"``: the CPU ops (``pagedq_kernels/cpu_*.py``, falling back to the torch references in
+    ``pagedq_kernels/*.py``); ``"triton"``: ``pagedq_kernels/*_triton.py``."""
     chosen: tuple[RMSNormFn, RotaryFn, SiluAndMulFn]
     if name == "torch":
         # The fused C versions of the references on float32 CPU tensors; each falls back to its
         # torch reference for anything else (other dtypes, CUDA, no C compiler).
-        from kernels.cpu_ops import rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
+        from pagedq_kernels.cpu_ops import rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
 
         chosen = (rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu)
     elif name == "triton":
         # Lazy: importing these pulls in triton, which CPU-only installs do not have.
-        from kernels.activation_triton import silu_and_mul_triton
-        from kernels.rms_norm_triton import rms_norm_triton
-        from kernels.rotary_triton import rotary_embedding_triton
+        from pagedq_kernels.activation_triton import silu_and_mul_triton
+        from pagedq_kernels.rms_norm_triton import rms_norm_triton
+        from pagedq_kernels.rotary_triton import rotary_embedding_triton
 
         chosen = (rms_norm_triton, rotary_embedding_triton, silu_and_mul_triton)
     else:

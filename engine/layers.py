@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.kernel_dispatch import Ops
 from engine.model_config import RopeScaling
-from kernels import cpu_linear, int8_linear, w8a8_linear
+from pagedq_kernels import cpu_linear, int8_linear, w8a8_linear
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
@@ -29,7 +29,7 @@ class Linear(nn.Module):
     """``y = x @ W.T (+ b)``; merged projections (qkv, gate_up) are just a larger ``out_features``.
 
     On CPU, :meth:`prepack` (called once after loading) moves the weight into a packed layout
-    (``kernels/cpu_linear``: C panels for fp32, the C AMX kernel for bf16, else oneDNN), 1.3-2x faster for
+    (``pagedq_kernels/cpu_linear``: C panels for fp32, the C AMX kernel for bf16, else oneDNN), 1.3-2x faster for
     decode-sized batches, and frees the dense copy so the model is not held twice in memory.
     """
 
@@ -47,7 +47,7 @@ class Linear(nn.Module):
         self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias: nn.Parameter | None = _empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.packed: cpu_linear.PackedWeight | None = None
-        # Quantised (kernels/int8_linear): the group-wise int8 weight, or its C-kernel panels once packed.
+        # Quantised (pagedq_kernels/int8_linear): the group-wise int8 weight, or its C-kernel panels once packed.
         # Either replaces the dense weight, which is then freed.
         self.int8: int8_linear.Int8Weight | None = None
         self.int8_packed: int8_linear.PackedInt8 | None = None
@@ -66,7 +66,7 @@ class Linear(nn.Module):
 
     def quantize_int8(self, int8_activations: bool = False) -> None:
         """Symmetric per-output-channel int8 from the loaded dense weight (``quantization="int8"``);
-        ``int8_activations``: packed for W8A8 too (``quantization="w8a8"``), where :mod:`kernels.w8a8_linear`
+        ``int8_activations``: packed for W8A8 too (``quantization="w8a8"``), where :mod:`pagedq_kernels.w8a8_linear`
         can run (else the weight stays weight-only int8)."""
         self.set_int8(int8_linear.quantize_per_channel(self.weight))
         if int8_activations and self.int8 is not None and self.weight.device.type == "cpu":

@@ -28,7 +28,7 @@ from engine.parallel_layers import SINGLE, AttentionShards, TensorParallel
 from engine.sampler import GreedyChoice
 from engine.scheduler import ScheduledBatch
 from engine.step_stats import StepStats
-from kernels import host_memory
+from pagedq_kernels import host_memory
 
 
 @dataclass

@@ -82,7 +82,7 @@ class EngineStats:
     num_total_blocks: int
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified since start
     spec_accepted_tokens: int = 0  # ... and accepted (each one a decode step saved)
-    # CPU: the C-kernel build in use (generic, avx2, avx512; kernels/cpu_isa) and the matmul weight dtype
+    # CPU: the C-kernel build in use (generic, avx2, avx512; pagedq_kernels/cpu_isa) and the matmul weight dtype
     kernel_variant: str | None = None
     matmul_dtype: str = ""
     # Tensor parallelism: the rank count, and each rank's weight and KV cache bytes (one entry on one rank)

@@ -140,7 +140,7 @@ class RowParallelLinear(ShardedLinear):
         if self.tp.size == 1:
             return super().forward(x)
         if self.packed is not None:
-            from kernels import cpu_linear
+            from pagedq_kernels import cpu_linear
 
             partial = cpu_linear.linear(x, self.packed, None)
         else:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.outputs import TokenLogprobs
-from kernels import cpu_ops
+from pagedq_kernels import cpu_ops
 from schemas.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -285,7 +285,7 @@ class Sampler:
 
         Returns the tokens and the failed rows. A greedy row fails when its maximum is NaN or -inf
         (nothing left to choose): ``max`` propagates NaN, so the argmax pass itself finds it (on the CPU
-        :func:`kernels.cpu_ops.max_rows`, the same answer in one C pass per row: 0.26 against torch's
+        :func:`pagedq_kernels.cpu_ops.max_rows`, the same answer in one C pass per row: 0.26 against torch's
         1.17 ms at 64 x 49152 on 2 threads), where a separate ``isnan().any(dim=1)`` pass would add 2.7 ms. A
         sampled row fails when its probabilities do not sum to a finite positive number: softmax
         turns a NaN, an overflow to inf or an all -inf row into NaN, and one sum per row finds any of

@@ -1,4 +1,4 @@
-"""The ``triton`` attention backend: the kernels in ``kernels/`` behind ``engine.attention``'s interface.
+"""The ``triton`` attention backend: the kernels in ``pagedq_kernels/`` behind ``engine.attention``'s interface.
 
 Per layer: write the step's new K/V into the paged cache, then attend the whole mixed batch in
 one launch (plus a reduce when split-KV is chosen). Everything the kernels plan from is already a
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from engine.attention_metadata import AttentionMetadata
-from kernels.kv_cache_triton import write_kv_cache_triton
-from kernels.paged_attention_triton import paged_attention_triton
+from pagedq_kernels.kv_cache_triton import write_kv_cache_triton
+from pagedq_kernels.paged_attention_triton import paged_attention_triton
 
 
 class TritonAttention:

@@ -47,7 +47,45 @@ def _kernel_tests(out: Path) -> dict[str, Any]:
     return {"ok": proc.returncode == 0, "returncode": proc.returncode, "tail": tail}
 
 
+def _greedy_hf(hf: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    import torch
+
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            x = torch.tensor([p], device="cuda")
+            y = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            refs.append(y[0, len(p) :].tolist())
+    return refs
+
+
+def _agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, int]:
+    pairs = list(zip(got, want, strict=True))
+    return {
+        "identical": sum(a == b for a, b in pairs),
+        "first_8_identical": sum(a[:8] == b[:8] for a, b in pairs),
+        "first_token_identical": sum(a[:1] == b[:1] for a, b in pairs),
+    }
+
+
 def _parity(out: Path) -> dict[str, Any]:
+    """Greedy parity on CUDA, in two parts that tell a kernel bug from rounding.
+
+    fp32: pagedq against transformers in fp32, where the two differ only in reduction order: every
+    prompt's first token (the prefill's argmax) must agree, and most whole sequences. bf16: a tiny
+    random-weight model has near-uniform logits, so bf16 rounding flips near-ties early, in transformers
+    as much as in pagedq (the first GPU run, 2026-12-04: 11 of 24 prompts agreed over 8 tokens between
+    the two in bf16). The bar is therefore relative: pagedq in bf16 must stay as close to the fp32
+    reference as transformers' own bf16 run does (within two prompts), with CUDA graphs on and off
+    giving identical tokens and no KV block leaked.
+    """
     import torch
 
     from engine import LLM, SamplingParams
@@ -67,53 +105,47 @@ def _parity(out: Path) -> dict[str, Any]:
         ]
         new_tokens = 32
         hf: Any = make_hf_model(path)
-        hf = hf.to(device="cuda", dtype=torch.bfloat16)
-        refs = []
-        with torch.inference_mode():
-            for p in prompts:
-                x = torch.tensor([p], device="cuda")
-                y = hf.generate(
-                    x,
-                    attention_mask=torch.ones_like(x),
-                    max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
-                refs.append(y[0, len(p) :].tolist())
-        outputs = {}
-        for graphs in (True, False):
+        hf = hf.to(device="cuda", dtype=torch.float32)
+        ref_fp32 = _greedy_hf(hf, prompts, new_tokens)
+        ref_bf16 = _greedy_hf(hf.to(dtype=torch.bfloat16), prompts, new_tokens)
+        del hf
+        results["transformers_bf16_vs_fp32"] = _agreement(ref_bf16, ref_fp32)
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        outputs: dict[str, list[list[int]]] = {}
+        for name, dtype, graphs in (
+            ("fp32", "float32", True),
+            ("bf16_cuda_graphs_on", "bfloat16", True),
+            ("bf16_cuda_graphs_off", "bfloat16", False),
+        ):
             t0 = time.perf_counter()
-            llm = LLM(str(path), device="cuda", dtype="bfloat16", cuda_graphs=graphs, max_num_seqs=32)
-            res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
-            toks = [r.outputs[0].token_ids for r in res]
-            outputs[graphs] = toks
-            exact = sum(a == b for a, b in zip(toks, refs, strict=True))
-            first8 = sum(a[:8] == b[:8] for a, b in zip(toks, refs, strict=True))
+            llm = LLM(str(path), device="cuda", dtype=dtype, cuda_graphs=graphs, max_num_seqs=32)
+            toks = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+            outputs[name] = toks
             stats = llm.stats()
-            results[f"cuda_graphs_{'on' if graphs else 'off'}"] = {
+            results[name] = {
                 "prompts": len(prompts),
-                "identical_to_transformers": exact,
-                "first_8_identical": first8,
+                "vs_transformers_fp32": _agreement(toks, ref_fp32),
+                "vs_transformers_same_dtype": _agreement(toks, ref_fp32 if dtype == "float32" else ref_bf16),
                 "seconds": round(time.perf_counter() - t0, 2),
                 "graphs_captured": llm.engine.runner.graphs is not None,
                 "no_leak": stats.num_free_blocks == stats.num_total_blocks,
             }
             del llm
             torch.cuda.empty_cache()
-        results["graphs_on_equals_off"] = outputs[True] == outputs[False]
-    on, off = results["cuda_graphs_on"], results["cuda_graphs_off"]
-    # bf16 rounding differs between kernels, so a near-tie may flip late in a sequence; the first
-    # tokens and most whole sequences must agree, and graphs must not change anything.
+        results["bf16_graphs_on_equals_off"] = outputs["bf16_cuda_graphs_on"] == outputs["bf16_cuda_graphs_off"]
+    fp32 = results["fp32"]["vs_transformers_fp32"]
+    floor = results["transformers_bf16_vs_fp32"]["first_8_identical"]
+    bf16_ok = all(
+        results[name]["vs_transformers_fp32"]["first_8_identical"] >= floor - 2 and results[name]["no_leak"]
+        for name in ("bf16_cuda_graphs_on", "bf16_cuda_graphs_off")
+    )
     results["ok"] = bool(
-        results["graphs_on_equals_off"]
-        and on["graphs_captured"]
-        and all(
-            r["first_8_identical"] == r["prompts"]
-            and r["identical_to_transformers"] >= 0.75 * r["prompts"]
-            and r["no_leak"]
-            for r in (on, off)
-        )
+        fp32["first_token_identical"] == len(prompts)
+        and fp32["identical"] >= 0.75 * len(prompts)
+        and results["fp32"]["no_leak"]
+        and results["fp32"]["graphs_captured"]
+        and results["bf16_graphs_on_equals_off"]
+        and bf16_ok
     )
     return results
 

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 # the cap themselves (tests/test_bf16.py).
 os.environ.setdefault("PAGEDQ_CPU_ISA", "avx512")
 
-from kernels import c_build, cpu_isa
+from pagedq_kernels import c_build, cpu_isa
 from tests.tiny_models import make_tiny_checkpoint
 from tests.tiny_tokenizer import make_tokenizer
 

@@ -1,6 +1,6 @@
 """Checks of the matmul kernels' epilogues, shared by every kernel kind that has them: the argmax without the
-product (``kernels.cpu_linear.argmax_linear``) and the residual add with the RMSNorm after a projection
-(``kernels.cpu_linear.linear_add_norm``)."""
+product (``pagedq_kernels.cpu_linear.argmax_linear``) and the residual add with the RMSNorm after a projection
+(``pagedq_kernels.cpu_linear.linear_add_norm``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import cpu_linear, cpu_ops
+from pagedq_kernels import cpu_linear, cpu_ops
 
 
 def check_argmax_epilogue(pack: Callable[[torch.Tensor], cpu_linear.PackedWeight | None], threads: int) -> None:
-    """``argmax_linear`` is the argmax over :func:`~kernels.cpu_linear.linear`'s own output (the same sums),
+    """``argmax_linear`` is the argmax over :func:`~pagedq_kernels.cpu_linear.linear`'s own output (the same sums),
     tie-broken to the first column and NaN first as ``torch.max`` has them, across threads' column ranges.
     A partial last block (1000 columns) whose padding columns must never win."""
     g = torch.Generator().manual_seed(7)
@@ -53,8 +53,8 @@ def check_argmax_epilogue(pack: Callable[[torch.Tensor], cpu_linear.PackedWeight
 
 
 def check_add_norm_epilogue(pack: Callable[[torch.Tensor], cpu_linear.PackedWeight | None], threads: int) -> None:
-    """``linear_add_norm`` computes exactly (bit for bit) what :func:`~kernels.cpu_linear.linear` and then
-    :func:`~kernels.cpu_ops.rms_norm_cpu` with the residual compute, with and without a bias, for every tile
+    """``linear_add_norm`` computes exactly (bit for bit) what :func:`~pagedq_kernels.cpu_linear.linear` and then
+    :func:`~pagedq_kernels.cpu_ops.rms_norm_cpu` with the residual compute, with and without a bias, for every tile
     height; the residual is not written; operands it does not take give None (the caller runs the two)."""
     g = torch.Generator().manual_seed(11)
     before = torch.get_num_threads()

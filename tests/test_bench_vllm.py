@@ -133,7 +133,7 @@ def test_runner_imports_nothing_from_pagedq() -> None:
     tree = ast.parse(RUNNER.read_text(encoding="utf-8"))
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert not {m.split(".")[0] for m in modules} & {"engine", "kernels", "ops", "schemas", "worker", "tests"}
+    assert not {m.split(".")[0] for m in modules} & {"engine", "pagedq_kernels", "ops", "schemas", "worker", "tests"}
 
 
 def test_runner_reports_a_failure_as_a_result(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from kernels import cpu_isa, cpu_linear
+from pagedq_kernels import cpu_isa, cpu_linear
 from tests.test_engine_parity import make_workload
 
 

@@ -1,5 +1,5 @@
-"""bf16 weights on pagedq's own kernels (kernels/cpu_linear kinds "amx", kernels/csrc/cpu_bf16_amx.c, and
-"dpbf16", kernels/csrc/cpu_bf16_dp.c: one packed layout, two instructions), each that runs here: against a
+"""bf16 weights on pagedq's own kernels (pagedq_kernels/cpu_linear kinds "amx", pagedq_kernels/csrc/cpu_bf16_amx.c, and
+"dpbf16", pagedq_kernels/csrc/cpu_bf16_dp.c: one packed layout, two instructions), each that runs here: against a
 float64 reference on bf16-rounded inputs, every partial tile and block, bias, the fused SiLU-and-mul; the next
 kind under the ISA cap and the switches, oneDNN for in_features the layout cannot take; a bf16 tiny model
 end to end against itself on oneDNN."""
@@ -17,7 +17,7 @@ from engine import LLM
 from engine.layers import Linear
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
 from engine.sampler import GreedyChoice, Sampler, SamplerOutput, SamplingRow
-from kernels import cpu_isa, cpu_linear
+from pagedq_kernels import cpu_isa, cpu_linear
 from schemas.sampling import SamplingParams
 from tests.epilogue_checks import check_add_norm_epilogue, check_argmax_epilogue
 from tests.tiny_models import random_linear

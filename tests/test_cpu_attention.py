@@ -9,9 +9,9 @@ import torch
 
 from engine.attention import TorchAttention
 from engine.attention_metadata import AttentionMetadata
-from kernels import cpu_attention, cpu_isa
-from kernels.kv_cache import write_kv_cache_torch
-from kernels.paged_attention import paged_attention_torch
+from pagedq_kernels import cpu_attention, cpu_isa
+from pagedq_kernels.kv_cache import write_kv_cache_torch
+from pagedq_kernels.paged_attention import paged_attention_torch
 
 # Every test here runs once per C-kernel variant the machine can run (tests/conftest.py, isa_variant).
 pytestmark = pytest.mark.usefixtures("isa_variant")

@@ -1,4 +1,4 @@
-"""Run-time instruction-set dispatch (kernels/cpu_isa.py, kernels/c_build.py): what the probe finds, the
+"""Run-time instruction-set dispatch (pagedq_kernels/cpu_isa.py, pagedq_kernels/c_build.py): what the probe finds, the
 ``PAGEDQ_CPU_ISA`` cap, and that each kernel variant is a build of its own."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import c_build, cpu_isa, cpu_ops
+from pagedq_kernels import c_build, cpu_isa, cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_isa.is_x86_64(), reason="instruction-set variants are x86-64's")
 

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers import Linear, build_cos_sin_cache
-from kernels import cpu_linear, cpu_ops
-from kernels.activation import silu_and_mul_torch
-from kernels.rms_norm import rms_norm_torch
-from kernels.rotary import rotary_embedding_torch
+from pagedq_kernels import cpu_linear, cpu_ops
+from pagedq_kernels.activation import silu_and_mul_torch
+from pagedq_kernels.rms_norm import rms_norm_torch
+from pagedq_kernels.rotary import rotary_embedding_torch
 from tests.epilogue_checks import check_add_norm_epilogue, check_argmax_epilogue
 from tests.tiny_models import random_linear
 
@@ -197,7 +197,7 @@ def test_cpu_ops_fall_back_for_other_dtypes() -> None:
 
 
 def test_host_memory_buffers_are_ordinary_tensors() -> None:
-    from kernels import host_memory
+    from pagedq_kernels import host_memory
 
     big = host_memory.zeros((3, 1 << 20), torch.float32)  # 12 MB: madvised interior
     assert big.shape == (3, 1 << 20) and big.dtype == torch.float32 and not big.any()
@@ -210,7 +210,7 @@ def test_host_memory_stops_asking_for_huge_pages_that_fault_slowly(monkeypatch: 
     chunks are timed, and below the threshold the next chunk is touched in ordinary pages; when those are
     COMPACTION_RATIO times faster the rest (and later buffers) take ordinary pages, else huge pages stay
     (a slow first touch that every page size pays, as a hypervisor's)."""
-    from kernels import host_memory
+    from pagedq_kernels import host_memory
 
     if host_memory._madvise_fn is None:
         pytest.skip("no madvise here: buffers are ordinary memory")

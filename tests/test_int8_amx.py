@@ -1,4 +1,4 @@
-"""int8 weights on AMX bf16 tiles (kernels/csrc/cpu_int8_amx.c): against the torch reference on bf16-rounded
+"""int8 weights on AMX bf16 tiles (pagedq_kernels/csrc/cpu_int8_amx.c): against the torch reference on bf16-rounded
 inputs, every partial tile, the cases that keep the exact fp32 kernel, and a bf16 tiny model end to end."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from engine import LLM
 from engine.layers import Linear
 from engine.models.llama import LlamaMLP
-from kernels import cpu_isa, int8_linear
+from pagedq_kernels import cpu_isa, int8_linear
 from schemas.sampling import SamplingParams
 from tests.tiny_models import random_linear
 

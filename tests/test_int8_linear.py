@@ -1,4 +1,4 @@
-"""int8 weights (kernels/int8_linear): the C kernel per ISA variant against the torch reference, the layout's
+"""int8 weights (pagedq_kernels/int8_linear): the C kernel per ISA variant against the torch reference, the layout's
 exactness, quantization="int8" through the config, and a tiny model end to end against its fp32 self."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, EngineConfig
-from kernels import int8_linear
+from pagedq_kernels import int8_linear
 from tests.quantised_agreement import agreement_and_perplexities
 from tests.tiny_models import random_linear
 

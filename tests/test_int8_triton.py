@@ -1,4 +1,4 @@
-"""The int8 weight-only Triton kernel against the torch reference (kernels/int8_linear).
+"""The int8 weight-only Triton kernel against the torch reference (pagedq_kernels/int8_linear).
 
 Without CUDA it runs through Triton's CPU interpreter (tests/conftest_kernels.py explains the switch), so
 the shapes are small; they still cover partial row/column/K blocks, both group kinds (GGUF's 32 and
@@ -20,8 +20,8 @@ use_interpreter_without_cuda()  # also repairs triton if conftest's imports load
 
 import pytest  # noqa: E402
 
-from kernels import int8_linear  # noqa: E402
-from kernels.int8_linear_triton import int8_linear as int8_linear_triton  # noqa: E402
+from pagedq_kernels import int8_linear  # noqa: E402
+from pagedq_kernels.int8_linear_triton import int8_linear as int8_linear_triton  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

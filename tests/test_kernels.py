@@ -31,16 +31,16 @@ import pytest  # noqa: E402
 from engine.attention import TorchAttention  # noqa: E402
 from engine.attention_metadata import AttentionMetadata  # noqa: E402
 from engine.triton_attention import TritonAttention  # noqa: E402
-from kernels.activation import silu_and_mul_torch  # noqa: E402
-from kernels.activation_triton import silu_and_mul_triton  # noqa: E402
-from kernels.kv_cache import write_kv_cache_torch  # noqa: E402
-from kernels.kv_cache_triton import write_kv_cache_triton  # noqa: E402
-from kernels.paged_attention import paged_attention_torch  # noqa: E402
-from kernels.paged_attention_triton import choose_num_splits, paged_attention_triton  # noqa: E402
-from kernels.rms_norm import rms_norm_torch  # noqa: E402
-from kernels.rms_norm_triton import rms_norm_triton  # noqa: E402
-from kernels.rotary import rotary_embedding_torch  # noqa: E402
-from kernels.rotary_triton import rotary_embedding_triton  # noqa: E402
+from pagedq_kernels.activation import silu_and_mul_torch  # noqa: E402
+from pagedq_kernels.activation_triton import silu_and_mul_triton  # noqa: E402
+from pagedq_kernels.kv_cache import write_kv_cache_torch  # noqa: E402
+from pagedq_kernels.kv_cache_triton import write_kv_cache_triton  # noqa: E402
+from pagedq_kernels.paged_attention import paged_attention_torch  # noqa: E402
+from pagedq_kernels.paged_attention_triton import choose_num_splits, paged_attention_triton  # noqa: E402
+from pagedq_kernels.rms_norm import rms_norm_torch  # noqa: E402
+from pagedq_kernels.rms_norm_triton import rms_norm_triton  # noqa: E402
+from pagedq_kernels.rotary import rotary_embedding_torch  # noqa: E402
+from pagedq_kernels.rotary_triton import rotary_embedding_triton  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -252,7 +252,7 @@ def test_paged_attention_split_kv_chosen_by_heuristic() -> None:
     """Default path on a long-context decode step: the heuristic must pick split-KV and stay exact."""
     q_lens, seq_lens = [1, 1], [530, 301]
     batch = make_paged_batch(q_lens, seq_lens, 3, 1, 64, 32, torch.float32, seed=5)
-    from kernels.paged_attention_triton import _num_sms
+    from pagedq_kernels.paged_attention_triton import _num_sms
 
     assert choose_num_splits(2, 1, 1, max(seq_lens), _num_sms(DEVICE)) > 1
     out, ref = run_attention(batch, num_splits=None)

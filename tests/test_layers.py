@@ -1,7 +1,7 @@
 """The house rules of the import graph, checked on the source (``ast``), so a violation fails before review.
 
-Layers point down only: ``ops`` → ``worker`` → ``engine`` → ``kernels``, with ``schemas`` (the wire protocol)
-below everything but ``kernels``. A producer that imports the client loads neither torch nor the engine.
+Layers point down only: ``ops`` → ``worker`` → ``engine`` → ``pagedq_kernels``, with ``schemas`` (the wire protocol)
+below everything but ``pagedq_kernels``. A producer that imports the client loads neither torch nor the engine.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 # What each top-level package may import from the project (itself always allowed).
 ALLOWED: dict[str, set[str]] = {
-    "kernels": set(),
+    "pagedq_kernels": set(),
     "schemas": set(),
-    "engine": {"kernels", "schemas"},
-    "worker": {"engine", "kernels", "schemas"},
-    "ops": {"worker", "engine", "kernels", "schemas"},
+    "engine": {"pagedq_kernels", "schemas"},
+    "worker": {"engine", "pagedq_kernels", "schemas"},
+    "ops": {"worker", "engine", "pagedq_kernels", "schemas"},
 }
 
 
@@ -77,3 +77,14 @@ def test_producer_imports_load_no_torch(statement: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"the import loaded {out.stdout.strip()}"
+
+
+def test_no_installed_distribution_shares_a_top_level_name() -> None:
+    """A top-level package of ours that another installed distribution also provides shadows it for
+    whoever imports it: transformers 5.25 made Hugging Face's ``kernels`` a dependency and imports it at
+    start, and found pagedq's former ``kernels`` package instead (ImportError at ``import transformers``)."""
+    from importlib.metadata import packages_distributions
+
+    providers = packages_distributions()
+    shared = {name: providers[name] for name in ALLOWED if set(providers.get(name, [])) - {"pagedq"}}
+    assert shared == {}

@@ -24,8 +24,8 @@ import torch
 from engine import LLM
 from engine.default_model import find_default_gguf, prepare_default_model
 from engine.perplexity import perplexity, windows
-from kernels import cpu_isa, w8a8_linear
 from ops.bench.workloads import compass
+from pagedq_kernels import cpu_isa, w8a8_linear
 from schemas.sampling import SamplingParams
 from tests.perplexity_text import build_tokens
 

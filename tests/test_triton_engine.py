@@ -1,28 +1,43 @@
-"""The engine with the Triton backend forced (kernels through the interpreter on CPU) keeps greedy parity."""
+"""The engine with the Triton backend forced keeps greedy parity with transformers: natively on a CUDA
+machine, through Triton's interpreter on a CPU-only one (tests/conftest.py sets ``TRITON_INTERPRET``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from tests.tiny_models import make_hf_model
+
+# Compiled Triton launches only on the GPU; on a CPU-only machine its interpreter takes CPU tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_triton_backend_greedy_parity(tiny_model: Callable[[str], Path]) -> None:
     path = tiny_model("llama_gqa")
     prompts = [[5, 17, 200, 33, 9], [7] * 21, [300, 2, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55]]
     new_tokens = 6
-    llm = LLM(str(path), attention_backend="triton", num_kv_blocks=32, max_num_batched_tokens=24)
+    llm = LLM(
+        str(path),
+        device=DEVICE,
+        dtype="float32",
+        attention_backend="triton",
+        num_kv_blocks=32,
+        max_num_batched_tokens=24,
+    )
     assert llm.engine.runner.model.ops.name == "triton"
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
-    model = make_hf_model(path)
+    model: Any = make_hf_model(path)
+    model = model.to(DEVICE)
     with torch.inference_mode():
         for prompt, out in zip(prompts, outs, strict=True):
-            x = torch.tensor([prompt])
-            ref = model.generate(  # type: ignore[operator]
+            x = torch.tensor([prompt], device=DEVICE)
+            ref = model.generate(
                 x,
                 attention_mask=torch.ones_like(x),
                 max_new_tokens=new_tokens,
@@ -33,3 +48,13 @@ def test_triton_backend_greedy_parity(tiny_model: Callable[[str], Path]) -> None
             assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
     stats = llm.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced onto CPU tensors, compiled Triton would fail at the first launch, deep in a step: the
+    config refuses it up front and names the way out."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        EngineConfig(model="unused", device="cpu", attention_backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert EngineConfig(model="unused", device="cpu", attention_backend="triton").backend == "triton"

@@ -1,4 +1,4 @@
-"""W8A8 (kernels/w8a8_linear, ``quantization="w8a8"``): the per-token activation quantisation in C per ISA
+"""W8A8 (pagedq_kernels/w8a8_linear, ``quantization="w8a8"``): the per-token activation quantisation in C per ISA
 variant against its torch reference (bit for bit), the SiLU-and-mul that folds the row scale in, oneDNN's
 int8 product against the exact integer math, and a tiny model end to end against its fp32 self."""
 
@@ -14,8 +14,8 @@ import torch
 from engine import LLM, EngineConfig, smoothing
 from engine.layers import Linear
 from engine.perplexity import perplexity
-from kernels import cpu_ops, int8_linear, w8a8_linear
-from kernels.activation import silu_and_mul_torch
+from pagedq_kernels import cpu_ops, int8_linear, w8a8_linear
+from pagedq_kernels.activation import silu_and_mul_torch
 from tests.quantised_agreement import agreement_and_perplexities
 
 needs_w8a8 = pytest.mark.skipif(not w8a8_linear.available(), reason=w8a8_linear.unavailable_reason())

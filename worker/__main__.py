@@ -23,7 +23,7 @@ from pydantic.fields import FieldInfo
 from worker.settings import ENV_PREFIX, Settings, SettingsError, load_settings
 
 C_KERNELS = ("cpu_gemm", "cpu_attention", "cpu_ops")
-"""The C sources (``kernels/csrc``) behind the CPU path: matmuls, paged attention, fused norms/rotary/SiLU."""
+"""The C sources (``pagedq_kernels/csrc``) behind the CPU path: matmuls, paged attention, fused norms/rotary/SiLU."""
 
 
 def _help(name: str, info: FieldInfo) -> str:
@@ -80,7 +80,7 @@ def kernel_path(settings: Settings) -> tuple[bool, dict[str, Any]]:
     if device.startswith("cuda"):
         return True, {"path": "cuda", "device": device}
     from engine.config import EngineConfig
-    from kernels import c_build, cpu_attention, cpu_isa, cpu_linear, cpu_ops
+    from pagedq_kernels import c_build, cpu_attention, cpu_isa, cpu_linear, cpu_ops
 
     config = EngineConfig(dtype=settings.dtype, device=device)  # resolves auto as the engine will
     dtype = config.torch_dtype

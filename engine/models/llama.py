@@ -36,7 +36,7 @@ from engine.parallel_layers import (
     VocabParallelEmbedding,
     gather_logits,
 )
-from kernels import cpu_linear, cpu_ops, int8_linear, w8a8_linear
+from pagedq_kernels import cpu_linear, cpu_ops, int8_linear, w8a8_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -265,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
         the activation dtype: it is one matmul of many, and the logits are what sampling reads directly.
 
         ``int8_activations`` (``quantization="w8a8"``): each linear also quantises its input per token and
-        multiplies in int8 (:mod:`kernels.w8a8_linear`); a ValueError names why where that cannot run."""
+        multiplies in int8 (:mod:`pagedq_kernels.w8a8_linear`); a ValueError names why where that cannot run."""
         if int8_activations:
             if self.embed_tokens.weight.device.type != "cpu":
                 raise ValueError("quantization='w8a8' runs on CPU only; use 'int8' (weight-only) on CUDA")

@@ -105,6 +105,12 @@ def _pad_id(model: Any) -> int:
     return int(pad) if pad is not None else 0
 
 
+def _page_size(cb: Any) -> int:
+    """Tokens per KV block of transformers' continuous batching: ``page_size`` from 5.2x, ``block_size``
+    before (5.17 on the GPU machine's image)."""
+    return int(getattr(cb, "page_size", None) or cb.block_size)
+
+
 class HFContinuousSystem(System):
     """transformers continuous batching through its manager (per-request lengths, EOS disabled)."""
 
@@ -128,7 +134,7 @@ class HFContinuousSystem(System):
             # Its auto-sizing reads GPU memory; on CPU give it pagedq's KV byte budget and token budget.
             cfg = model.config
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            page = ContinuousBatchingConfig().page_size
+            page = _page_size(ContinuousBatchingConfig())
             elem = torch.empty((), dtype=ctx.torch_dtype).element_size()
             per_block = page * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
             budget = ctx.kv_cache_bytes or 2 * 1024**3
@@ -165,7 +171,7 @@ class HFContinuousSystem(System):
         res = SystemResult(self.name, "ok", wall_s=wall, load_s=load_s, cpu_s=cpu_s)
         res.outputs = outputs
         res.check(workload)
-        res.extra = {"num_blocks": cb.num_blocks, "page_size": cb.page_size, "max_batch_tokens": cb.max_batch_tokens}
+        res.extra = {"num_blocks": cb.num_blocks, "page_size": _page_size(cb), "max_batch_tokens": cb.max_batch_tokens}
         del model, manager
         free_memory()
         return res

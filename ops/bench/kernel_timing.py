@@ -1,13 +1,13 @@
 """Times each C kernel under each instruction-set variant this CPU runs, on SmolLM2-135M's shapes.
 
 Not a test and not part of ``pagedq bench``: the numbers that decide whether a variant keeps its own
-code path (the comments beside each choice in ``kernels/csrc`` quote them). Variants are switched in one
+code path (the comments beside each choice in ``pagedq_kernels/csrc`` quote them). Variants are switched in one
 process through the ``PAGEDQ_CPU_ISA`` cap, interleaved, and each case reports its fastest of several
 rounds, because on a shared machine one round can land far either way.
 
     python -m ops.bench.kernel_timing [--rounds 7] [--kv-dtype float32|bfloat16] [--only decode]
 
-``--linears`` times the bf16 matmuls instead (no ISA variants: the packed kinds of ``kernels/cpu_linear``
+``--linears`` times the bf16 matmuls instead (no ISA variants: the packed kinds of ``pagedq_kernels/cpu_linear``
 side by side, pagedq's AMX or AVX512-bf16 kernel against oneDNN; ``--linear-dtype float32``: the C panels) in
 GFLOP/s over SmolLM2's projections and lm_head.
 """
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from engine.layers import build_cos_sin_cache
-from kernels import cpu_attention, cpu_isa, cpu_linear, cpu_ops, host_memory
+from pagedq_kernels import cpu_attention, cpu_isa, cpu_linear, cpu_ops, host_memory
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, BLOCK = 9, 3, 64, 576, 1536, 16  # SmolLM2-135M
 VOCAB, LAYERS = 49152, 30
@@ -48,7 +48,7 @@ def _paged_cache(
     for i, nb in enumerate(blocks):
         tables[i, :nb] = torch.tensor([order.pop() for _ in range(nb)], dtype=torch.int32)
     shape = (sum(blocks) + 1, BLOCK, KV_HEADS, head_dim)
-    # In huge pages where the kernel grants them, as the engine's cache (kernels/host_memory.py).
+    # In huge pages where the kernel grants them, as the engine's cache (pagedq_kernels/host_memory.py).
     k_cache, v_cache = host_memory.empty(shape, kv_dtype), host_memory.empty(shape, kv_dtype)
     k_cache.copy_(torch.randn(shape))
     v_cache.copy_(torch.randn(shape))
@@ -205,7 +205,7 @@ def main() -> None:
     variants: list[str] = [v for v in cpu_isa.current().runnable_variants if v != "generic"]
     if "avx512_bf16" in cpu_isa.current().probed:
         # The avx512 build with AVX512-bf16 allowed: a bf16 cache's attention on VDPBF16PS
-        # (kernels/cpu_attention.py dp_attention_enabled), beside the same build's fp32 arithmetic.
+        # (pagedq_kernels/cpu_attention.py dp_attention_enabled), beside the same build's fp32 arithmetic.
         variants.append("avx512_bf16")
     torch.manual_seed(0)
     cases: dict[str, Callable[[], object]] = {

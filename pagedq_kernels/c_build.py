@@ -1,9 +1,9 @@
-"""Building pagedq's C kernels (``kernels/csrc``) on first use with the system C compiler.
+"""Building pagedq's C kernels (``pagedq_kernels/csrc``) on first use with the system C compiler.
 
 Plain C with OpenMP keeps a build under a second and free of torch's C++ headers. Each kernel is
 built per instruction-set variant (:data:`VARIANT_FLAGS`: baseline x86-64, AVX2/FMA, AVX-512), never
 for ``-march=native``, and the variant loaded is the best one this CPU was seen to run
-(:mod:`kernels.cpu_isa`), under the ``PAGEDQ_CPU_ISA`` cap: a kernel cache copied to, or shared with, an
+(:mod:`pagedq_kernels.cpu_isa`), under the ``PAGEDQ_CPU_ISA`` cap: a kernel cache copied to, or shared with, an
 older CPU stays correct, and every slower path stays testable on a faster machine. Shared objects are
 cached per source hash (headers included), variant and flags; concurrent builders each install a
 complete file atomically. Without a compiler, or with ``PAGEDQ_DISABLE_C_KERNELS`` set, :func:`load`
@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from kernels import cpu_isa
+from pagedq_kernels import cpu_isa
 
 CSRC = Path(__file__).parent / "csrc"
 VARIANT_FLAGS: dict[cpu_isa.Variant, list[str]] = {

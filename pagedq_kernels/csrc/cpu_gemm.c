@@ -43,7 +43,7 @@
 #include "gemm_tile.h"
 
 #ifndef PAGEDQ_AVX2
-#error "cpu_gemm needs AVX2/FMA: without them the packed weights go to oneDNN (kernels/cpu_linear.py)"
+#error "cpu_gemm needs AVX2/FMA: without them the packed weights go to oneDNN (pagedq_kernels/cpu_linear.py)"
 #endif
 #ifndef MB
 #define MB 384 /* rows of x per block (measured 256-384 best here): the block is reused across every panel */
@@ -190,7 +190,7 @@ void gemm_panels_add_norm_f32(const float *x, int64_t ldx, const float *packed, 
 /* Per row of x @ W^T (W packed by pack_panels_f32, no bias): its largest value into best[i] and the first
  * column holding it into idx[i], torch.max(dim=1)'s answer (a NaN anywhere is the maximum, at the first NaN),
  * without writing the product: the greedy sampler's argmax over the lm_head's logits
- * (kernels/cpu_linear.argmax_linear), which are rows x vocab fp32 (12.6 MB at 64 rows of SmolLM2, 113 MB in a
+ * (pagedq_kernels/cpu_linear.argmax_linear), which are rows x vocab fp32 (12.6 MB at 64 rows of SmolLM2, 113 MB in a
  * speculative step's 576) written by the matmul and read back. Each work item's tiles go to a thread-local
  * block of up to MB rows x 32 columns (in L1/L2), which the thread's running per-row maximum then reads, in
  * ascending columns: each thread's static range of items ascends with its number, so the threads' answers

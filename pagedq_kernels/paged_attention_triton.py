@@ -1,6 +1,6 @@
 """Causal paged attention of a mixed (prefill + decode) flattened batch: the Triton kernels.
 
-Computes exactly what ``kernels.paged_attention.paged_attention_torch`` computes (layouts: see
+Computes exactly what ``pagedq_kernels.paged_attention.paged_attention_torch`` computes (layouts: see
 ``engine.attention_metadata``), in one launch for the whole batch:
 
 * **Varlen queries, no padding.** Each sequence's query rows are cut into blocks of ``BLOCK_Q``

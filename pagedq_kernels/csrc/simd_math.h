@@ -1,5 +1,5 @@
 /* Shared SIMD helpers of pagedq's C kernels: AVX2/FMA when the compiler targets them (the
- * avx2 and avx512 builds of kernels/c_build.py), and their 512-bit twins in the avx512 build
+ * avx2 and avx512 builds of pagedq_kernels/c_build.py), and their 512-bit twins in the avx512 build
  * (PAGEDQ_AVX512). Also the bf16 <-> fp32 conversions of the bf16 KV cache, at every level. */
 #ifndef PAGEDQ_SIMD_MATH_H
 #define PAGEDQ_SIMD_MATH_H

@@ -48,8 +48,8 @@ def paged_attention_torch(
         v = v.repeat_interleave(group, dim=1)
         qi = q[qs:qe].float()  # [q_len, H, D]
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        k_pos = torch.arange(seq_len)[None, :]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[qs:qe] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

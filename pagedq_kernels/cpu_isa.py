@@ -2,7 +2,7 @@
 
 The machines pagedq lands on change from day to day, as users' servers do: an AVX2-only AMD one day, an
 Intel with AVX-512, AVX512-bf16 and AMX the next. The C kernels are built once per instruction-set
-*variant* (``generic``, ``avx2``, ``avx512``; :mod:`kernels.c_build`) and the best variant this CPU runs
+*variant* (``generic``, ``avx2``, ``avx512``; :mod:`pagedq_kernels.c_build`) and the best variant this CPU runs
 is loaded, instead of compiling for ``-march=native`` and hoping the build machine is the run machine.
 
 Flags in ``/proc/cpuinfo`` are not proof: a KVM guest listed ``amx_tile`` and a llama.cpp built for AMX
@@ -109,7 +109,7 @@ def probe() -> tuple[str, ...]:
     Empty on other architectures, or when the probe cannot be built (no C compiler): baseline only."""
     if not is_x86_64():
         return ()
-    from kernels import c_build  # c_build imports this module: import here, not at the top
+    from pagedq_kernels import c_build  # c_build imports this module: import here, not at the top
 
     exe = c_build.build_executable("isa_probe")
     if exe is None:

@@ -1,7 +1,7 @@
 /* The register tile shared by the panel GEMM (cpu_gemm.c) and prefill attention (cpu_attention.c):
  * y[rows, 0:16] = x[rows, 0:k] @ panel[0:k, 0:16] with rows <= MR, x rows at stride ldx, panel rows at
  * stride ldw (16 for a packed weight panel). Epilogue: + bias, or with glu, silu(lanes 0-7) * lanes 8-15.
- * Two builds (kernels/c_build.py variants): AVX-512 when the compiler targets it, a 12x16 tile of one zmm
+ * Two builds (pagedq_kernels/c_build.py variants): AVX-512 when the compiler targets it, a 12x16 tile of one zmm
  * accumulator per row; else AVX2/FMA, a 6x16 tile of two ymm per row. Without AVX2 neither user runs (the
  * callers keep oneDNN and torch's SDPA). The panel layout (NR = 16 columns) is the same in both, so a
  * weight packed by one variant runs on the other. */

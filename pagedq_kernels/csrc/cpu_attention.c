@@ -19,7 +19,7 @@
  * already copies through. Either way the arithmetic is fp32, and widening is exact (a bf16 is the top
  * half of a float), so a bf16 cache gives what the fp32 kernels give on the same values, to float
  * rounding (the order of the sums differs between tasks). The one exception: over a bf16 cache where
- * AVX512-bf16 runs (use_dp, from kernels/cpu_attention.py dp_attention_enabled;
+ * AVX512-bf16 runs (use_dp, from pagedq_kernels/cpu_attention.py dp_attention_enabled;
  * PAGEDQ_DISABLE_DP_ATTENTION=1 turns it off), both kernels do their products on bf16 dot products
  * (VDPBF16PS: decode's task_in_place_dp, prefill's flash_rows_dp): q and the softmax numerators rounded
  * to bf16 as bf16 flash attention rounds them, K/V read as they are, fp32 sums and softmax. Prefill runs
@@ -761,8 +761,8 @@ static void task_f32_avx512(const attn_args *a, int64_t s, int64_t h0, int64_t h
  * rounding: against float64 on the same bf16 K/V (N(0, 1) q, K, V; head_dim 20-128) at most 2-4e-3; the tests
  * hold it to 2e-2 there and to 2e-4 against a float64 emulation of exactly this rounding.
  * Compiled with the bf16 target for these functions only: the rest of the avx512 build runs on AVX-512 CPUs
- * without it, and Python passes use_dp only where kernels/cpu_isa.py probed AVX512-bf16 runnable under the
- * PAGEDQ_CPU_ISA cap and PAGEDQ_DISABLE_DP_ATTENTION is unset (kernels/cpu_attention.py dp_attention_enabled).
+ * without it, and Python passes use_dp only where pagedq_kernels/cpu_isa.py probed AVX512-bf16 runnable under the
+ * PAGEDQ_CPU_ISA cap and PAGEDQ_DISABLE_DP_ATTENTION is unset (pagedq_kernels/cpu_attention.py dp_attention_enabled).
  * Measured on an AMD EPYC (family 26 model 2 = Zen 5, 2 threads; ops/bench/kernel_timing.py --kv-dtype
  * bfloat16, the avx512 column against avx512_bf16, SmolLM2-135M's heads; ms): K/V from memory (64 x 350
  * over 30 layers) 0.540-0.562 -> 0.536-0.560, memory-bound at 32 GB/s (task_in_place's comment); in the
@@ -1164,8 +1164,8 @@ static void flash_rows(flash_tile *t, const void *k_cache, const void *v_cache, 
  * Measured (AMD EPYC, family 26 model 2 = Zen 5, 2 threads, SmolLM2-135M's heads, bf16 cache, ms, flash_rows
  * -> this; python -m ops.bench.kernel_timing --kv-dtype bfloat16 --only prefill): see the table beside
  * paged_prefill_attention_f32. Results differ from flash_rows' by bf16's rounding of q and P (checked at bf16
- * tolerance in tests/test_cpu_attention.py). kernels/cpu_attention.py turns it on (use_dp) only where
- * kernels/cpu_isa.py probed AVX512-bf16 runnable under the PAGEDQ_CPU_ISA cap; PAGEDQ_DISABLE_DP_ATTENTION=1
+ * tolerance in tests/test_cpu_attention.py). pagedq_kernels/cpu_attention.py turns it on (use_dp) only where
+ * pagedq_kernels/cpu_isa.py probed AVX512-bf16 runnable under the PAGEDQ_CPU_ISA cap; PAGEDQ_DISABLE_DP_ATTENTION=1
  * keeps flash_rows. The decode cascade's prefix_task stays on flash_rows: its results are checked at fp32
  * tolerance, and the decode entry point takes no such flag. */
 #pragma GCC push_options

@@ -1,6 +1,6 @@
 """Writing the new tokens' K/V into the paged cache through the slot mapping: the Triton kernel.
 
-Same contract as ``kernels.kv_cache.write_kv_cache_torch``, including its padding rule: a negative
+Same contract as ``pagedq_kernels.kv_cache.write_kv_cache_torch``, including its padding rule: a negative
 slot marks a padding token (e.g. a CUDA-graph batch padded to a captured size) and is skipped, so
 padded batches never scribble over a real cache block.
 """

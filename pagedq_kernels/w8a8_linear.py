@@ -1,9 +1,9 @@
 """W8A8 linears on CPU: int8 weights times int8 activations, on the CPU's int8 dot products (AMX, VNNI).
 
 ``quantization="w8a8"``: each decoder linear's weight is symmetric per-output-channel int8 (the same
-:class:`~kernels.int8_linear.Int8Weight` as weight-only ``int8``), and its input is quantised on the fly,
+:class:`~pagedq_kernels.int8_linear.Int8Weight` as weight-only ``int8``), and its input is quantised on the fly,
 per token: ``x[m, :] ~= xq[m, :] * xs[m]`` with ``xs[m] = absmax(x[m, :]) / 127``
-(:func:`kernels.cpu_ops.quantize_rows_cpu`). The product is integer, accumulated in int32 without loss:
+(:func:`pagedq_kernels.cpu_ops.quantize_rows_cpu`). The product is integer, accumulated in int32 without loss:
 
     y[m, n] = xs[m] * ws[n] * sum_k xq[m, k] * wq[n, k]
 
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_ops
-from kernels.int8_linear import Int8Weight
+from pagedq_kernels import cpu_ops
+from pagedq_kernels.int8_linear import Int8Weight
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,6 +1,6 @@
 """Rotary position embedding, neox style (rotate halves): the Triton kernel.
 
-Same contract as ``kernels.rotary.rotary_embedding_torch``: ``cos_sin_cache [max_positions, rot_dim]``
+Same contract as ``pagedq_kernels.rotary.rotary_embedding_torch``: ``cos_sin_cache [max_positions, rot_dim]``
 holds cos in the first half and sin in the second (scaling already folded in), and the rotation
 covers the whole head (``rot_dim == head_dim``). One program per token rotates all its query
 and key heads, so the token's cos/sin row is read once for both. Like the reference, cos/sin are

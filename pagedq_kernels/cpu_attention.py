@@ -1,6 +1,6 @@
 """The CPU paged-attention kernels (``csrc/cpu_attention.c``: decode and prefill), called through ctypes.
 
-Built on first use by :mod:`kernels.c_build`. Where no compiler is available the engine falls back
+Built on first use by :mod:`pagedq_kernels.c_build`. Where no compiler is available the engine falls back
 to the torch path (``available()`` says which), so nothing breaks, it is only slower.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from kernels import c_build, cpu_isa
-from kernels.kv_cache import write_kv_cache_torch
+from pagedq_kernels import c_build, cpu_isa
+from pagedq_kernels.kv_cache import write_kv_cache_torch
 
 _NAME = "cpu_attention"
 
@@ -92,7 +92,7 @@ def dp_attention_enabled(kv_dtype: torch.dtype) -> bool:
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """:func:`kernels.kv_cache.write_kv_cache_torch` in one C call: ``k, v [N, KVH, D]`` float32 (each token's
+    """:func:`pagedq_kernels.kv_cache.write_kv_cache_torch` in one C call: ``k, v [N, KVH, D]`` float32 (each token's
     KVH x D values contiguous, tokens at any stride: views of the qkv output) into float32 or bf16 caches,
     rounded as torch rounds; anything else goes to the torch reference."""
     lib = c_build.load(_NAME, _bind)

@@ -4,7 +4,7 @@
  * In torch each of these is 3-7 separate elementwise kernels, each a full pass over the activations
  * plus a dispatch; at decode batch sizes the dispatches dominate (RMSNorm on 128 x 576 took ~0.6 ms,
  * 50x its memory traffic), and at prefill sizes the extra passes do. One pass per row here.
- * The math follows the torch references in kernels/ op for op; only summation order differs.
+ * The math follows the torch references in pagedq_kernels/ op for op; only summation order differs.
  *
  * Per instruction-set variant: the RMSNorm and rotary loops are left to the compiler, which in the
  * avx512 build (-mprefer-vector-width=512) already vectorises them in zmm; hand-written AVX-512 versions
@@ -70,7 +70,7 @@ void rotary_neox_f32(float *q, int64_t q_tok, int64_t q_head, int64_t nh,
 
 /* out [n, m] = silu(x[:, :m]) * x[:, m:] with x rows of stride x_stride; silu(g) = g / (1 + e^-g).
  * row_scale (or NULL): x's rows are first multiplied by row_scale[i], a W8A8 gate_up's per-token activation
- * scale (kernels/w8a8_linear): applied here, on values already in registers, instead of one more pass over
+ * scale (pagedq_kernels/w8a8_linear): applied here, on values already in registers, instead of one more pass over
  * the 2m-wide product (that pass cost half the matmul at 2048 x 3072 on an Intel Xeon, 0.89 vs 1.76 ms). */
 void silu_and_mul_f32(const float *x, int64_t x_stride, const float *row_scale, float *out, int64_t n, int64_t m,
                       int num_threads)
@@ -106,7 +106,7 @@ void silu_and_mul_f32(const float *x, int64_t x_stride, const float *row_scale, 
 }
 
 /* Symmetric per-row int8: scales[i] = amax_i / 127, q[i, j] = round-half-even(x[i, j] * (127 / amax_i)),
- * the dynamic per-token activation quantisation of a W8A8 linear (kernels/w8a8_linear; its torch reference
+ * the dynamic per-token activation quantisation of a W8A8 linear (pagedq_kernels/w8a8_linear; its torch reference
  * is op for op the same: one fp32 multiply by the reciprocal, so both round identically). A zero row gets
  * scale 0 and zeros. |x * 127/amax| <= 127 up to one rounding, so the saturating pack never clips.
  * One read of each row (the max) then a second from L1; torch took 5 passes (0.95 ms at 2048 x 576). */

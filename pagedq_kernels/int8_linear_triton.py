@@ -1,6 +1,6 @@
 """The group-wise int8 weight-only matmul for CUDA: the Triton kernel.
 
-Same contract as :func:`kernels.int8_linear.linear_reference`: ``y = x @ (scale * q + offset).T + bias``
+Same contract as :func:`pagedq_kernels.int8_linear.linear_reference`: ``y = x @ (scale * q + offset).T + bias``
 with the weight dequantised tile by tile in registers (``scale * q`` rounded, then ``+ offset``, as the
 reference) and products accumulated in fp32 by ``tl.dot`` at full fp32 precision (no TF32, which would
 add its own error on top of the quantisation's). Each program computes a ``BLOCK_M x BLOCK_N`` tile of y
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int8_linear import Int8Weight
+from pagedq_kernels.int8_linear import Int8Weight
 
 
 @triton.jit

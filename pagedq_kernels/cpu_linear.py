@@ -32,7 +32,7 @@ the two bf16 kernels sharing one), picked in this order:
   (``torch.ops.mkldnn._reorder_linear_weight``), multiplied by ``_linear_pointwise``, where the C
   kernel cannot run (no compiler, no AVX2) or for dtypes it does not cover. It is also the bf16 path
   where neither bf16 kernel runs (switched off, ``in_features`` not a multiple of 32):
-  on a CPU with AMX or AVX512-bf16 (:mod:`kernels.cpu_isa`), oneDNN's bf16 kernels run on the tiles or
+  on a CPU with AMX or AVX512-bf16 (:mod:`pagedq_kernels.cpu_isa`), oneDNN's bf16 kernels run on the tiles or
   the bf16 dot products with fp32 accumulation. Measured on a 2-vCPU Xeon with AMX over SmolLM2's
   projections and lm_head: 288 / 605 / 514 GFLOP/s at 8 / 64 / 512 rows against the fp32 AVX-512
   panels' 114 / 218 / 189, with half the weight bytes to stream. A bf16-packed weight takes fp32
@@ -55,7 +55,7 @@ from typing import Literal
 
 import torch
 
-from kernels import c_build, cpu_isa, host_memory
+from pagedq_kernels import c_build, cpu_isa, host_memory
 
 Kind = Literal["panels", "amx", "dpbf16", "onednn"]
 BF16_KINDS: tuple[Kind, ...] = ("amx", "dpbf16")
@@ -242,7 +242,7 @@ def _pack_panels(weight: torch.Tensor, glu: bool) -> torch.Tensor:
 def amx_block_rows(out_features: int, glu: bool) -> torch.Tensor:
     """Source row of each AMX block column, ``2 * out_features`` (clamped onto a zero row) for padding.
     With glu, block b holds gate rows 16b..16b+15 in columns 0-15 and the matching up rows in 16-31.
-    The block order of both AMX kernels (``csrc/amx_tile.h``; bf16 here, int8 in :mod:`kernels.int8_linear`)."""
+    The block order of both AMX kernels (``csrc/amx_tile.h``; bf16 here, int8 in :mod:`pagedq_kernels.int8_linear`)."""
     if not glu:
         blocks = -(-out_features // AMX_BLOCK)
         rows = torch.arange(blocks * AMX_BLOCK)
@@ -384,7 +384,7 @@ def linear_add_norm(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(rms_norm(y) * norm_weight, y)`` with ``y = x @ W.T + bias + residual``: a projection, the residual add
     after it and the RMSNorm before the next block, in one kernel call (the norm in the matmul's parallel
-    region, row by row as :func:`kernels.cpu_ops.rms_norm_cpu` computes it: the same floats). None where the
+    region, row by row as :func:`pagedq_kernels.cpu_ops.rms_norm_cpu` computes it: the same floats). None where the
     kind has no such epilogue or the operands are not fp32 rows (then: :func:`linear`, then the norm).
 
     Why: a decode step runs two of these norms per layer, each a call of ~10-30 us (Python, ctypes, a

@@ -1,13 +1,13 @@
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ bias), or silu(gate) * up, for a bf16 weight on AVX512-bf16 dot products
  * (VDPBF16PS), on CPUs that have them without AMX (AMD Zen 4/5, Intel Cooper Lake).
  *
- * Why: there every bf16 linear went through oneDNN (kernels/cpu_linear.py, kind "onednn"), which pays three
+ * Why: there every bf16 linear went through oneDNN (pagedq_kernels/cpu_linear.py, kind "onednn"), which pays three
  * torch ops and three passes over the rows per call (x.to(bfloat16), _linear_pointwise, .to(float32)) and a
  * separate SiLU-and-mul pass for the gated MLP: the costs cpu_bf16_amx.c removed on AMX. This is the same
  * kernel for the dot-product instruction: x rounded to bf16 inside the OpenMP region, fp32 sums, fp32 rows
  * (bias added in fp32) written straight into y, silu(gate) * up in the epilogue.
  *
- * Layout: the AMX kernels' B-tile order (amx_tile.h, packed by kernels/cpu_linear.py _pack_amx), so one
+ * Layout: the AMX kernels' B-tile order (amx_tile.h, packed by pagedq_kernels/cpu_linear.py _pack_amx), so one
  * packing serves both: per column block of 32 outputs (glu: 16 gate + the 16 matching up columns) and per
  * 32-deep K chunk, two 1 KB "tiles" (columns 0-15, 16-31) of 16 rows; row p of a tile is k-pair p of its 16
  * columns, 16 x 2 bf16 = 64 bytes, which is exactly VDPBF16PS's weight operand. A k-pair of one x row,
@@ -23,8 +23,8 @@
  * the weight), every MB-row pass of x over them; a block's K x 64 bytes (36 KB at K=576, 96 KB at 1536)
  * stay in L1/L2 for its row tiles after the first.
  *
- * Only the avx512 build (kernels/c_build.py) holds the kernel, compiled with the bf16 target on top; Python
- * calls it only where kernels/cpu_isa.py probed AVX512-bf16 runnable under the PAGEDQ_CPU_ISA cap (and AMX
+ * Only the avx512 build (pagedq_kernels/c_build.py) holds the kernel, compiled with the bf16 target on top; Python
+ * calls it only where pagedq_kernels/cpu_isa.py probed AVX512-bf16 runnable under the PAGEDQ_CPU_ISA cap (and AMX
  * does not run: that kernel is faster where it does). Other builds export a stub that refuses.
  *
  * Measured (2-vCPU KVM AMD EPYC, family 26 model 2 = Zen 5, 1 MB L2 per core, 2 threads, another process's
@@ -242,7 +242,7 @@ int gemm_bf16_dp_add_norm(const float *x_f32, int64_t ldx, uint16_t *x, int64_t 
 
 /* Per row of x @ W^T (no bias, not glu): its largest value into best[i] and the first column holding it into
  * idx[i], torch.max(dim=1)'s answer (a NaN anywhere is the maximum, at the first NaN), without writing the
- * product: the greedy sampler's argmax over the lm_head's logits (kernels/cpu_linear.argmax_linear). The
+ * product: the greedy sampler's argmax over the lm_head's logits (pagedq_kernels/cpu_linear.argmax_linear). The
  * logits of a decode step are rows x 49152 fp32 for SmolLM2 (12.6 MB at 64 rows, 113 MB for a speculative
  * step's 576), written by the matmul and read back by the argmax; here each thread keeps per row a running
  * maximum over the columns of its blocks (16 lanes, dp_tile's epilogue), and the threads' answers merge in

@@ -3,7 +3,7 @@
  * Why: a decode step streams every weight once, so int8 weights read a quarter of fp32's bytes. The
  * weight is w[n, k] = scale[n, g] * q[n, k] + offset[n, g] for g = k / group: one layout that holds
  * symmetric per-output-channel int8 (group = K, no offset) and GGUF's Q8_0 / Q4_0 / Q4_1 blocks
- * (group = 32) exactly (kernels/int8_linear.py). Activations stay fp32 and the products accumulate in
+ * (group = 32) exactly (pagedq_kernels/int8_linear.py). Activations stay fp32 and the products accumulate in
  * fp32 (weight-only, W8A32).
  *
  * Layout (packed in Python): ceil(N / 16) panels, each int8 [K][16] (columns past N are zero), its scales
@@ -13,7 +13,7 @@
  * rows, not per tile. With glu the panel holds 8 gate and 8 up columns (cpu_gemm.c's glu layout) and the
  * tile's epilogue emits silu(gate) * up.
  *
- * Three builds (kernels/c_build.py): AVX-512 (16 int8 widened per instruction), AVX2 (two halves of 8)
+ * Three builds (pagedq_kernels/c_build.py): AVX-512 (16 int8 widened per instruction), AVX2 (two halves of 8)
  * and a generic one (plain C the compiler vectorises for SSE2) so every x86-64 runs the int8 layout.
  */
 #include <math.h>

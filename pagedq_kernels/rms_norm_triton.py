@@ -1,6 +1,6 @@
 """RMSNorm with an optional fused residual add: the Triton kernel.
 
-Same contract as ``kernels.rms_norm.rms_norm_torch`` and the same rounding steps (residual sum
+Same contract as ``pagedq_kernels.rms_norm.rms_norm_torch`` and the same rounding steps (residual sum
 rounded to the activation dtype, normalisation in fp32, cast back to the activation dtype *before*
 the weight multiply, like transformers' ``LlamaRMSNorm``), so results agree with the reference to
 the last bit up to the order of the fp32 sum of squares. Fusing the add saves one full

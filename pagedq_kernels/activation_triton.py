@@ -1,6 +1,6 @@
 """SiLU-and-mul (the gated MLP's activation): the Triton kernel.
 
-Same contract as ``kernels.activation.silu_and_mul_torch``. Fusing the two halves into one pass
+Same contract as ``pagedq_kernels.activation.silu_and_mul_torch``. Fusing the two halves into one pass
 reads ``[N, 2I]`` once and writes ``[N, I]`` once instead of materialising ``silu(gate)``. The
 rounding follows the reference: ``silu(gate)`` is computed in fp32 and rounded to the input dtype
 (as ``F.silu`` does), then multiplied by ``up`` and rounded again.

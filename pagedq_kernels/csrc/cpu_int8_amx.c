@@ -9,7 +9,7 @@
  * The scale factors out of the K sum and every int8 value is a bf16 (8 significant bits), so widening q to
  * bf16 is exact: the only rounding is x to bf16 (what the bf16 path does) and the fp32 sum's order.
  *
- * Layout (packed in kernels/int8_linear.py, K a multiple of 32): ceil(N / 32) column blocks of 32 outputs
+ * Layout (packed in pagedq_kernels/int8_linear.py, K a multiple of 32): ceil(N / 32) column blocks of 32 outputs
  * (with glu: 16 gate and the 16 matching up columns, 16 outputs), each int8 [K / 32][2][16][16][2] = per
  * 32-deep K chunk two B tiles (columns 0-15, 16-31), each 16 rows of k-pairs x 16 columns x the pair: the
  * tile's VNNI order, except that within a tile row the first elements of the 16 pairs come first, then the
@@ -42,8 +42,8 @@
  * kernel (PAGEDQ_CPU_ISA=avx512_bf16) 262. So 2.5x fp32 and 1.2x bf16. Contended rounds that day ran
  * 317-513 (int8 here) against 134-224 (fp32) and 255-442 (bf16).
  *
- * Only the avx512 build (kernels/c_build.py) holds the kernel, compiled with the AMX targets on top; Python
- * calls it only where kernels/cpu_isa.py probed AMX runnable and the PAGEDQ_CPU_ISA cap allows "amx". Other
+ * Only the avx512 build (pagedq_kernels/c_build.py) holds the kernel, compiled with the AMX targets on top; Python
+ * calls it only where pagedq_kernels/cpu_isa.py probed AMX runnable and the PAGEDQ_CPU_ISA cap allows "amx". Other
  * builds export stubs that refuse.
  */
 #include <stdint.h>

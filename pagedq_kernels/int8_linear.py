@@ -16,7 +16,7 @@ every format, and a decode step still streams a quarter of fp32's weight bytes.
 
 The matmul is weight-only: activations stay in their dtype (fp32 on CPU), the weight is dequantised inside
 the tile and products accumulate in fp32 (``csrc/cpu_int8_gemm.c``, built per ISA variant; the Triton
-kernel for CUDA is :mod:`kernels.int8_linear_triton`). Where the model multiplies in bf16 anyway
+kernel for CUDA is :mod:`pagedq_kernels.int8_linear_triton`). Where the model multiplies in bf16 anyway
 (``EngineConfig.matmul_weight_dtype``) and the CPU runs AMX, a per-channel weight runs on AMX bf16 tiles
 instead (``csrc/cpu_int8_amx.c``): the activations rounded to bf16, as the bf16 path rounds them, the int8
 values widened to bf16 exactly, the scale applied to the fp32 sum. :func:`linear_reference` (dequantise,
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import c_build, cpu_linear, host_memory
+from pagedq_kernels import c_build, cpu_linear, host_memory
 
 PANEL = 16  # output columns per panel (gemm_tile.h NR)
 AMX_BLOCK, AMX_K, AMX_ROWS = cpu_linear.AMX_BLOCK, cpu_linear.AMX_K, cpu_linear.AMX_ROWS  # csrc/amx_tile.h
@@ -325,7 +325,7 @@ def linear_any(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -
     """An int8 weight that is not in C panels: the Triton kernel on CUDA, else the reference (a CPU without a
     C compiler: it dequantises per call, slow but exact)."""
     if x.device.type == "cuda":
-        from kernels.int8_linear_triton import int8_linear  # imports triton: only where CUDA runs
+        from pagedq_kernels.int8_linear_triton import int8_linear  # imports triton: only where CUDA runs
 
         return int8_linear(x, weight, bias)
     return linear_reference(x, weight, bias)

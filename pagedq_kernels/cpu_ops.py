@@ -13,10 +13,10 @@ import ctypes
 
 import torch
 
-from kernels import c_build
-from kernels.activation import silu_and_mul_torch
-from kernels.rms_norm import rms_norm_torch
-from kernels.rotary import rotary_embedding_torch
+from pagedq_kernels import c_build
+from pagedq_kernels.activation import silu_and_mul_torch
+from pagedq_kernels.rms_norm import rms_norm_torch
+from pagedq_kernels.rotary import rotary_embedding_torch
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -45,7 +45,7 @@ def _f32_cpu(*tensors: torch.Tensor) -> bool:
 def rms_norm_cpu(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`kernels.rms_norm.rms_norm_torch` in one pass per row."""
+    """:func:`pagedq_kernels.rms_norm.rms_norm_torch` in one pass per row."""
     lib = _load()
     ok = (
         lib is not None
@@ -79,7 +79,7 @@ def rms_norm_cpu(
 def rotary_embedding_cpu(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kernels.rotary.rotary_embedding_torch`, rotating ``q`` and ``k`` **in place** (returns them).
+    """:func:`pagedq_kernels.rotary.rotary_embedding_torch`, rotating ``q`` and ``k`` **in place** (returns them).
 
     In place is what makes it one pass: the model's q and k are views into the fresh qkv projection
     output, which nothing else reads.
@@ -118,7 +118,7 @@ def rotary_embedding_cpu(
 
 
 def silu_and_mul_cpu(x: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`kernels.activation.silu_and_mul_torch` in one pass; ``row_scale`` ``[rows]`` (fp32), if given,
+    """:func:`pagedq_kernels.activation.silu_and_mul_torch` in one pass; ``row_scale`` ``[rows]`` (fp32), if given,
     multiplies each row of ``x`` first (a W8A8 gate_up's per-token scale, folded in instead of a pass)."""
     lib = _load()
     scale_ok = row_scale is None or (

@@ -1,7 +1,7 @@
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ bias), or silu(gate) * up, for a bf16 weight on AMX bf16 tiles.
  *
  * Why: under bf16 matmuls (EngineConfig.matmul_weight_dtype) the activations stay fp32 and every linear
- * went through oneDNN (kernels/cpu_linear.py, kind "onednn"): x.to(bfloat16), _linear_pointwise, the
+ * went through oneDNN (pagedq_kernels/cpu_linear.py, kind "onednn"): x.to(bfloat16), _linear_pointwise, the
  * product .to(float32), three torch ops and three passes over the rows (a compass profile: 4.3 s of
  * aten::copy_ in 85k calls beside 8.4 s of decoder linears), and the gated MLP's SiLU-and-mul as a fourth.
  * The int8 AMX kernel (cpu_int8_amx.c) showed the shape of the fix: x rounded to bf16 inside the OpenMP
@@ -9,7 +9,7 @@
  * a B tile holds, so this kernel loads the tiles straight from the packed weight: no widening (~40 % of
  * the int8 kernel's time at 36 rows), no private copy.
  *
- * Layout (packed in kernels/cpu_linear.py, K a multiple of 32): ceil(N / 32) column blocks of 32 outputs
+ * Layout (packed in pagedq_kernels/cpu_linear.py, K a multiple of 32): ceil(N / 32) column blocks of 32 outputs
  * (with glu: 16 gate and the 16 matching up columns, 16 outputs), each bf16 [K / 32][2][16][16][2], the
  * B-tile VNNI order of amx_tile.h: per 32-deep K chunk two tiles (columns 0-15, 16-31) of 16 k-pairs x 16
  * columns x the pair, loaded with a 64-byte stride. Padding columns are zero.
@@ -49,8 +49,8 @@
  * same machine, interleaved): no speculation 511.6 and 509.6 tok/s against 400.8 and 442.3 with
  * PAGEDQ_DISABLE_AMX_LINEAR=1 (oneDNN); speculation on 568.0 and 559.8 against 445.4 and 416.6.
  *
- * Only the avx512 build (kernels/c_build.py) holds the kernel, compiled with the AMX targets on top; Python
- * calls it only where kernels/cpu_isa.py probed AMX runnable and the PAGEDQ_CPU_ISA cap allows "amx". Other
+ * Only the avx512 build (pagedq_kernels/c_build.py) holds the kernel, compiled with the AMX targets on top; Python
+ * calls it only where pagedq_kernels/cpu_isa.py probed AMX runnable and the PAGEDQ_CPU_ISA cap allows "amx". Other
  * builds export stubs that refuse.
  */
 #include <stdint.h>

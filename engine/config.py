@@ -49,7 +49,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # shortest context suffix (tokens) matched against earlier context
     prompt_lookup_max: int = 4  # longest one, tried first
     # No drafts while more sequences than this run: a big batch is compute-bound, and every rejected
-    # draft would cost as much as a generated token. None: by the matmul dtype (draft_batch_limit).
+    # draft would cost as much as a generated token. None: by where the matmuls run (draft_batch_limit).
     speculative_disable_by_batch_size: int | None = None
     # Tensor parallelism (engine/distributed.py): the model split across this many ranks (processes),
     # one per device on CUDA; 1 runs in this process, as without it.
@@ -145,16 +145,26 @@ class EngineConfig:
     @property
     def draft_batch_limit(self) -> int:
         """Running sequences above which no drafts are proposed (``speculative_disable_by_batch_size``, or
-        by the matmul dtype). A draft position is nearly free while a step's matmuls are bound by streaming
-        the weights and costs a full token once they are bound by arithmetic; the turn comes at about
-        peak FLOP/s / bandwidth rows x bytes per weight / 2. fp32 weights (4 bytes) on AVX2 cores (~130
+        by where the matmuls run). A draft position is nearly free while a step's matmuls are bound by
+        streaming the weights and costs a full token once they are bound by arithmetic; the turn comes at
+        about peak FLOP/s / bandwidth rows x bytes per weight / 2. fp32 weights (4 bytes) on AVX2 cores (~130
         GFLOP/s for two cores, ~15 GB/s) turn near 35 rows: 32 sequences, measured best in runs 12-15. bf16
         weights (2 bytes) on AMX (2475 GFLOP/s measured on a 2-vCPU Xeon) or a GPU turn past 150 rows:
         on that Xeon the compass workload (64 sequences) ran 298 tok/s with the limit at 32 and 402 at 64
-        (5912 of 7063 drafts accepted), so bf16 takes 128."""
+        (5912 of 7063 drafts accepted), so they take 128. bf16 on AVX512-bf16 dot products without AMX has
+        twice the fp32 peak for half the bytes, the same turn as fp32: on a 2-vCPU AMD EPYC Zen 4 (family 25
+        model 17; 441 GFLOP/s bf16, 34 GB/s), ``mixed`` n=128 in one process, interleaved rounds, best of 2:
+        128 -> 333.1 tok/s, 32 -> 378.5, 16 -> 384.3, no drafts 324.2; in fp32 there 128 -> 194.4, 32 ->
+        220.6, 16 -> 217.2. So 32 for every CPU without AMX."""
         if self.speculative_disable_by_batch_size is not None:
             return self.speculative_disable_by_batch_size
-        return 128 if self.matmul_weight_dtype in (torch.bfloat16, torch.float16) else 32
+        if self.matmul_weight_dtype not in (torch.bfloat16, torch.float16):
+            return 32
+        if self.torch_device.type == "cpu":
+            from pagedq_kernels import cpu_isa
+
+            return 128 if "amx" in cpu_isa.current().levels else 32
+        return 128
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:

@@ -69,6 +69,27 @@ def test_config_rejects_bad_speculation_knobs() -> None:
         EngineConfig(speculative_disable_by_batch_size=0)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "device", "probed", "limit"),
+    [
+        ("float32", "cpu", ("avx2", "avx512", "avx512_bf16", "amx"), 32),
+        ("bfloat16", "cpu", ("avx2", "avx512", "avx512_bf16"), 32),  # AVX512-bf16 without AMX (Zen 4/5)
+        ("bfloat16", "cpu", ("avx2", "avx512", "avx512_bf16", "amx"), 128),
+        ("bfloat16", "cuda", (), 128),
+    ],
+)
+def test_draft_batch_limit_follows_where_the_matmuls_run(
+    monkeypatch: pytest.MonkeyPatch, dtype: str, device: str, probed: tuple[str, ...], limit: int
+) -> None:
+    """Drafts ride free only while a step streams weights: AMX and GPUs turn to arithmetic past ~150 rows,
+    every other CPU near 32 (bf16 on AVX512-bf16 dot products as fp32: measured in the docstring)."""
+    from pagedq_kernels import cpu_isa
+
+    monkeypatch.setattr(cpu_isa, "current", lambda: cpu_isa.CpuIsa(probed=probed, cap=None))
+    assert EngineConfig(dtype=dtype, device=device).draft_batch_limit == limit
+    assert EngineConfig(dtype=dtype, device=device, speculative_disable_by_batch_size=5).draft_batch_limit == 5
+
+
 def repetitive_prompts(count: int, seed: int) -> list[list[int]]:
     """Prompts that repeat a phrase, so their suffixes always have an earlier match (drafts are
     proposed from the first decode step on)."""

@@ -47,25 +47,6 @@ def _kernel_tests(out: Path) -> dict[str, Any]:
     return {"ok": proc.returncode == 0, "returncode": proc.returncode, "tail": tail}
 
 
-def _greedy_hf(hf: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    import torch
-
-    refs = []
-    with torch.inference_mode():
-        for p in prompts:
-            x = torch.tensor([p], device="cuda")
-            y = hf.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            refs.append(y[0, len(p) :].tolist())
-    return refs
-
-
 def _agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, int]:
     pairs = list(zip(got, want, strict=True))
     return {
@@ -89,7 +70,7 @@ def _parity(out: Path) -> dict[str, Any]:
     import torch
 
     from engine import LLM, SamplingParams
-    from tests.tiny_models import make_hf_model, make_tiny_checkpoint
+    from tests.tiny_models import hf_greedy_tokens, make_hf_model, make_tiny_checkpoint
     from tests.tiny_tokenizer import make_tokenizer
 
     del out
@@ -106,8 +87,8 @@ def _parity(out: Path) -> dict[str, Any]:
         new_tokens = 32
         hf: Any = make_hf_model(path)
         hf = hf.to(device="cuda", dtype=torch.float32)
-        ref_fp32 = _greedy_hf(hf, prompts, new_tokens)
-        ref_bf16 = _greedy_hf(hf.to(dtype=torch.bfloat16), prompts, new_tokens)
+        ref_fp32 = hf_greedy_tokens(hf, prompts, new_tokens)
+        ref_bf16 = hf_greedy_tokens(hf.to(dtype=torch.bfloat16), prompts, new_tokens)
         del hf
         results["transformers_bf16_vs_fp32"] = _agreement(ref_bf16, ref_fp32)
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)

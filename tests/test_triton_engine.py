@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from tests.tiny_models import make_hf_model
+from tests.tiny_models import hf_greedy_tokens, make_hf_model
 
 # Compiled Triton launches only on the GPU; on a CPU-only machine its interpreter takes CPU tensors.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,19 +33,9 @@ def test_triton_backend_greedy_parity(tiny_model: Callable[[str], Path]) -> None
     assert llm.engine.runner.model.ops.name == "triton"
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     model: Any = make_hf_model(path)
-    model = model.to(DEVICE)
-    with torch.inference_mode():
-        for prompt, out in zip(prompts, outs, strict=True):
-            x = torch.tensor([prompt], device=DEVICE)
-            ref = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+    refs = hf_greedy_tokens(model.to(DEVICE), prompts, new_tokens)
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.outputs[0].token_ids == ref
     stats = llm.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
 

@@ -144,6 +144,25 @@ def make_hf_model(path: str | os.PathLike[str]) -> PreTrainedModel:
     return model.eval()
 
 
+def hf_greedy_tokens(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, exactly ``new_tokens`` long (EOS cannot end it
+    early), one prompt at a time on the model's device: the reference the engine's tokens are held to."""
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            x = torch.tensor([prompt], device=model.device)
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(y[0, len(prompt) :].tolist())
+    return outs
+
+
 def random_linear(in_features: int, out_features: int, bias: bool) -> Linear:
     """One of pagedq's fp32 ``Linear`` layers with standard-normal weights (and bias), drawn from torch's
     global generator (seed it first): what the kernel tests pack and multiply."""

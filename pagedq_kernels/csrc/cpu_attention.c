@@ -82,8 +82,8 @@ typedef struct {
 
 /* One block's rows 0..n-1 (row stride rs floats) of `cache`, columns col0..col0+cols-1 needed, as fp32.
  * fp32 without `copy_to`: read in place. With it: copied there in memory order (fp32) or widened (bf16),
- * at the same offsets, and the next block (`next`, -1: none) is prefetched meanwhile when whole rows are
- * copied. bf16 always needs `copy_to`. Returns the block's row 0, column 0. */
+ * at the same offsets, and the next block (`next`, -1: none) is prefetched meanwhile, into L2 (prefetch_lines'
+ * comment), when whole rows are copied. bf16 always needs `copy_to`. Returns the block's row 0, column 0. */
 static inline const float *kv_block(const void *cache, int bf16, int64_t block, int64_t next, int64_t block_stride,
                                     int64_t n, int64_t rs, int64_t col0, int64_t cols, float *copy_to)
 {
@@ -100,7 +100,7 @@ static inline const float *kv_block(const void *cache, int bf16, int64_t block, 
     }
     if (next >= 0 && cols == rs) {
         const char *nb = (const char *)cache + (size_t)(next * block_stride) * elem;
-        for (size_t off = 0; off < (size_t)block_stride * elem; off += 64) __builtin_prefetch(nb + off, 0, 3);
+        for (size_t off = 0; off < (size_t)block_stride * elem; off += 64) __builtin_prefetch(nb + off, 0, 1);
     }
     return copy_to;
 }
@@ -192,7 +192,17 @@ static void task_generic(const attn_args *a, int64_t s, int64_t h, float *scores
 }
 
 /* A block's lines requested a few at a time, spread over the work on the block before it (the walk keeps
- * its row and line counters: no division per line). */
+ * its row and line counters: no division per line), into L2 (locality 1: PREFETCHT2), not L1. On a 2-vCPU
+ * AMD EPYC Zen 4 (family 25 model 17) a prefetch into L1 (PREFETCHT0) held an L1 miss buffer per line until
+ * it landed, and the kernel's own loads queued behind a block's worth of them: ops/bench/kernel_timing.py
+ * --only decode, 64 seqs x 350 over 30 layers' caches (random block tables), ms, T0 -> T2: bf16 cache
+ * avx512_bf16 1.038 -> 0.661 (16.6 -> 26 GB/s of K/V), avx512 1.024 -> 0.648, avx2 (staging, kv_block's
+ * whole-block prefetch) 1.884 -> 1.295; fp32 cache avx512 1.758 -> 1.147 (19.6 -> 30 GB/s), 64 x 700
+ * 2.806 -> 1.495. A pure 2-thread read of random 6 KB blocks there: no prefetch 13.3 GB/s, T0 one block
+ * ahead 11.4, T1 18.8, T2 20.1 (NTA: as slow as none). In the compass bench's engine (no drafts; its
+ * blocks more often adjacent, so the hardware prefetchers help either way), decode attention, s, T0 vs T2
+ * in interleaved runs: bf16 3.33 / 3.47 / 3.13 vs 2.93 / 3.27 / 3.03; fp32 4.55 / 4.84 / 5.37 vs 5.44 /
+ * 4.55 / 4.64 (the host's noise). On the Xeon (family 6 model 167) T2 measured within the noise of T0. */
 typedef struct {
     const char *row;               /* the current row's first byte of the task's columns */
     int64_t row_stride;            /* bytes between rows */
@@ -218,7 +228,7 @@ static inline prefetcher prefetch_plan(const void *block, int64_t n, int64_t rs,
 static inline void prefetch_lines(prefetcher *p, int64_t k)
 {
     for (; k > 0 && p->left > 0; k--, p->left--) {
-        __builtin_prefetch(p->row + p->col * 64, 0, 3);
+        __builtin_prefetch(p->row + p->col * 64, 0, 1);
         if (++p->col == p->lines_per_row) { p->col = 0; p->row += p->row_stride; }
     }
 }

@@ -49,7 +49,8 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # shortest context suffix (tokens) matched against earlier context
     prompt_lookup_max: int = 4  # longest one, tried first
     # No drafts while more sequences than this run: a big batch is compute-bound, and every rejected
-    # draft would cost as much as a generated token. None: by where the matmuls run (draft_batch_limit).
+    # draft would cost as much as a generated token. None: by where the matmuls run (draft_batch_limit),
+    # and past that limit the sequences whose drafts keep coming true still draft (engine/draft_pace.py).
     speculative_disable_by_batch_size: int | None = None
     # Tensor parallelism (engine/distributed.py): the model split across this many ranks (processes),
     # one per device on CUDA; 1 runs in this process, as without it.
@@ -155,7 +156,8 @@ class EngineConfig:
         twice the fp32 peak for half the bytes, the same turn as fp32: on a 2-vCPU AMD EPYC Zen 4 (family 25
         model 17; 441 GFLOP/s bf16, 34 GB/s), ``mixed`` n=128 in one process, interleaved rounds, best of 2:
         128 -> 333.1 tok/s, 32 -> 378.5, 16 -> 384.3, no drafts 324.2; in fp32 there 128 -> 194.4, 32 ->
-        220.6, 16 -> 217.2. So 32 for every CPU without AMX."""
+        220.6, 16 -> 217.2. So 32 for every CPU without AMX. Past the limit (unless the user set it), the
+        sequences whose drafts keep coming true still draft: engine/draft_pace.py."""
         if self.speculative_disable_by_batch_size is not None:
             return self.speculative_disable_by_batch_size
         if self.matmul_weight_dtype not in (torch.bfloat16, torch.float16):

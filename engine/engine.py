@@ -428,6 +428,10 @@ class Engine:
             accepted += 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
+        if drafts:
+            seq.draft_pace.record_drafts(len(drafts), accepted)
+        elif reason is None and tokens:
+            seq.draft_pace.record_token(tokens[0])
         seq.spec_token_ids = []
         if accepted and not seq.is_finished:
             seq.num_computed_tokens += accepted  # the accepted drafts' KV was written this step
@@ -447,13 +451,18 @@ class Engine:
         log.warning("request failed in sampling", request_id=req.request_id, error=reason)
 
     def _propose_drafts(self) -> None:
-        """Draft tokens for the next step (prompt lookup) for decoding greedy sequences, while the
-        batch is small enough for extra positions to ride along with the weights' memory traffic."""
+        """Draft tokens for the next step (prompt lookup) for decoding greedy sequences: all of them while
+        the batch is small enough for extra positions to ride along with the weights' memory traffic,
+        past that only those whose drafts keep coming true (engine/draft_pace.py); the others' proposals
+        are only noted, to earn that trust without costing a row."""
         config = self.config
         k_max = config.num_speculative_tokens
         running = self.scheduler.running
-        if not k_max or len(running) > config.draft_batch_limit:
+        if not k_max:
             return
+        past_limit = len(running) > config.draft_batch_limit
+        if past_limit and config.speculative_disable_by_batch_size is not None:
+            return  # a limit the user set is a hard one, as vLLM's knob of the same name
         for seq in running:
             if not seq.params.greedy or not seq.is_decoding:
                 continue
@@ -463,6 +472,9 @@ class Engine:
             if seq.ngram_index is None:
                 seq.ngram_index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
             drafts = seq.ngram_index.propose(seq.token_ids, k)
+            if past_limit and not seq.draft_pace.trusted:
+                seq.draft_pace.propose_in_shadow(drafts[0] if drafts and seq.matcher is None else None)
+                continue
             if seq.matcher is not None:  # only drafts its grammar accepts, or its forced tokens
                 drafts = self.grammars.draft(seq.matcher, drafts, k)
             seq.spec_token_ids = drafts

@@ -37,12 +37,22 @@ class NgramIndex:
         self.num_indexed = len(tokens)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        """``k`` tokens that followed the latest earlier occurrence of the longest matching suffix.
+
+        The suffix recurring ``period`` tokens back says the text repeats with that period; where the
+        continuation runs into the end of ``tokens`` (a period under ``k``: a loop) it goes on with the
+        drafts' own first tokens rather than stopping short. Greedy decoding of a small model falls into
+        such loops, where a draft cut at the loop's length (often 1-3 tokens) leaves most of the step's
+        verification positions unused."""
         if k <= 0:
             return []
         self.update(tokens)
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             start = self.table.get(tuple(tokens[-n:]))
             if start is not None:
-                return tokens[start : start + k]
+                drafts = tokens[start : start + k]
+                period = len(tokens) - start  # >= 1: only n-grams with a successor are indexed
+                while drafts and len(drafts) < k:
+                    drafts.append(drafts[len(drafts) - period])
+                return drafts
         return []

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.draft_pace import DraftPace
 from engine.ngram_proposer import NgramIndex
 from engine.outputs import TokenLogprobs
 from schemas.sampling import SamplingParams
@@ -52,6 +53,7 @@ class Sequence:
     # Speculative decoding: draft tokens to verify in the next step (not in token_ids until accepted).
     spec_token_ids: list[int] = field(default_factory=list)
     ngram_index: NgramIndex | None = None
+    draft_pace: DraftPace = field(default_factory=DraftPace)  # whether it drafts past the batch limit
     # Structured output: this sample's xgrammar GrammarMatcher (None when unconstrained), advanced by
     # every token appended to it and by nothing else.
     matcher: Any = None

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, EngineConfig, SamplingParams
+from engine.draft_pace import SHADOW_HITS_TO_TRUST, DraftPace
 from engine.ngram_proposer import NgramIndex
 from engine.outputs import RequestOutput
 from engine.scheduler import ScheduledBatch
@@ -19,12 +20,17 @@ from engine.scheduler import ScheduledBatch
 
 def brute_force_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The definition: the longest suffix (max_n down to min_n) seen earlier; what followed its
-    latest earlier occurrence."""
+    latest earlier occurrence, continued as the text would go on if it repeated with the period
+    between the two occurrences."""
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                period = len(tokens) - (start + n)
+                extended = list(tokens)
+                while len(extended) < len(tokens) + k:
+                    extended.append(extended[-period])
+                return extended[start + n : start + n + k]
     return []
 
 
@@ -58,6 +64,16 @@ def test_ngram_index_prefers_longer_and_later_matches() -> None:
     assert NgramIndex(1, 2).propose([3], 4) == []
 
 
+def test_ngram_drafts_continue_a_loop_past_the_end_of_the_context() -> None:
+    """A suffix that recurs a few tokens back is a loop: the drafts go round it k times over, not only
+    to the end of the context (what greedy decoding of a small model falls into)."""
+    assert NgramIndex(2, 4).propose([9, 3, 5, 3, 5], 5) == [3, 5, 3, 5, 3]  # period 2
+    assert NgramIndex(1, 1).propose([4, 6, 6], 3) == [6, 6, 6]  # period 1
+    assert NgramIndex(2, 2).propose([1, 2, 3, 1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]  # period 3
+    # a match far back with enough continuation is cut at k as before
+    assert NgramIndex(2, 2).propose([1, 2, 7, 8, 9, 0, 1, 2], 3) == [7, 8, 9]
+
+
 def test_config_rejects_bad_speculation_knobs() -> None:
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(num_speculative_tokens=-1)
@@ -88,6 +104,75 @@ def test_draft_batch_limit_follows_where_the_matmuls_run(
     monkeypatch.setattr(cpu_isa, "current", lambda: cpu_isa.CpuIsa(probed=probed, cap=None))
     assert EngineConfig(dtype=dtype, device=device).draft_batch_limit == limit
     assert EngineConfig(dtype=dtype, device=device, speculative_disable_by_batch_size=5).draft_batch_limit == 5
+
+
+def test_draft_pace_trusts_a_sequence_by_its_record() -> None:
+    """Past the batch limit a sequence drafts only on its record: every draft of its last drafted step
+    accepted, or SHADOW_HITS_TO_TRUST undrafted proposals in a row that named the sampled token."""
+    pace = DraftPace()
+    assert not pace.trusted
+    for _ in range(SHADOW_HITS_TO_TRUST - 1):
+        pace.propose_in_shadow(7)
+        pace.record_token(7)
+    pace.propose_in_shadow(7)
+    pace.record_token(8)  # a miss: the streak starts over
+    assert not pace.trusted and pace.shadow_hits == 0
+    pace.record_token(7)  # no proposal this step: neither a hit nor a miss
+    assert pace.shadow_hits == 0
+    for _ in range(SHADOW_HITS_TO_TRUST):
+        pace.propose_in_shadow(3)
+        pace.record_token(3)
+    assert pace.trusted
+    pace.record_drafts(5, 5)
+    assert pace.trusted
+    pace.record_drafts(5, 4)  # one rejected draft ends the trust, shadow streak included
+    assert not pace.trusted and pace.shadow_hits == 0
+    pace.record_drafts(2, 2)  # a drafted step (below the limit) earns it back whole
+    assert pace.trusted
+
+
+@pytest.mark.parametrize("hard_limit", [False, True])
+def test_only_trusted_sequences_draft_past_the_batch_limit(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, hard_limit: bool
+) -> None:
+    """Past the default limit only sequences whose drafts (or shadow proposals) kept coming true draft,
+    and greedy output is what it is without drafts; a limit the user set stops every draft past it."""
+    limit = 2
+    if not hard_limit:
+        monkeypatch.setattr(EngineConfig, "draft_batch_limit", property(lambda self: limit))
+    model = tiny_model("qwen2")
+    prompts = repetitive_prompts(12, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(
+        str(model),
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        num_speculative_tokens=5,
+        prompt_lookup_min=1,
+        enable_prefix_caching=False,
+        speculative_disable_by_batch_size=limit if hard_limit else None,
+    )
+    engine = llm.engine
+    propose = engine._propose_drafts
+    drafted_past_limit = []
+
+    def checked() -> None:
+        propose()
+        running = engine.scheduler.running
+        if len(running) > limit:
+            drafting = [seq for seq in running if seq.spec_token_ids]
+            assert all(seq.draft_pace.trusted for seq in drafting)
+            drafted_past_limit.append(len(drafting))
+
+    engine._propose_drafts = checked  # type: ignore[method-assign]
+    outputs = llm.generate(prompts, params)
+    _, plain = generate(model, prompts, params, num_speculative_tokens=0)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    if hard_limit:
+        assert drafted_past_limit and not any(drafted_past_limit)
+    else:
+        assert any(drafted_past_limit), drafted_past_limit  # loops earn trust and draft past the limit
+        assert llm.stats().spec_accepted_tokens > 0
 
 
 def repetitive_prompts(count: int, seed: int) -> list[list[int]]:

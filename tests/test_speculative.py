@@ -143,15 +143,7 @@ def test_only_trusted_sequences_draft_past_the_batch_limit(
     model = tiny_model("qwen2")
     prompts = repetitive_prompts(12, seed=3)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm = LLM(
-        str(model),
-        max_num_seqs=64,
-        max_num_batched_tokens=512,
-        num_speculative_tokens=5,
-        prompt_lookup_min=1,
-        enable_prefix_caching=False,
-        speculative_disable_by_batch_size=limit if hard_limit else None,
-    )
+    llm = speculating_llm(model, speculative_disable_by_batch_size=limit if hard_limit else None)
     engine = llm.engine
     propose = engine._propose_drafts
     drafted_past_limit = []
@@ -193,6 +185,19 @@ def generate(
     return llm, llm.generate(prompts, params)
 
 
+def speculating_llm(model: Path, **kwargs: Any) -> LLM:
+    """An engine drafting up to 5 tokens from 1-token matches on, prefix caching off (every token computed)."""
+    return LLM(
+        str(model),
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        num_speculative_tokens=5,
+        prompt_lookup_min=1,
+        enable_prefix_caching=False,
+        **kwargs,
+    )
+
+
 def count_scheduled_tokens(llm: LLM) -> list[int]:
     """Record how many tokens each step of ``llm``'s engine schedules (into the returned list)."""
     seen: list[int] = []
@@ -224,14 +229,7 @@ def test_greedy_output_is_unchanged_by_speculation(tiny_model: Callable[[str], P
         SamplingParams(top_k=1, max_tokens=33),
     ]
     params = [variants[i % len(variants)] for i in range(len(prompts))]
-    spec = LLM(
-        str(model),
-        max_num_seqs=64,
-        max_num_batched_tokens=512,
-        num_speculative_tokens=5,
-        prompt_lookup_min=1,
-        enable_prefix_caching=False,
-    )
+    spec = speculating_llm(model)
     scheduled = count_scheduled_tokens(spec)
     with_drafts = spec.generate(prompts, params)
     _, plain = generate(model, prompts, params, num_speculative_tokens=0)

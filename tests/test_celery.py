@@ -198,8 +198,11 @@ def test_pickled_messages_are_refused(celery_worker: CeleryWorker) -> None:
 
 def test_revoke_cancels_a_running_generation(celery_worker: CeleryWorker) -> None:
     app = celery_worker.client
+    # Sampled, not greedy: one token per step (greedy decoding of the tiny model loops, and its drafts then
+    # finish all 1000 tokens in a fifth of a second, before a revoke can arrive).
     result = app.send_task(
-        "pagedq.generate", kwargs={"prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+        "pagedq.generate",
+        kwargs={"prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "temperature": 1.0, "seed": 0},
     )
     wait_for(lambda: result.state == "STARTED", timeout=120, what="the task to start")
     app.control.revoke(result.id)

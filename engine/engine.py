@@ -471,8 +471,9 @@ class Engine:
                 continue
             if seq.ngram_index is None:
                 seq.ngram_index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
-            drafts = seq.ngram_index.propose(seq.token_ids, k)
-            if past_limit and not seq.draft_pace.trusted:
+            shadow = past_limit and not seq.draft_pace.trusted  # only its first token is noted
+            drafts = seq.ngram_index.propose(seq.token_ids, 1 if shadow else k)
+            if shadow:
                 seq.draft_pace.propose_in_shadow(drafts[0] if drafts and seq.matcher is None else None)
                 continue
             if seq.matcher is not None:  # only drafts its grammar accepts, or its forced tokens

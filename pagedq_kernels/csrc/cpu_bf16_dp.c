@@ -44,6 +44,12 @@
  * 348 707 761 / 416 778 788; gate_up 190 466 588 / 338 711 768 / 335 793 814. Tried and dropped: the next
  * column block prefetched into L2 in shares spread over the current block's row tiles (so that the row
  * tiles after the first, which read the block from L1, also keep memory busy): within the noise.
+ * The prefetch goes into L2 (DP_PF_HINT T1), not L1: on a 2-vCPU AMD EPYC Zen 4 (family 25 model 17, 1 MB L2
+ * per core) a PREFETCHT0 holds an L1 miss buffer per line until it lands and the tile's own loads queue
+ * behind them, as decode attention found (cpu_attention.c prefetch_lines). A decode step's four projections
+ * over 30 layers' distinct weights plus the lm_head's argmax (270 MB of bf16, cold as in a model step;
+ * builds interleaved in one process, best of 5 rounds, ms per step at 1 / 8 / 32 / 64 rows): T0 14.8 / 16.4 /
+ * 29.0 / 48.5 -> T1 10.2 / 9.5 / 23.8 / 43.4; T1 4 KB or 16 KB ahead and T2 within noise of it, NTA as T0.
  */
 #include <math.h>
 #include <omp.h>
@@ -62,6 +68,9 @@
 #endif
 #ifndef DP_PF
 #define DP_PF 4096 /* weight elements to prefetch ahead: 8 KB, four K chunks (measured above) */
+#endif
+#ifndef DP_PF_HINT
+#define DP_PF_HINT _MM_HINT_T1 /* into L2 (measured above) */
 #endif
 
 /* One thread's running argmax over the columns it has multiplied so far (gemm_bf16_dp_argmax), per row:
@@ -103,8 +112,8 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
         for (int p = 0; p < 16; p++) {
             const int64_t kp = kc / 2 + p;
             if (DP_PF) {
-                _mm_prefetch((const char *)(chunk + DP_PF + p * 32), _MM_HINT_T0);
-                _mm_prefetch((const char *)(chunk + DP_PF + 512 + p * 32), _MM_HINT_T0);
+                _mm_prefetch((const char *)(chunk + DP_PF + p * 32), DP_PF_HINT);
+                _mm_prefetch((const char *)(chunk + DP_PF + 512 + p * 32), DP_PF_HINT);
             }
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(chunk + p * 32));
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(chunk + 512 + p * 32));

@@ -26,6 +26,14 @@
 #ifndef PF
 #define PF 128 /* k-rows ahead to prefetch (8 KB): DRAM latency is ~300 cycles of a few FMAs each */
 #endif
+#ifndef PF_HINT
+/* Into L2, not L1: a PREFETCHT0 holds an L1 miss buffer per line until it lands, and the tile's own loads
+ * queue behind them (cpu_bf16_dp.c measured it, on Zen 4, for its tile). cpu_gemm.c's fp32 panels, 30 layers'
+ * projections + the lm_head's argmax, cold, builds interleaved in one process, best of 4-5 rounds, ms per step
+ * at 1 / 8 / 32-36 / 64 rows, 2-vCPU AMD EPYC Zen 4 (family 25 model 17): avx512 build T0 16.0 / 18.6 / 45.3 /
+ * 85.0 -> T1 16.1 / 16.6 / 44.5 / 83.4; avx2 build 18.6 / 19.5 / 51.5 / 96.0 -> 18.8 / 20.6 / 49.3 / 86.9. */
+#define PF_HINT _MM_HINT_T1
+#endif
 
 #if defined(PAGEDQ_AVX512) || defined(PAGEDQ_AVX2)
 /* One k step's part of a tile's `ahead` prefetch: ahead_lines / k cache lines of *ahead per step, by a running
@@ -84,7 +92,7 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *x,
     int64_t due = 0;
     for (int64_t kk = 0; kk < k; kk++) {
         const float *wp = panel + kk * ldw;
-        _mm_prefetch((const char *)(wp + PF * ldw), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wp + PF * ldw), PF_HINT);
         ahead_step(&ahead, &due, ahead_lines, k);
         const __m512 w = _mm512_loadu_ps(wp);
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
@@ -123,8 +131,8 @@ static inline __attribute__((always_inline)) void tile_pair(int rows, const floa
     int64_t due = 0;
     for (int64_t kk = 0; kk < k; kk++) {
         const float *wp0 = panel0 + kk * ldw, *wp1 = panel1 + kk * ldw;
-        _mm_prefetch((const char *)(wp0 + PF * ldw), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wp1 + PF * ldw), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wp0 + PF * ldw), PF_HINT);
+        _mm_prefetch((const char *)(wp1 + PF * ldw), PF_HINT);
         ahead_step(&ahead, &due, ahead_lines, k);
         const __m512 w0 = _mm512_loadu_ps(wp0), w1 = _mm512_loadu_ps(wp1);
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
@@ -159,7 +167,7 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *x,
     int64_t due = 0;
     for (int64_t kk = 0; kk < k; kk++) {
         const float *wp = panel + kk * ldw;
-        _mm_prefetch((const char *)(wp + PF * ldw), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wp + PF * ldw), PF_HINT);
         ahead_step(&ahead, &due, ahead_lines, k);
         const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
         ROW(0, c0a, c0b) ROW(1, c1a, c1b) ROW(2, c2a, c2b) ROW(3, c3a, c3b) ROW(4, c4a, c4b) ROW(5, c5a, c5b)

@@ -27,12 +27,10 @@
 #define PF 128 /* k-rows ahead to prefetch (8 KB): DRAM latency is ~300 cycles of a few FMAs each */
 #endif
 #ifndef PF_HINT
-/* Into L2, not L1: a PREFETCHT0 holds an L1 miss buffer per line until it lands, and the tile's own loads
- * queue behind them (cpu_bf16_dp.c measured it, on Zen 4, for its tile). cpu_gemm.c's fp32 panels, 30 layers'
- * projections + the lm_head's argmax, cold, builds interleaved in one process, best of 4-5 rounds, ms per step
- * at 1 / 8 / 32-36 / 64 rows, 2-vCPU AMD EPYC Zen 4 (family 25 model 17): avx512 build T0 16.0 / 18.6 / 45.3 /
- * 85.0 -> T1 16.1 / 16.6 / 44.5 / 83.4; avx2 build 18.6 / 19.5 / 51.5 / 96.0 -> 18.8 / 20.6 / 49.3 / 86.9. */
-#define PF_HINT _MM_HINT_T1
+/* Where the tile's prefetch of its panel puts the lines: L1 for a panel already in L2 (int8's dequantised
+ * panel, prefill attention's copies of K/V), L2 for a weight streamed from memory (cpu_gemm.c sets T1 and
+ * says why). */
+#define PF_HINT _MM_HINT_T0
 #endif
 
 #if defined(PAGEDQ_AVX512) || defined(PAGEDQ_AVX2)

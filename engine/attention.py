@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata
-from pagedq_kernels import cpu_attention
+from pagedq_kernels import cpu_attention, kernel_call
 
 
 class AttentionBackend(Protocol):
@@ -178,19 +178,16 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        out = q.new_empty(q.shape)
+        calls = self.kernel_calls(q, k, v, k_cache, v_cache, out, meta, scale)
+        if calls is not None:
+            kernel_call.run(calls)
+            return out
+        # Some part takes a torch path (no C kernels, other dtypes or layouts): each part on its own.
         cpu_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         plan: _TorchPlan = meta.backend_state
-        out = q.new_empty(q.shape)
-        c_decode = (
-            q.dtype == torch.float32
-            and q.stride(-1) == 1
-            and k_cache.dtype in cpu_attention.KV_DTYPES
-            and cpu_attention.available()
-        )
-        split = plan.single
-        max_q = MULTI_QUERY_MAX.get(k_cache.dtype, 1)
-        if c_decode and plan.prefills and max_q > 1 and cpu_attention.multi_query_supported(k_cache.dtype):
-            split = plan.multi_query(max_q)
+        c_decode = _c_decode_ok(q, k_cache)
+        split = self._split(plan, k_cache) if c_decode else plan.single
         decode = split.decode
         if decode.rows.numel():
             if c_decode:
@@ -217,6 +214,62 @@ class TorchAttention:
                 if p.rows.stop - p.rows.start > plan.multi_max:
                     out[p.rows] = _prefill_torch(q[p.rows], k_cache, v_cache, p, scale)
         return out
+
+    def kernel_calls(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> list[kernel_call.KernelCall] | None:
+        """The C calls :meth:`forward` makes for one layer, into ``out`` (``q``'s shape, contiguous): the KV write,
+        then decode, verification and prefill attention as the step's plan splits its sequences; None where any
+        part would take a torch path. What a whole-step plan (``engine/models/llama_cpu_plan.py``) strings
+        together for every layer of a step."""
+        write = cpu_attention.write_kv_cache_call(k, v, k_cache, v_cache, meta.slot_mapping)
+        if write is None or not _c_decode_ok(q, k_cache):
+            return None
+        plan: _TorchPlan = meta.backend_state
+        split = self._split(plan, k_cache)
+        if split.prefill_batch is not None and not _c_prefill_ok(q, k_cache):
+            return None
+        use_dp = cpu_attention.dp_attention_enabled(k_cache.dtype)
+        calls = [write]
+        for rows in (split.decode, split.verify):
+            if rows is not None and rows.rows.numel():
+                operands = (rows.rows, rows.seq_lens, rows.tables, scale)
+                call = cpu_attention.decode_call(q, k_cache, v_cache, out, *operands, q_lens=rows.q_lens, use_dp=use_dp)
+                calls.append(call)
+        if split.prefill_batch is not None:
+            b = split.prefill_batch
+            calls.append(
+                cpu_attention.prefill_call(
+                    q, k_cache, v_cache, out, b.q_starts, b.q_lens, b.seq_lens, b.tables, scale, use_dp=use_dp
+                )
+            )
+        return calls
+
+    @staticmethod
+    def _split(plan: _TorchPlan, k_cache: torch.Tensor) -> _Split:
+        """The step's split for the C decode kernel: chunks of up to :data:`MULTI_QUERY_MAX` queries join the
+        decode call where the kernel takes several per sequence and the step has any."""
+        max_q = MULTI_QUERY_MAX.get(k_cache.dtype, 1)
+        if plan.prefills and max_q > 1 and cpu_attention.multi_query_supported(k_cache.dtype):
+            return plan.multi_query(max_q)
+        return plan.single
+
+
+def _c_decode_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (
+        q.dtype == torch.float32
+        and q.stride(-1) == 1
+        and k_cache.dtype in cpu_attention.KV_DTYPES
+        and cpu_attention.available()
+    )
 
 
 def _c_prefill_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

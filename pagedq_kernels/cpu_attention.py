@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pagedq_kernels import c_build, cpu_isa
+from pagedq_kernels import c_build, cpu_isa, kernel_call
 from pagedq_kernels.kv_cache import write_kv_cache_torch
 
 _NAME = "cpu_attention"
@@ -95,6 +95,17 @@ def write_kv_cache(
     """:func:`pagedq_kernels.kv_cache.write_kv_cache_torch` in one C call: ``k, v [N, KVH, D]`` float32 (each token's
     KVH x D values contiguous, tokens at any stride: views of the qkv output) into float32 or bf16 caches,
     rounded as torch rounds; anything else goes to the torch reference."""
+    call = write_kv_cache_call(k, v, k_cache, v_cache, slot_mapping)
+    if call is None:
+        write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping)
+        return
+    kernel_call.run((call,))
+
+
+def write_kv_cache_call(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> kernel_call.KernelCall | None:
+    """The C call of :func:`write_kv_cache` on these tensors, or None where it takes the torch reference."""
     lib = c_build.load(_NAME, _bind)
     num_kv_heads, head_dim = k_cache.shape[-2:]
     ok = (
@@ -114,20 +125,23 @@ def write_kv_cache(
         and k.shape[0] == v.shape[0] == slot_mapping.shape[0]
     )
     if not ok:
-        write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping)
-        return
+        return None
     assert lib is not None
-    lib.write_kv_cache_f32(
-        k.data_ptr(),
-        k.stride(0),
-        v.data_ptr(),
-        v.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        slot_mapping.data_ptr(),
-        k.shape[0],
-        num_kv_heads * head_dim,
-        _kv_bf16(k_cache, v_cache),
+    return kernel_call.KernelCall(
+        lib.write_kv_cache_f32,
+        (
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slot_mapping.data_ptr(),
+            k.shape[0],
+            num_kv_heads * head_dim,
+            _kv_bf16(k_cache, v_cache),
+        ),
+        "KV cache write",
     )
 
 
@@ -164,22 +178,50 @@ def paged_decode_attention(
     once for all sequences and merged into each (same result; the prefix is read once, not per
     sequence). The kernel finds them itself, so the engine needs no plan for it.
     """
+    try:
+        kernel_call.run((decode_call(q, k_cache, v_cache, out, rows, seq_lens, block_tables, scale, cascade, q_lens),))
+    except RuntimeError:
+        raise ValueError(
+            f"paged_decode_attention: q_lens over a {k_cache.dtype} cache need multi_query_supported()"
+        ) from None
+
+
+def decode_call(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    cascade: bool = True,
+    q_lens: torch.Tensor | None = None,
+    use_dp: bool | None = None,
+) -> kernel_call.KernelCall:
+    """The kernel call of :func:`paged_decode_attention` (same operands; it refuses, status 1, ``q_lens`` where
+    not :func:`multi_query_supported`). ``use_dp``: :func:`dp_attention_enabled` as the caller already asked it
+    for this step (default: asked here)."""
     lib = c_build.load(_NAME, _bind)
     assert lib is not None, "call available() first"
-    failed = lib.paged_decode_attention_f32(
-        *_query_and_cache(q, k_cache, v_cache, out),
-        rows.data_ptr(),
-        seq_lens.data_ptr(),
-        block_tables.data_ptr(),
-        q_lens.data_ptr() if q_lens is not None else None,
-        *_shapes_and_scale(rows.shape[0], block_tables, q, k_cache, scale),
-        _kv_bf16(k_cache, v_cache),
-        int(dp_attention_enabled(k_cache.dtype)),
-        int(cascade),
-        torch.get_num_threads(),
+    if use_dp is None:
+        use_dp = dp_attention_enabled(k_cache.dtype)
+    return kernel_call.KernelCall(
+        lib.paged_decode_attention_f32,
+        (
+            *_query_and_cache(q, k_cache, v_cache, out),
+            rows.data_ptr(),
+            seq_lens.data_ptr(),
+            block_tables.data_ptr(),
+            q_lens.data_ptr() if q_lens is not None else None,
+            *_shapes_and_scale(rows.shape[0], block_tables, q, k_cache, scale),
+            _kv_bf16(k_cache, v_cache),
+            int(use_dp),
+            int(cascade),
+            torch.get_num_threads(),
+        ),
+        "paged decode attention",
     )
-    if failed:
-        raise ValueError(f"paged_decode_attention: q_lens over a {k_cache.dtype} cache need multi_query_supported()")
 
 
 def multi_query_supported(kv_dtype: torch.dtype) -> bool:
@@ -238,17 +280,40 @@ def paged_prefill_attention(
     Over a bf16 cache where :func:`dp_attention_enabled`, q and the softmax numerators are rounded to bf16 for
     the products (bf16 flash attention's numerics); otherwise the arithmetic is fp32.
     """
+    assert prefill_supported(q.shape[-1]), "call prefill_supported() first"
+    kernel_call.run((prefill_call(q, k_cache, v_cache, out, q_starts, q_lens, seq_lens, block_tables, scale),))
+
+
+def prefill_call(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    use_dp: bool | None = None,
+) -> kernel_call.KernelCall:
+    """The kernel call of :func:`paged_prefill_attention` (same operands, :func:`prefill_supported` asked first);
+    ``use_dp`` as for :func:`decode_call`."""
     lib = c_build.load(_NAME, _bind)
-    assert lib is not None and prefill_supported(q.shape[-1]), "call prefill_supported() first"
-    kv_bf16 = _kv_bf16(k_cache, v_cache)
-    lib.paged_prefill_attention_f32(
-        *_query_and_cache(q, k_cache, v_cache, out),
-        q_starts.data_ptr(),
-        q_lens.data_ptr(),
-        seq_lens.data_ptr(),
-        block_tables.data_ptr(),
-        *_shapes_and_scale(q_starts.shape[0], block_tables, q, k_cache, scale),
-        kv_bf16,
-        int(dp_attention_enabled(k_cache.dtype)),
-        torch.get_num_threads(),
+    assert lib is not None, "call prefill_supported() first"
+    if use_dp is None:
+        use_dp = dp_attention_enabled(k_cache.dtype)
+    return kernel_call.KernelCall(
+        lib.paged_prefill_attention_f32,
+        (
+            *_query_and_cache(q, k_cache, v_cache, out),
+            q_starts.data_ptr(),
+            q_lens.data_ptr(),
+            seq_lens.data_ptr(),
+            block_tables.data_ptr(),
+            *_shapes_and_scale(q_starts.shape[0], block_tables, q, k_cache, scale),
+            _kv_bf16(k_cache, v_cache),
+            int(use_dp),
+            torch.get_num_threads(),
+        ),
+        "paged prefill attention",
     )

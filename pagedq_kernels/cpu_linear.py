@@ -55,7 +55,7 @@ from typing import Literal
 
 import torch
 
-from pagedq_kernels import c_build, cpu_isa, host_memory
+from pagedq_kernels import c_build, cpu_isa, host_memory, kernel_call
 
 Kind = Literal["panels", "amx", "dpbf16", "onednn"]
 BF16_KINDS: tuple[Kind, ...] = ("amx", "dpbf16")
@@ -314,26 +314,86 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
         return torch.ops.mkldnn._linear_pointwise(x.to(low), packed.data, b, "none", [], "").to(x.dtype)
     if packed.kind in BF16_KINDS:
         return _linear_bf16(x, packed, bias)
-    n, k = packed.out_features, packed.in_features
-    x2, out, bias = panel_operands(x, n, k, bias, packed.glu, "linear")
-    m = x2.shape[0]
-    if m:
+    n = packed.out_features
+    x2, out, bias = panel_operands(x, n, packed.in_features, bias, packed.glu, "linear")
+    if x2.shape[0]:
+        kernel_call.run((linear_call(packed, x2, out, bias, None, torch.get_num_threads()),))
+    return out.view(*x.shape[:-1], n)
+
+
+def bf16_rows(kind: Kind, rows: int) -> int:
+    """Rows of the bf16 buffer a ``kind`` kernel rounds ``rows`` rows of x into: AMX pads to its tile's 16."""
+    return -(-rows // AMX_ROWS) * AMX_ROWS if kind == "amx" else rows
+
+
+def has_add_norm(packed: PackedWeight) -> bool:
+    """Whether ``packed``'s kernel has the residual-add-and-RMSNorm epilogue (:func:`linear_add_norm_call`)."""
+    return packed.kind in ("dpbf16", "panels") and not packed.glu
+
+
+def linear_call(
+    packed: PackedWeight,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    x_bf16: torch.Tensor | None,
+    threads: int,
+) -> kernel_call.KernelCall:
+    """The one kernel call of :func:`linear` for a ``panels``, ``amx`` or ``dpbf16`` weight, on buffers the caller
+    holds: ``x`` fp32 ``[m, in]`` and ``out`` fp32 ``[m, out]`` (rows at any stride, unit last stride), ``bias``
+    contiguous fp32 or None, ``x_bf16`` (the bf16 kinds; else ignored, may be None) a contiguous bf16 buffer of at
+    least :func:`bf16_rows` x ``in`` elements that the kernel rounds x into."""
+    n, k, m = packed.out_features, packed.in_features, x.shape[0]
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    glu_and_threads = (int(packed.glu), threads)
+    if packed.kind == "panels":
         lib = c_build.load("cpu_gemm", _bind)  # loaded when the weight was packed: a dict lookup here
         assert lib is not None, "panel-packed weight without its kernel"
-        lib.gemm_panels_f32(
-            x2.data_ptr(),
-            x2.stride(0),
-            packed.data.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
-            out.data_ptr(),
-            n,
-            m,
-            n,
-            k,
-            int(packed.glu),
-            torch.get_num_threads(),
-        )
-    return out.view(*x.shape[:-1], n)
+        args = (x.data_ptr(), x.stride(0), packed.data.data_ptr(), bias_ptr, out.data_ptr(), out.stride(0), m, n, k)
+        return kernel_call.KernelCall(lib.gemm_panels_f32, (*args, *glu_and_threads), "panels linear")
+    if packed.kind not in BF16_KINDS:
+        raise ValueError(f"no C kernel call for a {packed.kind!r} weight")
+    assert x_bf16 is not None and x_bf16.numel() >= bf16_rows(packed.kind, m) * k, "bf16 rows' buffer too small"
+    amx = packed.kind == "amx"
+    lib = _amx_lib() if amx else _dp_lib()
+    assert lib is not None, f"{packed.kind}-packed bf16 weight without its kernel"
+    bf16_args = (x.data_ptr(), x.stride(0), x_bf16.data_ptr(), m, packed.data.data_ptr(), bias_ptr, out.data_ptr())
+    return kernel_call.KernelCall(
+        lib.gemm_bf16_amx if amx else lib.gemm_bf16_dp,
+        (*bf16_args, out.stride(0), n, k, *glu_and_threads),
+        f"{packed.kind} bf16",
+    )
+
+
+def linear_add_norm_call(
+    packed: PackedWeight,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    x_bf16: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    normed: torch.Tensor,
+    threads: int,
+) -> kernel_call.KernelCall:
+    """The one kernel call of :func:`linear_add_norm` where :func:`has_add_norm`, on buffers the caller holds:
+    operands as for :func:`linear_call`, except that ``out``, ``residual`` and ``normed`` are contiguous fp32
+    ``[m, out]`` (three distinct buffers) and ``norm_weight`` contiguous fp32 ``[out]``."""
+    n, k, m = packed.out_features, packed.in_features, x.shape[0]
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    norm = (residual.data_ptr(), norm_weight.data_ptr(), eps, normed.data_ptr(), threads)
+    if packed.kind == "panels":
+        lib = c_build.load("cpu_gemm", _bind)
+        assert lib is not None, "panel-packed weight without its kernel"
+        args = (x.data_ptr(), x.stride(0), packed.data.data_ptr(), bias_ptr, out.data_ptr(), m, n, k)
+        return kernel_call.KernelCall(lib.gemm_panels_add_norm_f32, (*args, *norm), "panels add-and-norm")
+    if packed.kind != "dpbf16" or packed.glu:
+        raise ValueError(f"no add-and-norm kernel for a {packed.kind!r} weight")
+    dp = _dp_lib()
+    assert dp is not None and x_bf16 is not None and x_bf16.numel() >= m * k
+    dp_args = (x.data_ptr(), x.stride(0), x_bf16.data_ptr(), m, packed.data.data_ptr(), bias_ptr, out.data_ptr(), n, k)
+    return kernel_call.KernelCall(dp.gemm_bf16_dp_add_norm, (*dp_args, *norm), "dpbf16 add-and-norm")
 
 
 def argmax_linear(x: torch.Tensor, packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -390,32 +450,21 @@ def linear_add_norm(
     Why: a decode step runs two of these norms per layer, each a call of ~10-30 us (Python, ctypes, a
     parallel region's start and end) for a few microseconds of work."""
     n, k = packed.out_features, packed.in_features
-    if packed.kind not in ("dpbf16", "panels") or packed.glu or x.dim() != 2 or x.shape[1] != k:
+    if not has_add_norm(packed) or x.dim() != 2 or x.shape[1] != k:
         return None
     m = x.shape[0]
     fp32_rows = all(t.dtype == torch.float32 and t.is_contiguous() for t in (residual, norm_weight))
     if not fp32_rows or residual.shape != (m, n) or norm_weight.shape != (n,) or not m:
         return None
-    lib = _dp_lib() if packed.kind == "dpbf16" else c_build.load("cpu_gemm", _bind)
-    if lib is None:
+    if (_dp_lib() if packed.kind == "dpbf16" else c_build.load("cpu_gemm", _bind)) is None:
         return None
     x2, out, bias = panel_operands(x, n, k, bias, False, "linear_add_norm")
     normed = torch.empty((m, n), dtype=torch.float32)
-    bias_ptr = bias.data_ptr() if bias is not None else None
-    threads = torch.get_num_threads()
-    if packed.kind == "dpbf16":
-        xb = torch.empty((m, k), dtype=torch.bfloat16)  # x rounded into it, as for linear()
-        status = lib.gemm_bf16_dp_add_norm(
-            x2.data_ptr(), x2.stride(0), xb.data_ptr(), m, packed.data.data_ptr(), bias_ptr, out.data_ptr(), n, k,
-            residual.data_ptr(), norm_weight.data_ptr(), eps, normed.data_ptr(), threads,
-        )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(f"the dpbf16 add-and-norm kernel could not run (status {status})")
-    else:
-        lib.gemm_panels_add_norm_f32(
-            x2.data_ptr(), x2.stride(0), packed.data.data_ptr(), bias_ptr, out.data_ptr(), m, n, k,
-            residual.data_ptr(), norm_weight.data_ptr(), eps, normed.data_ptr(), threads,
-        )  # fmt: skip
+    x_bf16 = torch.empty((m, k), dtype=torch.bfloat16) if packed.kind == "dpbf16" else None  # x rounded into it
+    call = linear_add_norm_call(
+        packed, x2, out, bias, x_bf16, residual, norm_weight, eps, normed, torch.get_num_threads()
+    )
+    kernel_call.run((call,))
     return normed, out
 
 
@@ -427,27 +476,10 @@ def _linear_bf16(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
     x2, out, bias = panel_operands(x, n, k, bias, packed.glu, "linear")
     m = x2.shape[0]
     if m:
-        # The kernel rounds x to bf16 into this (for AMX, rows padded to a tile's 16 with zeros).
-        amx = packed.kind == "amx"
-        xb = torch.empty((-(-m // AMX_ROWS) * AMX_ROWS if amx else m, k), dtype=torch.bfloat16)
-        lib = _amx_lib() if amx else _dp_lib()
-        assert lib is not None, f"{packed.kind}-packed bf16 weight without its kernel"
-        status = (lib.gemm_bf16_amx if amx else lib.gemm_bf16_dp)(
-            x2.data_ptr(),
-            x2.stride(0),
-            xb.data_ptr(),
-            m,
-            packed.data.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
-            out.data_ptr(),
-            n,
-            n,
-            k,
-            int(packed.glu),
-            torch.get_num_threads(),
-        )
-        if status != 0:  # a build without the kernel: its stub refuses rather than leave out unwritten
-            raise RuntimeError(f"{packed.kind} bf16 kernel refused the call ({status})")
+        # The kernel rounds x to bf16 into this (for AMX, rows padded to a tile's 16 with zeros). A build without
+        # the kernel holds a stub that refuses (a non-zero status) rather than leave out unwritten.
+        x_bf16 = torch.empty((bf16_rows(packed.kind, m), k), dtype=torch.bfloat16)
+        kernel_call.run((linear_call(packed, x2, out, bias, x_bf16, torch.get_num_threads()),))
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], n)
     return out if x.dtype == torch.float32 else out.to(x.dtype)

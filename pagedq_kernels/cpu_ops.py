@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from pagedq_kernels import c_build
+from pagedq_kernels import c_build, kernel_call
 from pagedq_kernels.activation import silu_and_mul_torch
 from pagedq_kernels.rms_norm import rms_norm_torch
 from pagedq_kernels.rotary import rotary_embedding_torch
@@ -57,23 +57,45 @@ def rms_norm_cpu(
     )
     if not ok:
         return rms_norm_torch(x, weight, eps, residual)
-    assert lib is not None
     n, h = x.shape
     out = torch.empty((n, h), dtype=x.dtype)
     res_out = torch.empty((n, h), dtype=x.dtype) if residual is not None else None
-    lib.rms_norm_f32(
-        x.data_ptr(),
-        x.stride(0),
-        residual.data_ptr() if residual is not None else None,
-        weight.data_ptr(),
-        out.data_ptr(),
-        res_out.data_ptr() if res_out is not None else None,
-        n,
-        h,
-        eps,
-        torch.get_num_threads(),
-    )
+    kernel_call.run((rms_norm_call(x, weight, eps, residual, out, res_out, torch.get_num_threads()),))
     return out, res_out
+
+
+def rms_norm_call(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    res_out: torch.Tensor | None,
+    threads: int,
+) -> kernel_call.KernelCall:
+    """The kernel call of :func:`rms_norm_cpu` on buffers the caller holds (``x`` fp32 ``[n, h]`` rows at any
+    stride with a unit last stride; ``weight``, ``residual``, ``out`` and ``res_out`` contiguous fp32; ``res_out``
+    given exactly when ``residual`` is). Raises RuntimeError where the C kernels did not build."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the C ops kernels are not available here")
+    n, h = x.shape
+    return kernel_call.KernelCall(
+        lib.rms_norm_f32,
+        (
+            x.data_ptr(),
+            x.stride(0),
+            residual.data_ptr() if residual is not None else None,
+            weight.data_ptr(),
+            out.data_ptr(),
+            res_out.data_ptr() if res_out is not None else None,
+            n,
+            h,
+            eps,
+            threads,
+        ),
+        "rms_norm",
+    )
 
 
 def rotary_embedding_cpu(
@@ -97,24 +119,39 @@ def rotary_embedding_cpu(
     )
     if not ok:
         return rotary_embedding_torch(positions, q, k, cos_sin_cache)
-    assert lib is not None
-    n, nh, d = q.shape
-    lib.rotary_neox_f32(
-        q.data_ptr(),
-        q.stride(0),
-        q.stride(1),
-        nh,
-        k.data_ptr(),
-        k.stride(0),
-        k.stride(1),
-        k.shape[1],
-        positions.data_ptr(),
-        cos_sin_cache.data_ptr(),
-        n,
-        d,
-        torch.get_num_threads(),
-    )
+    kernel_call.run((rotary_call(positions, q, k, cos_sin_cache, torch.get_num_threads()),))
     return q, k
+
+
+def rotary_call(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, threads: int
+) -> kernel_call.KernelCall:
+    """The kernel call of :func:`rotary_embedding_cpu` (in place) on tensors the caller holds: ``q [N, H, D]`` and
+    ``k [N, KVH, D]`` fp32 with a unit last stride, ``positions`` contiguous int64, the cache contiguous fp32.
+    Raises RuntimeError where the C kernels did not build."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the C ops kernels are not available here")
+    n, nh, d = q.shape
+    return kernel_call.KernelCall(
+        lib.rotary_neox_f32,
+        (
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            nh,
+            k.data_ptr(),
+            k.stride(0),
+            k.stride(1),
+            k.shape[1],
+            positions.data_ptr(),
+            cos_sin_cache.data_ptr(),
+            n,
+            d,
+            threads,
+        ),
+        "rotary",
+    )
 
 
 def silu_and_mul_cpu(x: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.kernel_dispatch import Ops
 from engine.layers import Linear, RMSNorm, RotaryEmbedding
 from engine.model_config import ModelConfig
+from engine.models.llama_cpu_plan import LlamaCpuPlan
 from engine.parallel_layers import (
     SINGLE,
     AttentionShards,
@@ -238,6 +239,8 @@ class LlamaForCausalLM(nn.Module):
             )
         )
         self.lm_head_packed: cpu_linear.PackedWeight | None = None
+        # The forward as prepared C kernel calls, once every weight is packed for them (prepack_cpu_weights).
+        self.cpu_plan: LlamaCpuPlan | None = None
         self.source_quantization: str | None = None  # the checkpoint's own (a GGUF loader sets "gguf:Q4_1")
 
     def prepack_cpu_weights(self, dtype: torch.dtype | None = None) -> int:
@@ -257,6 +260,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed = cpu_linear.pack(self.lm_head_weight, dtype=dtype)
         if self.lm_head_packed is not None and not self.config.tie_word_embeddings:
             self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
+        self.cpu_plan = LlamaCpuPlan.build(self)
         return count + (self.lm_head_packed is not None)
 
     def quantize_int8(self, int8_activations: bool = False) -> int:
@@ -313,6 +317,10 @@ class LlamaForCausalLM(nn.Module):
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        if self.cpu_plan is not None:  # the same kernel calls, prepared: None where this step needs the modules
+            planned = self.cpu_plan.forward(input_ids, positions, kv_caches, meta)
+            if planned is not None:
+                return planned
         hidden = self.embed_tokens(input_ids)
         layers = cast(list[LlamaDecoderLayer], list(self.layers))
         if not layers:

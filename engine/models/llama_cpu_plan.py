@@ -1,0 +1,218 @@
+"""A Llama decoder's CPU forward as one list of prepared C kernel calls, made back to back.
+
+The module forward (:class:`~engine.models.llama.LlamaForCausalLM`) makes the same kernel calls, but each
+behind a Python wrapper that checks shapes, allocates its output and looks up its library: ~12 us of Python
+per call on top of ctypes' own ~3 us, and a step of SmolLM2 (30 layers) makes about 200 calls. Measured on a
+2-vCPU AMD EPYC Zen 4, that was ~6 ms of a 17 ms single-sequence decode step, paid again by every step of a
+batch. Here a step allocates its buffers once (two residual streams and two normed ones, used alternately,
+the qkv, attention and activation rows, one bf16 buffer every bf16 matmul rounds its input into), binds every
+call's arguments (:mod:`pagedq_kernels.kernel_call`) and then only calls.
+
+The calls are the module forward's own, in its order, on the same operands: the floats are the same, bit for
+bit (``tests/test_cpu_plan.py``). Where any piece of a model or of a step is something only the module forward
+runs (a quantised or oneDNN linear, Qwen3's per-head norms, tensor parallelism, a torch attention path, hooks
+that must see module calls: a model not yet packed has no plan), :meth:`LlamaCpuPlan.forward` answers None
+and the module forward runs instead. ``PAGEDQ_DISABLE_CPU_PLAN=1`` switches it off (for A/B runs).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention import TorchAttention
+from engine.attention_metadata import AttentionMetadata
+from engine.layers import Linear
+from pagedq_kernels import cpu_linear, cpu_ops, kernel_call
+
+if TYPE_CHECKING:
+    from engine.models.llama import KVCache, LlamaAttention, LlamaForCausalLM
+
+DISABLE_ENV = "PAGEDQ_DISABLE_CPU_PLAN"
+C_KINDS = ("panels", "amx", "dpbf16")  # the packed kinds with a C kernel call (cpu_linear.linear_call)
+
+
+@dataclass(frozen=True)
+class _Projection:
+    """A packed linear and its bias as the kernels read them (contiguous fp32)."""
+
+    packed: cpu_linear.PackedWeight
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, linear: Linear) -> _Projection | None:
+        packed = linear.packed
+        if packed is None or packed.kind not in C_KINDS or linear.w8a8 is not None or linear.int8_packed is not None:
+            return None
+        bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
+        return cls(packed, bias)
+
+
+@dataclass(frozen=True)
+class _Norm:
+    weight: torch.Tensor  # contiguous fp32
+    eps: float
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's weights as its calls read them; ``next_norm``: the next layer's input norm (or
+    the final norm), which the layer's last call applies."""
+
+    qkv: _Projection
+    o: _Projection
+    post_attention_norm: _Norm
+    gate_up: cpu_linear.PackedWeight  # packed with its SiLU-and-mul fused (glu)
+    down: _Projection
+    next_norm: _Norm
+
+
+class LlamaCpuPlan:
+    """Binds and makes one step's kernel calls for a packed fp32-activation Llama on CPU (see the module)."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        attn: LlamaAttention,
+        attention: TorchAttention,
+        layers: list[_Layer],
+        first_norm: _Norm,
+    ) -> None:
+        self.model = model
+        self.layers = layers
+        self.first_norm = first_norm
+        self.attention = attention
+        self.q_size, self.kv_size, self.scale = attn.q_size, attn.kv_size, attn.scale
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.hidden_size = model.config.hidden_size
+        self.intermediate_size = layers[0].gate_up.out_features
+        self.cos_sin_cache = model.rotary_emb.cos_sin_cache
+        weights = [w for layer in layers for w in (layer.qkv.packed, layer.o.packed, layer.gate_up, layer.down.packed)]
+        bf16 = [w for w in weights if w.kind in cpu_linear.BF16_KINDS]
+        self.bf16_kind = bf16[0].kind if bf16 else None  # amx pads the rounded rows; one kind per model
+        self.max_in_features = max(w.in_features for w in weights)
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM) -> LlamaCpuPlan | None:
+        """The plan for ``model`` once its weights are packed, or None where it has parts only the module
+        forward runs (listed in the module docstring)."""
+        from engine.models.llama import LlamaDecoderLayer
+
+        ops = model.ops
+        blocks = [layer for layer in model.layers if isinstance(layer, LlamaDecoderLayer)]
+        eligible = (
+            not os.environ.get(DISABLE_ENV)
+            and blocks
+            and len(blocks) == len(model.layers)
+            and model.tp.size == 1
+            and model.embed_tokens.weight.device.type == "cpu"
+            and model.embed_tokens.weight.dtype == torch.float32
+            and ops.name == "torch"
+            and isinstance(ops.attention, TorchAttention)
+            and ops.rotary_embedding is cpu_ops.rotary_embedding_cpu
+            and cpu_ops.available()
+            and model.rotary_emb.cos_sin_cache.dtype == torch.float32
+        )
+        if not eligible:
+            return None
+        norms = [_Norm(b.input_layernorm.weight.detach(), b.input_layernorm.eps) for b in blocks]
+        norms.append(_Norm(model.norm.weight.detach(), model.norm.eps))
+        if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
+            return None
+        layers: list[_Layer] = []
+        for i, block in enumerate(blocks):
+            attn, mlp = block.self_attn, block.mlp
+            qkv, o, down = _Projection.of(attn.qkv_proj), _Projection.of(attn.o_proj), _Projection.of(mlp.down_proj)
+            gated = mlp.gated
+            post = block.post_attention_layernorm
+            if qkv is None or o is None or down is None or attn.q_norm is not None:
+                return None
+            if gated is None or gated.kind not in C_KINDS or post.weight.dtype != torch.float32:
+                return None
+            post_norm = _Norm(post.weight.detach().contiguous(), post.eps)
+            layers.append(_Layer(qkv, o, post_norm, gated, down, norms[i + 1]))
+        assert isinstance(ops.attention, TorchAttention)
+        return cls(model, blocks[0].self_attn, ops.attention, layers, norms[0])
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The module forward's result (final-normed hidden states ``[N, hidden]``, the KV written), or None
+        where this step needs a path only the module forward has (then nothing was computed or written)."""
+        n = input_ids.shape[0]
+        if not n or positions.dtype != torch.int64 or not positions.is_contiguous():
+            return None
+        threads = torch.get_num_threads()
+        hidden = self.model.embed_tokens(input_ids)
+        rows = (n, self.hidden_size)
+        residuals = (torch.empty(rows), torch.empty(rows))  # after attention, after the MLP: each layer alike
+        normed = (torch.empty(rows), torch.empty(rows))  # a layer's input, its MLP's input
+        qkv_rows = torch.empty((n, self.q_size + 2 * self.kv_size))
+        q, k, v = qkv_rows.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        attended = torch.empty((n, self.num_heads, self.head_dim))
+        attended_rows = attended.view(n, self.q_size)
+        activated = torch.empty((n, self.intermediate_size))
+        o_rows = torch.empty(rows)  # only where o_proj's kernel has no add-and-norm epilogue (amx)
+        x_bf16 = None
+        if self.bf16_kind is not None:
+            x_bf16 = torch.empty((cpu_linear.bf16_rows(self.bf16_kind, n), self.max_in_features), dtype=torch.bfloat16)
+        scratch = _Scratch(o_rows, x_bf16, threads)
+        first = self.first_norm
+        calls = [cpu_ops.rms_norm_call(hidden, first.weight, first.eps, None, normed[0], None, threads)]
+        rotary = cpu_ops.rotary_call(positions, q, k, self.cos_sin_cache, threads)
+        residual = hidden
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            calls.append(cpu_linear.linear_call(layer.qkv.packed, normed[0], qkv_rows, layer.qkv.bias, x_bf16, threads))
+            calls.append(rotary)
+            attention = self.attention.kernel_calls(q, k, v, k_cache, v_cache, attended, meta, self.scale)
+            if attention is None:
+                return None
+            calls += attention
+            post = layer.post_attention_norm
+            calls += _add_norm(layer.o, attended_rows, residual, post, residuals[0], normed[1], scratch)
+            calls.append(cpu_linear.linear_call(layer.gate_up, normed[1], activated, None, x_bf16, threads))
+            mlp_out = (residuals[1], normed[0])
+            calls += _add_norm(layer.down, activated, residuals[0], layer.next_norm, *mlp_out, scratch)
+            residual = residuals[1]
+        kernel_call.run(calls)
+        return normed[0]
+
+
+@dataclass(frozen=True)
+class _Scratch:
+    """What a step's calls share: o_proj's rows where its kernel has no add-and-norm epilogue, the bf16 buffer
+    the bf16 matmuls round their input into, the thread count."""
+
+    o_rows: torch.Tensor
+    x_bf16: torch.Tensor | None
+    threads: int
+
+
+def _add_norm(
+    projection: _Projection,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm: _Norm,
+    out: torch.Tensor,
+    normed: torch.Tensor,
+    scratch: _Scratch,
+) -> list[kernel_call.KernelCall]:
+    """``out = x @ W.T + bias + residual`` and ``normed = rms_norm(out)``: one call where the kernel has the
+    epilogue (:meth:`engine.layers.RMSNorm.forward_after`'s choice), else the projection into the scratch rows
+    and the norm with its residual add."""
+    packed, bias, x_bf16, threads = projection.packed, projection.bias, scratch.x_bf16, scratch.threads
+    if cpu_linear.has_add_norm(packed):
+        call = cpu_linear.linear_add_norm_call(
+            packed, x, out, bias, x_bf16, residual, norm.weight, norm.eps, normed, threads
+        )
+        return [call]
+    return [
+        cpu_linear.linear_call(packed, x, scratch.o_rows, bias, x_bf16, threads),
+        cpu_ops.rms_norm_call(scratch.o_rows, norm.weight, norm.eps, residual, normed, out, threads),
+    ]

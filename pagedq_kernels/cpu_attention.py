@@ -150,7 +150,7 @@ def available() -> bool:
     return c_build.load(_NAME, _bind) is not None
 
 
-def paged_decode_attention(
+def decode_call(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -161,8 +161,10 @@ def paged_decode_attention(
     scale: float,
     cascade: bool = True,
     q_lens: torch.Tensor | None = None,
-) -> None:
-    """Write into ``out[rows]`` the attention of the single-token queries ``q[rows]`` over their contexts.
+    use_dp: bool | None = None,
+) -> kernel_call.KernelCall:
+    """The call that writes into ``out[rows]`` the attention of the single-token queries ``q[rows]`` over their
+    contexts.
 
     With ``q_lens`` (int32, contiguous; only where :func:`multi_query_supported`), sequence ``i`` has
     ``q_lens[i]`` queries, rows ``rows[i]...``, at its last ``q_lens[i]`` positions (causal among them): a
@@ -177,31 +179,11 @@ def paged_decode_attention(
     With ``cascade``, blocks that start every sequence's table (a shared prompt prefix) are attended
     once for all sequences and merged into each (same result; the prefix is read once, not per
     sequence). The kernel finds them itself, so the engine needs no plan for it.
+
+    The kernel refuses (a RuntimeError from :func:`pagedq_kernels.kernel_call.run`) ``q_lens`` where not
+    :func:`multi_query_supported`. ``use_dp``: :func:`dp_attention_enabled` as the caller already asked it for
+    this step (default: asked here).
     """
-    try:
-        kernel_call.run((decode_call(q, k_cache, v_cache, out, rows, seq_lens, block_tables, scale, cascade, q_lens),))
-    except RuntimeError:
-        raise ValueError(
-            f"paged_decode_attention: q_lens over a {k_cache.dtype} cache need multi_query_supported()"
-        ) from None
-
-
-def decode_call(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    cascade: bool = True,
-    q_lens: torch.Tensor | None = None,
-    use_dp: bool | None = None,
-) -> kernel_call.KernelCall:
-    """The kernel call of :func:`paged_decode_attention` (same operands; it refuses, status 1, ``q_lens`` where
-    not :func:`multi_query_supported`). ``use_dp``: :func:`dp_attention_enabled` as the caller already asked it
-    for this step (default: asked here)."""
     lib = c_build.load(_NAME, _bind)
     assert lib is not None, "call available() first"
     if use_dp is None:
@@ -220,8 +202,12 @@ def decode_call(
             int(cascade),
             torch.get_num_threads(),
         ),
-        "paged decode attention",
+        "paged decode attention (q_lens need multi_query_supported())",
     )
+
+
+paged_decode_attention = kernel_call.immediate(decode_call, "paged_decode_attention")
+""":func:`decode_call`, made at once."""
 
 
 def multi_query_supported(kv_dtype: torch.dtype) -> bool:
@@ -261,29 +247,6 @@ def prefill_supported(head_dim: int) -> bool:
     return lib is not None and bool(lib.paged_prefill_attention_supported(head_dim))
 
 
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    q_starts: torch.Tensor,
-    q_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-) -> None:
-    """Causal attention of each sequence's new queries over its whole context, read from the cache.
-
-    Sequence ``i``'s ``q_lens[i]`` queries are rows ``q_starts[i]...`` of ``q [N, H, D]``, at the last
-    ``q_lens[i]`` of its ``seq_lens[i]`` positions (their K/V already written to the cache); results go
-    to the same rows of ``out [N, H, D]`` (contiguous). ``q_starts`` int64, the rest int32, contiguous.
-    Over a bf16 cache where :func:`dp_attention_enabled`, q and the softmax numerators are rounded to bf16 for
-    the products (bf16 flash attention's numerics); otherwise the arithmetic is fp32.
-    """
-    assert prefill_supported(q.shape[-1]), "call prefill_supported() first"
-    kernel_call.run((prefill_call(q, k_cache, v_cache, out, q_starts, q_lens, seq_lens, block_tables, scale),))
-
-
 def prefill_call(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -296,10 +259,17 @@ def prefill_call(
     scale: float,
     use_dp: bool | None = None,
 ) -> kernel_call.KernelCall:
-    """The kernel call of :func:`paged_prefill_attention` (same operands, :func:`prefill_supported` asked first);
-    ``use_dp`` as for :func:`decode_call`."""
+    """The call of the causal attention of each sequence's new queries over its whole context, read from the cache.
+
+    Sequence ``i``'s ``q_lens[i]`` queries are rows ``q_starts[i]...`` of ``q [N, H, D]``, at the last
+    ``q_lens[i]`` of its ``seq_lens[i]`` positions (their K/V already written to the cache); results go
+    to the same rows of ``out [N, H, D]`` (contiguous). ``q_starts`` int64, the rest int32, contiguous.
+    Over a bf16 cache where :func:`dp_attention_enabled`, q and the softmax numerators are rounded to bf16 for
+    the products (bf16 flash attention's numerics); otherwise the arithmetic is fp32.
+    ``use_dp`` as for :func:`decode_call`. Ask :func:`prefill_supported` first.
+    """
     lib = c_build.load(_NAME, _bind)
-    assert lib is not None, "call prefill_supported() first"
+    assert lib is not None and prefill_supported(q.shape[-1]), "call prefill_supported() first"
     if use_dp is None:
         use_dp = dp_attention_enabled(k_cache.dtype)
     return kernel_call.KernelCall(
@@ -317,3 +287,7 @@ def prefill_call(
         ),
         "paged prefill attention",
     )
+
+
+paged_prefill_attention = kernel_call.immediate(prefill_call, "paged_prefill_attention")
+""":func:`prefill_call`, made at once."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedq_kernels import c_build, cpu_linear, host_memory
+from pagedq_kernels import c_build, cpu_linear, host_memory, kernel_call
 
 PANEL = 16  # output columns per panel (gemm_tile.h NR)
 AMX_BLOCK, AMX_K, AMX_ROWS = cpu_linear.AMX_BLOCK, cpu_linear.AMX_K, cpu_linear.AMX_ROWS  # csrc/amx_tile.h
@@ -260,65 +260,51 @@ def pack(weight: Int8Weight, glu: bool = False, matmul_dtype: torch.dtype | None
 
 
 def linear(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` (or ``silu(gate) * up`` for glu) with ``packed`` from :func:`pack`."""
+    """``x @ W.T + bias`` (or ``silu(gate) * up`` for glu) with ``packed`` from :func:`pack`: ``x`` rounded to bf16
+    on the AMX kernel (rows padded to a tile's 16 with zeros), products summed in fp32, the fp32 result returned in
+    ``x``'s dtype."""
     n, k = packed.out_features, packed.in_features
+    x2, out, bias = cpu_linear.panel_operands(x, n, k, bias, packed.glu, "int8 linear")
+    m = x2.shape[0]
+    if m:
+        x_bf16 = torch.empty((bf16_rows(packed, m), k), dtype=torch.bfloat16) if packed.amx else None
+        function, args, _ = linear_call(packed, x2, out, bias, x_bf16, torch.get_num_threads())
+        if function(*args):
+            buffer = "AMX weight" if packed.amx else "dequantisation"
+            raise MemoryError(f"int8 linear: no memory for the {buffer} buffer")
+    return out.view(*x.shape[:-1], n).to(x.dtype)
+
+
+def bf16_rows(packed: PackedInt8, rows: int) -> int:
+    """Rows of the bf16 buffer the AMX kernel rounds ``rows`` rows of x into (a tile's 16); 0 for the panels."""
+    return -(-rows // AMX_ROWS) * AMX_ROWS if packed.amx else 0
+
+
+def linear_call(
+    packed: PackedInt8,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    x_bf16: torch.Tensor | None,
+    threads: int,
+) -> kernel_call.KernelCall:
+    """The one kernel call of :func:`linear` on buffers the caller holds, as :func:`cpu_linear.linear_call` has
+    them (``x_bf16``: AMX only, at least :func:`bf16_rows` x ``in`` elements). A non-zero status: the kernel
+    could not allocate its buffer, and wrote nothing."""
+    n, k, m = packed.out_features, packed.in_features, x.shape[0]
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    tail = (out.data_ptr(), out.stride(0), *((m,) if not packed.amx else ()), n, k, int(packed.glu), threads)
     if packed.amx:
-        return _linear_amx(x, packed, bias)
-    x2, out, bias = cpu_linear.panel_operands(x, n, k, bias, packed.glu, "int8 linear")
-    m = x2.shape[0]
-    if m:
-        lib = c_build.load("cpu_int8_gemm", _bind)
-        assert lib is not None, "int8-packed weight without its kernel"
-        rc = lib.gemm_int8_panels(
-            x2.data_ptr(),
-            x2.stride(0),
-            packed.values.data_ptr(),
-            packed.scales.data_ptr(),
-            packed.offsets.data_ptr() if packed.offsets is not None else None,
-            packed.group_size,
-            bias.data_ptr() if bias is not None else None,
-            out.data_ptr(),
-            n,
-            m,
-            n,
-            k,
-            int(packed.glu),
-            torch.get_num_threads(),
-        )
-        if rc:
-            raise MemoryError("int8 linear: no memory for the dequantisation buffer")
-    return out.view(*x.shape[:-1], n).to(x.dtype)
-
-
-def _linear_amx(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
-    """:func:`linear` for an AMX-packed weight: ``x`` rounded to bf16 (rows padded to a tile's 16 with
-    zeros), products summed in fp32, the fp32 result returned in ``x``'s dtype."""
-    n, k = packed.out_features, packed.in_features
-    x2, out, bias = cpu_linear.panel_operands(x, n, k, bias, packed.glu, "int8 linear")
-    m = x2.shape[0]
-    if m:
-        # The kernel rounds x to bf16 into this (rows padded to a tile's 16), as x.to(bfloat16) on the bf16 path.
-        xb = torch.empty((-(-m // AMX_ROWS) * AMX_ROWS, k), dtype=torch.bfloat16)
-        lib = _amx_lib()
-        assert lib is not None, "AMX-packed int8 weight without its kernel"
-        rc = lib.gemm_int8_amx(
-            x2.data_ptr(),
-            x2.stride(0),
-            xb.data_ptr(),
-            m,
-            packed.values.data_ptr(),
-            packed.scales.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
-            out.data_ptr(),
-            n,
-            n,
-            k,
-            int(packed.glu),
-            torch.get_num_threads(),
-        )
-        if rc:
-            raise MemoryError("int8 linear: no memory for the AMX weight buffer")
-    return out.view(*x.shape[:-1], n).to(x.dtype)
+        assert x_bf16 is not None and x_bf16.numel() >= bf16_rows(packed, m) * k, "bf16 rows' buffer too small"
+        amx = _amx_lib()
+        assert amx is not None, "AMX-packed int8 weight without its kernel"
+        tiles = (x.data_ptr(), x.stride(0), x_bf16.data_ptr(), m, packed.values.data_ptr(), packed.scales.data_ptr())
+        return kernel_call.KernelCall(amx.gemm_int8_amx, (*tiles, bias_ptr, *tail), "int8 AMX linear")
+    lib = c_build.load("cpu_int8_gemm", _bind)
+    assert lib is not None, "int8-packed weight without its kernel"
+    offsets = packed.offsets.data_ptr() if packed.offsets is not None else None
+    head = (x.data_ptr(), x.stride(0), packed.values.data_ptr(), packed.scales.data_ptr(), offsets, packed.group_size)
+    return kernel_call.KernelCall(lib.gemm_int8_panels, (*head, bias_ptr, *tail), "int8 linear")
 
 
 def linear_any(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -11,7 +11,9 @@ functions a whole-step plan (``engine/models/llama_cpu_plan.py``) uses, so an ar
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import NamedTuple, ParamSpec
+
+P = ParamSpec("P")
 
 
 class KernelCall(NamedTuple):
@@ -29,3 +31,15 @@ def run(calls: Iterable[KernelCall]) -> None:
         status = function(*args)
         if status:
             raise RuntimeError(f"the {what} kernel refused the call (status {status})")
+
+
+def immediate(builder: Callable[P, KernelCall], name: str) -> Callable[P, None]:
+    """The function ``name`` that builds its call with ``builder`` and makes it at once: the plain wrapper of a
+    kernel whose call a plan may also build ahead, from the one argument list."""
+
+    def call_now(*args: P.args, **kwargs: P.kwargs) -> None:
+        run((builder(*args, **kwargs),))
+
+    call_now.__name__ = call_now.__qualname__ = name
+    call_now.__doc__ = builder.__doc__
+    return call_now

@@ -290,7 +290,7 @@ def test_multi_query_only_where_supported(kv_dtype: torch.dtype) -> None:
     rows, q_lens = torch.tensor([0, 3]), torch.tensor([3, 1], dtype=torch.int32)
     args = (rows, meta.seq_lens, meta.block_tables, 0.25)
     if not cpu_attention.multi_query_supported(kv_dtype):
-        with pytest.raises(ValueError, match="multi_query_supported"):
+        with pytest.raises(RuntimeError, match="multi_query_supported"):
             cpu_attention.paged_decode_attention(q, k_cache, v_cache, out, *args, q_lens=q_lens)
         assert not out.any()
         return

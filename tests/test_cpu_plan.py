@@ -19,7 +19,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_cpu_plan import DISABLE_ENV, LlamaCpuPlan
-from pagedq_kernels import cpu_attention, cpu_isa
+from pagedq_kernels import cpu_attention, cpu_isa, w8a8_linear
 
 BLOCK = 16
 # (context length after the step, new tokens): a whole prompt, a chunk after a cached prefix, query runs the
@@ -27,39 +27,40 @@ BLOCK = 16
 # task over fp32, the prefill kernel over bf16), single decode tokens; the last three share their first two
 # blocks (the decode kernel's cascade over a shared prefix).
 STEP = [(37, 37), (70, 23), (45, 5), (61, 12), (50, 1), (75, 1), (33, 1), (90, 1)]
+DECODE_STEP = [s for s in STEP if s[1] == 1]
 SHARED = 3  # the last SHARED sequences' tables start with the same two blocks
 
 
-def _step(num_blocks: int, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Positions and metadata of :data:`STEP`, each sequence on its own blocks past the shared two."""
+def _step(step: list[tuple[int, int]], num_blocks: int, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions and metadata of ``step`` (as :data:`STEP`), each sequence on its own blocks past the shared two."""
     tables, next_block = [], 2
-    width = max(-(-s // BLOCK) for s, _ in STEP)
-    for i, (seq_len, _) in enumerate(STEP):
+    width = max(-(-s // BLOCK) for s, _ in step)
+    for i, (seq_len, _) in enumerate(step):
         blocks = -(-seq_len // BLOCK)
-        shared = i >= len(STEP) - SHARED
+        shared = i >= len(step) - SHARED
         own = list(range(next_block, next_block + blocks - (2 if shared else 0)))
         next_block += len(own)
         tables.append(([0, 1] if shared else []) + own + [0] * (width - blocks))
     assert next_block <= num_blocks
     table = torch.tensor(tables, dtype=torch.int32)
-    positions = torch.cat([torch.arange(s - q, s) for s, q in STEP])
-    seq_of = torch.cat([torch.full((q,), i) for i, (_, q) in enumerate(STEP)])
+    positions = torch.cat([torch.arange(s - q, s) for s, q in step])
+    seq_of = torch.cat([torch.full((q,), i) for i, (_, q) in enumerate(step)])
     slots = table[seq_of, positions // BLOCK].long() * BLOCK + positions % BLOCK
-    q_lens = [q for _, q in STEP]
+    q_lens = [q for _, q in step]
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor([s for s, _ in STEP], dtype=torch.int32),
+        seq_lens=torch.tensor([s for s, _ in step], dtype=torch.int32),
         block_tables=table,
         slot_mapping=slots,
         max_query_len=max(q_lens),
-        max_seq_len=max(s for s, _ in STEP),
+        max_seq_len=max(s for s, _ in step),
         query_lens_cpu=q_lens,
-        seq_lens_cpu=[s for s, _ in STEP],
+        seq_lens_cpu=[s for s, _ in step],
     )
     return positions.to(device), meta
 
 
-def _both_forwards(llm: LLM) -> None:
+def _both_forwards(llm: LLM, step: list[tuple[int, int]] = STEP) -> None:
     """One step through the plan and through the modules, from the same random cache: equal outputs and caches."""
     runner = llm.engine.runner
     model = runner.model
@@ -70,14 +71,15 @@ def _both_forwards(llm: LLM) -> None:
     cache = runner.kv_cache
     cache.copy_(torch.randn(cache.shape).to(cache.dtype))  # the cached prefixes the chunks continue
     start = cache.clone()
-    positions, meta = _step(cache.shape[2], cache.device)
+    positions, meta = _step(step, cache.shape[2], cache.device)
     ids = torch.randint(0, model.config.vocab_size, (positions.shape[0],))
     with torch.inference_mode():
         model.ops.attention.prepare(meta)
         split = TorchAttention._split(meta.backend_state, runner.kv_caches[0][0])
-        assert split.decode.rows.numel() and split.prefill_batch is not None  # every kernel, in one step
-        if cpu_attention.multi_query_supported(cache.dtype):
-            assert split.verify is not None
+        assert split.decode.rows.numel()
+        if step is STEP:  # every attention kernel, in one step
+            assert split.prefill_batch is not None
+            assert split.verify is not None or not cpu_attention.multi_query_supported(cache.dtype)
         planned = plan.forward(ids, positions, runner.kv_caches, meta)
         planned_cache = cache.clone()
         cache.copy_(start)
@@ -92,36 +94,52 @@ def _both_forwards(llm: LLM) -> None:
     assert not torch.equal(cache, start)  # the step did write its K/V
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2", "llama_tp_odd_vocab"])
-def test_plan_equals_the_module_forward_fp32(arch: str, isa_variant: str, tiny_model: Callable[[str], Path]) -> None:
-    """fp32 panels under each instruction-set build (qwen2: q/k/v biases; the odd-vocab model: 96 wide, 6 KV
-    heads). The generic build has no panel kernel: the weights go to oneDNN, and no plan is made."""
-    llm = LLM(str(tiny_model(arch)), dtype="float32", num_kv_blocks=64, block_size=BLOCK)
+@pytest.mark.parametrize(
+    ("arch", "quantization"),
+    [
+        ("llama_gqa", "none"),
+        ("qwen2", "none"),
+        ("llama_tp_odd_vocab", "none"),
+        ("llama_gqa", "int8"),
+        ("qwen2", "int8"),
+    ],
+)
+def test_plan_equals_the_module_forward_fp32(
+    arch: str, quantization: str, isa_variant: str, tiny_model: Callable[[str], Path]
+) -> None:
+    """fp32 panels, or int8 weights on their kernel (no add-and-norm epilogue: the projection, then the norm),
+    under each instruction-set build (qwen2: q/k/v biases; the odd-vocab model: 96 wide, 6 KV heads). The generic
+    build has no fp32 panel kernel: those weights go to oneDNN, and no plan is made."""
+    llm = LLM(str(tiny_model(arch)), dtype="float32", quantization=quantization, num_kv_blocks=64, block_size=BLOCK)
     model = llm.engine.runner.model
-    if isa_variant == "generic":
+    if isa_variant == "generic" and quantization == "none":
         assert model.cpu_plan is None
         return
-    _both_forwards(llm)
+    # The generic build has no C prefill kernel: a step with prompt chunks keeps the modules' torch prefill.
+    _both_forwards(llm, STEP if cpu_attention.prefill_supported(16) else DECODE_STEP)
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2"])
+@pytest.mark.parametrize(("arch", "quantization"), [("llama_gqa", "none"), ("qwen2", "none"), ("llama_gqa", "int8")])
 def test_plan_equals_the_module_forward_bf16(
-    arch: str, monkeypatch: pytest.MonkeyPatch, tiny_model: Callable[[str], Path]
+    arch: str, quantization: str, monkeypatch: pytest.MonkeyPatch, tiny_model: Callable[[str], Path]
 ) -> None:
-    """bf16 weights on pagedq's own bf16 kernel (AMX, else AVX512-bf16) and a bf16 cache, where the CPU runs one."""
+    """bf16 weights on pagedq's own bf16 kernel (AMX, else AVX512-bf16) and a bf16 cache, where the CPU runs one;
+    int8 weights of a bf16 model (on AMX tiles where AMX runs)."""
     monkeypatch.delenv(cpu_isa.ENV_CAP, raising=False)
     if not cpu_isa.current().bf16_matmul:
         pytest.skip(f"this CPU multiplies no bf16 in hardware (probed: {list(cpu_isa.current().probed)})")
-    llm = LLM(str(tiny_model(arch)), dtype="bfloat16", num_kv_blocks=64, block_size=BLOCK)
+    llm = LLM(str(tiny_model(arch)), dtype="bfloat16", quantization=quantization, num_kv_blocks=64, block_size=BLOCK)
     _both_forwards(llm)
 
 
 def test_models_the_plan_cannot_run_keep_the_module_forward(
     monkeypatch: pytest.MonkeyPatch, tiny_model: Callable[[str], Path]
 ) -> None:
-    """Qwen3's per-head norms, int8 weights and the switch: no plan, and the engine still generates."""
-    for arch, kwargs in (("qwen3", {}), ("llama_gqa", {"quantization": "int8"})):
-        llm = LLM(str(tiny_model(arch)), dtype="float32", num_kv_blocks=64, **kwargs)
+    """Qwen3's per-head norms, W8A8 (where oneDNN's int8 matmul runs) and the switch: no plan, and the engine
+    still generates."""
+    archs = [("qwen3", "none")] + ([("llama_gqa", "w8a8")] if w8a8_linear.available() else [])
+    for arch, quantization in archs:
+        llm = LLM(str(tiny_model(arch)), dtype="float32", quantization=quantization, num_kv_blocks=64)
         assert llm.engine.runner.model.cpu_plan is None
         assert len(llm.generate([[5, 6, 7]])[0].outputs[0].token_ids) > 0
     monkeypatch.setenv(DISABLE_ENV, "1")

@@ -10,14 +10,16 @@ call's arguments (:mod:`pagedq_kernels.kernel_call`) and then only calls.
 
 The calls are the module forward's own, in its order, on the same operands: the floats are the same, bit for
 bit (``tests/test_cpu_plan.py``). Where any piece of a model or of a step is something only the module forward
-runs (a quantised or oneDNN linear, Qwen3's per-head norms, tensor parallelism, a torch attention path, hooks
+runs (a W8A8 or oneDNN linear, Qwen3's per-head norms, tensor parallelism, a torch attention path, hooks
 that must see module calls: a model not yet packed has no plan), :meth:`LlamaCpuPlan.forward` answers None
 and the module forward runs instead. ``PAGEDQ_DISABLE_CPU_PLAN=1`` switches it off (for A/B runs).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +28,7 @@ import torch
 from engine.attention import TorchAttention
 from engine.attention_metadata import AttentionMetadata
 from engine.layers import Linear
-from pagedq_kernels import cpu_linear, cpu_ops, kernel_call
+from pagedq_kernels import cpu_linear, cpu_ops, int8_linear, kernel_call
 
 if TYPE_CHECKING:
     from engine.models.llama import KVCache, LlamaAttention, LlamaForCausalLM
@@ -35,20 +37,49 @@ DISABLE_ENV = "PAGEDQ_DISABLE_CPU_PLAN"
 C_KINDS = ("panels", "amx", "dpbf16")  # the packed kinds with a C kernel call (cpu_linear.linear_call)
 
 
+Packed = cpu_linear.PackedWeight | int8_linear.PackedInt8
+
+
+def _c_packed(weight: Packed | None) -> Packed | None:
+    """``weight`` where it has a C kernel call (:func:`_linear_call`), else None."""
+    if isinstance(weight, cpu_linear.PackedWeight):
+        return weight if weight.kind in C_KINDS else None
+    return weight
+
+
+def _rounds_to_bf16(weight: Packed) -> bool:
+    """Whether the weight's kernel rounds x into the step's bf16 buffer (bf16 weights, int8 on AMX tiles)."""
+    if isinstance(weight, cpu_linear.PackedWeight):
+        return weight.kind in cpu_linear.BF16_KINDS
+    return weight.amx
+
+
 @dataclass(frozen=True)
 class _Projection:
-    """A packed linear and its bias as the kernels read them (contiguous fp32)."""
+    """A packed linear (float or int8), its bias as the kernels read it (contiguous fp32), and its kernel's call
+    builder (``cpu_linear.linear_call`` or ``int8_linear.linear_call`` with the weight bound: x, out, bias, the
+    bf16 buffer, threads)."""
 
-    packed: cpu_linear.PackedWeight
+    packed: Packed
     bias: torch.Tensor | None
+    call: Callable[..., kernel_call.KernelCall]
 
     @classmethod
-    def of(cls, linear: Linear) -> _Projection | None:
-        packed = linear.packed
-        if packed is None or packed.kind not in C_KINDS or linear.w8a8 is not None or linear.int8_packed is not None:
+    def of(cls, packed: Packed | None, bias: torch.Tensor | None = None) -> _Projection | None:
+        packed = _c_packed(packed)
+        if packed is None:
             return None
-        bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
-        return cls(packed, bias)
+        if isinstance(packed, cpu_linear.PackedWeight):
+            call = functools.partial(cpu_linear.linear_call, packed)
+        else:
+            call = functools.partial(int8_linear.linear_call, packed)
+        return cls(packed, bias.detach().float().contiguous() if bias is not None else None, call)
+
+    @classmethod
+    def of_linear(cls, linear: Linear) -> _Projection | None:
+        if linear.w8a8 is not None:
+            return None
+        return cls.of(linear.packed or linear.int8_packed, linear.bias)
 
 
 @dataclass(frozen=True)
@@ -65,7 +96,7 @@ class _Layer:
     qkv: _Projection
     o: _Projection
     post_attention_norm: _Norm
-    gate_up: cpu_linear.PackedWeight  # packed with its SiLU-and-mul fused (glu)
+    gate_up: _Projection  # packed with its SiLU-and-mul fused (glu)
     down: _Projection
     next_norm: _Norm
 
@@ -88,11 +119,10 @@ class LlamaCpuPlan:
         self.q_size, self.kv_size, self.scale = attn.q_size, attn.kv_size, attn.scale
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden_size = model.config.hidden_size
-        self.intermediate_size = layers[0].gate_up.out_features
+        self.intermediate_size = layers[0].gate_up.packed.out_features
         self.cos_sin_cache = model.rotary_emb.cos_sin_cache
-        weights = [w for layer in layers for w in (layer.qkv.packed, layer.o.packed, layer.gate_up, layer.down.packed)]
-        bf16 = [w for w in weights if w.kind in cpu_linear.BF16_KINDS]
-        self.bf16_kind = bf16[0].kind if bf16 else None  # amx pads the rounded rows; one kind per model
+        weights = [p.packed for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.rounds_to_bf16 = any(_rounds_to_bf16(w) for w in weights)
         self.max_in_features = max(w.in_features for w in weights)
 
     @classmethod
@@ -125,12 +155,12 @@ class LlamaCpuPlan:
         layers: list[_Layer] = []
         for i, block in enumerate(blocks):
             attn, mlp = block.self_attn, block.mlp
-            qkv, o, down = _Projection.of(attn.qkv_proj), _Projection.of(attn.o_proj), _Projection.of(mlp.down_proj)
-            gated = mlp.gated
+            qkv, o, down = (_Projection.of_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.down_proj))
+            gated = _Projection.of(mlp.gated or mlp.gated_int8)
             post = block.post_attention_layernorm
             if qkv is None or o is None or down is None or attn.q_norm is not None:
                 return None
-            if gated is None or gated.kind not in C_KINDS or post.weight.dtype != torch.float32:
+            if gated is None or post.weight.dtype != torch.float32:
                 return None
             post_norm = _Norm(post.weight.detach().contiguous(), post.eps)
             layers.append(_Layer(qkv, o, post_norm, gated, down, norms[i + 1]))
@@ -160,15 +190,15 @@ class LlamaCpuPlan:
         activated = torch.empty((n, self.intermediate_size))
         o_rows = torch.empty(rows)  # only where o_proj's kernel has no add-and-norm epilogue (amx)
         x_bf16 = None
-        if self.bf16_kind is not None:
-            x_bf16 = torch.empty((cpu_linear.bf16_rows(self.bf16_kind, n), self.max_in_features), dtype=torch.bfloat16)
+        if self.rounds_to_bf16:  # rows padded to an AMX tile's 16: enough for every kind
+            x_bf16 = torch.empty((cpu_linear.bf16_rows("amx", n), self.max_in_features), dtype=torch.bfloat16)
         scratch = _Scratch(o_rows, x_bf16, threads)
         first = self.first_norm
         calls = [cpu_ops.rms_norm_call(hidden, first.weight, first.eps, None, normed[0], None, threads)]
         rotary = cpu_ops.rotary_call(positions, q, k, self.cos_sin_cache, threads)
         residual = hidden
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            calls.append(cpu_linear.linear_call(layer.qkv.packed, normed[0], qkv_rows, layer.qkv.bias, x_bf16, threads))
+            calls.append(layer.qkv.call(normed[0], qkv_rows, layer.qkv.bias, x_bf16, threads))
             calls.append(rotary)
             attention = self.attention.kernel_calls(q, k, v, k_cache, v_cache, attended, meta, self.scale)
             if attention is None:
@@ -176,7 +206,7 @@ class LlamaCpuPlan:
             calls += attention
             post = layer.post_attention_norm
             calls += _add_norm(layer.o, attended_rows, residual, post, residuals[0], normed[1], scratch)
-            calls.append(cpu_linear.linear_call(layer.gate_up, normed[1], activated, None, x_bf16, threads))
+            calls.append(layer.gate_up.call(normed[1], activated, None, x_bf16, threads))
             mlp_out = (residuals[1], normed[0])
             calls += _add_norm(layer.down, activated, residuals[0], layer.next_norm, *mlp_out, scratch)
             residual = residuals[1]
@@ -207,12 +237,12 @@ def _add_norm(
     epilogue (:meth:`engine.layers.RMSNorm.forward_after`'s choice), else the projection into the scratch rows
     and the norm with its residual add."""
     packed, bias, x_bf16, threads = projection.packed, projection.bias, scratch.x_bf16, scratch.threads
-    if cpu_linear.has_add_norm(packed):
+    if isinstance(packed, cpu_linear.PackedWeight) and cpu_linear.has_add_norm(packed):
         call = cpu_linear.linear_add_norm_call(
             packed, x, out, bias, x_bf16, residual, norm.weight, norm.eps, normed, threads
         )
         return [call]
     return [
-        cpu_linear.linear_call(packed, x, scratch.o_rows, bias, x_bf16, threads),
+        projection.call(x, scratch.o_rows, bias, x_bf16, threads),
         cpu_ops.rms_norm_call(scratch.o_rows, norm.weight, norm.eps, residual, normed, out, threads),
     ]

@@ -112,7 +112,7 @@ class LlamaCpuPlan:
         layers: list[_Layer],
         first_norm: _Norm,
     ) -> None:
-        self.model = model
+        self.embed_tokens = model.embed_tokens  # not the model itself: the model holds the plan
         self.layers = layers
         self.first_norm = first_norm
         self.attention = attention
@@ -176,7 +176,7 @@ class LlamaCpuPlan:
         if not n or positions.dtype != torch.int64 or not positions.is_contiguous():
             return None
         threads = torch.get_num_threads()
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
         rows = (n, self.hidden_size)
         residuals = (torch.empty(rows), torch.empty(rows))  # after attention, after the MLP: each layer alike
         normed = (torch.empty(rows), torch.empty(rows))  # a layer's input, its MLP's input

@@ -7,6 +7,7 @@ once per layer (``forward``). ``torch`` is the CPU path; ``triton`` runs the ker
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -179,9 +180,9 @@ class TorchAttention:
         scale: float,
     ) -> torch.Tensor:
         out = q.new_empty(q.shape)
-        calls = self.kernel_calls(q, k, v, k_cache, v_cache, out, meta, scale)
+        calls = self.kernel_calls(q, k, v, [(k_cache, v_cache)], out, meta, scale)
         if calls is not None:
-            kernel_call.run(calls)
+            kernel_call.run(calls[0])
             return out
         # Some part takes a torch path (no C kernels, other dtypes or layouts): each part on its own.
         cpu_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -220,38 +221,42 @@ class TorchAttention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         out: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> list[kernel_call.KernelCall] | None:
-        """The C calls :meth:`forward` makes for one layer, into ``out`` (``q``'s shape, contiguous): the KV write,
-        then decode, verification and prefill attention as the step's plan splits its sequences; None where any
-        part would take a torch path. What a whole-step plan (``engine/models/llama_cpu_plan.py``) strings
-        together for every layer of a step."""
-        write = cpu_attention.write_kv_cache_call(k, v, k_cache, v_cache, meta.slot_mapping)
-        if write is None or not _c_decode_ok(q, k_cache):
+    ) -> list[list[kernel_call.KernelCall]] | None:
+        """The C calls :meth:`forward` makes, for each ``(k_cache, v_cache)`` of ``caches`` (one per layer, all of
+        one shape, dtype and layout), into ``out`` (``q``'s shape, contiguous): the KV write, then decode,
+        verification and prefill attention as the step's plan splits its sequences; None where any part would
+        take a torch path. What a whole-step plan (``engine/models/llama_cpu_plan.py``) strings together for
+        every layer of a step: the checks run once, on the first layer's caches."""
+        first_k, first_v = caches[0]
+        supported = cpu_attention.write_kv_cache_supported(k, v, first_k, first_v, meta.slot_mapping)
+        if not supported or not _c_decode_ok(q, first_k):
             return None
         plan: _TorchPlan = meta.backend_state
-        split = self._split(plan, k_cache)
-        if split.prefill_batch is not None and not _c_prefill_ok(q, k_cache):
+        split = self._split(plan, first_k)
+        if split.prefill_batch is not None and not _c_prefill_ok(q, first_k):
             return None
-        use_dp = cpu_attention.dp_attention_enabled(k_cache.dtype)
-        calls = [write]
-        for rows in (split.decode, split.verify):
-            if rows is not None and rows.rows.numel():
+        use_dp = cpu_attention.dp_attention_enabled(first_k.dtype)
+        runs = [r for r in (split.decode, split.verify) if r is not None and r.rows.numel()]
+        layers = []
+        for k_cache, v_cache in caches:
+            calls = [cpu_attention.write_kv_cache_call(k, v, k_cache, v_cache, meta.slot_mapping)]
+            for rows in runs:
                 operands = (rows.rows, rows.seq_lens, rows.tables, scale)
                 call = cpu_attention.decode_call(q, k_cache, v_cache, out, *operands, q_lens=rows.q_lens, use_dp=use_dp)
                 calls.append(call)
-        if split.prefill_batch is not None:
-            b = split.prefill_batch
-            calls.append(
-                cpu_attention.prefill_call(
-                    q, k_cache, v_cache, out, b.q_starts, b.q_lens, b.seq_lens, b.tables, scale, use_dp=use_dp
+            if split.prefill_batch is not None:
+                b = split.prefill_batch
+                calls.append(
+                    cpu_attention.prefill_call(
+                        q, k_cache, v_cache, out, b.q_starts, b.q_lens, b.seq_lens, b.tables, scale, use_dp=use_dp
+                    )
                 )
-            )
-        return calls
+            layers.append(calls)
+        return layers
 
     @staticmethod
     def _split(plan: _TorchPlan, k_cache: torch.Tensor) -> _Split:

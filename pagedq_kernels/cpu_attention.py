@@ -95,21 +95,19 @@ def write_kv_cache(
     """:func:`pagedq_kernels.kv_cache.write_kv_cache_torch` in one C call: ``k, v [N, KVH, D]`` float32 (each token's
     KVH x D values contiguous, tokens at any stride: views of the qkv output) into float32 or bf16 caches,
     rounded as torch rounds; anything else goes to the torch reference."""
-    call = write_kv_cache_call(k, v, k_cache, v_cache, slot_mapping)
-    if call is None:
+    if not write_kv_cache_supported(k, v, k_cache, v_cache, slot_mapping):
         write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping)
         return
-    kernel_call.run((call,))
+    kernel_call.run((write_kv_cache_call(k, v, k_cache, v_cache, slot_mapping),))
 
 
-def write_kv_cache_call(
+def write_kv_cache_supported(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> kernel_call.KernelCall | None:
-    """The C call of :func:`write_kv_cache` on these tensors, or None where it takes the torch reference."""
-    lib = c_build.load(_NAME, _bind)
+) -> bool:
+    """Whether :func:`write_kv_cache` makes its C call on these tensors (else it takes the torch reference)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    ok = (
-        lib is not None
+    return (
+        c_build.load(_NAME, _bind) is not None
         and k.dtype == v.dtype == torch.float32
         and k.device.type == v.device.type == k_cache.device.type == "cpu"
         and k_cache.dtype == v_cache.dtype
@@ -124,9 +122,16 @@ def write_kv_cache_call(
         )
         and k.shape[0] == v.shape[0] == slot_mapping.shape[0]
     )
-    if not ok:
-        return None
-    assert lib is not None
+
+
+def write_kv_cache_call(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> kernel_call.KernelCall:
+    """The C call of :func:`write_kv_cache` on tensors :func:`write_kv_cache_supported` accepted (a plan asks once
+    for a step's first layer: every layer's caches share their shape, dtype and layout)."""
+    lib = c_build.load(_NAME, _bind)
+    assert lib is not None, "ask write_kv_cache_supported() first"
+    num_kv_heads, head_dim = k_cache.shape[-2:]
     return kernel_call.KernelCall(
         lib.write_kv_cache_f32,
         (

@@ -196,14 +196,14 @@ class LlamaCpuPlan:
         first = self.first_norm
         calls = [cpu_ops.rms_norm_call(hidden, first.weight, first.eps, None, normed[0], None, threads)]
         rotary = cpu_ops.rotary_call(positions, q, k, self.cos_sin_cache, threads)
+        attention = self.attention.kernel_calls(q, k, v, kv_caches, attended, meta, self.scale)
+        if attention is None:
+            return None
         residual = hidden
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for layer, attention_calls in zip(self.layers, attention, strict=True):
             calls.append(layer.qkv.call(normed[0], qkv_rows, layer.qkv.bias, x_bf16, threads))
             calls.append(rotary)
-            attention = self.attention.kernel_calls(q, k, v, k_cache, v_cache, attended, meta, self.scale)
-            if attention is None:
-                return None
-            calls += attention
+            calls += attention_calls
             post = layer.post_attention_norm
             calls += _add_norm(layer.o, attended_rows, residual, post, residuals[0], normed[1], scratch)
             calls.append(layer.gate_up.call(normed[1], activated, None, x_bf16, threads))

@@ -59,6 +59,7 @@ from pagedq_kernels import c_build, cpu_isa, host_memory, kernel_call
 
 Kind = Literal["panels", "amx", "dpbf16", "onednn"]
 BF16_KINDS: tuple[Kind, ...] = ("amx", "dpbf16")
+CALL_KINDS: tuple[Kind, ...] = ("panels", *BF16_KINDS)  # pagedq's own kernels: what linear_call builds a call for
 """pagedq's own bf16-weight kernels: one packed layout (the AMX B-tile order, :func:`_pack_amx`), two
 instructions; :func:`linear` runs both through :func:`_linear_bf16`."""
 
@@ -351,7 +352,7 @@ def linear_call(
         assert lib is not None, "panel-packed weight without its kernel"
         args = (x.data_ptr(), x.stride(0), packed.data.data_ptr(), bias_ptr, out.data_ptr(), out.stride(0), m, n, k)
         return kernel_call.KernelCall(lib.gemm_panels_f32, (*args, *glu_and_threads), "panels linear")
-    if packed.kind not in BF16_KINDS:
+    if packed.kind not in CALL_KINDS:
         raise ValueError(f"no C kernel call for a {packed.kind!r} weight")
     assert x_bf16 is not None and x_bf16.numel() >= bf16_rows(packed.kind, m) * k, "bf16 rows' buffer too small"
     amx = packed.kind == "amx"
@@ -380,6 +381,8 @@ def linear_add_norm_call(
     """The one kernel call of :func:`linear_add_norm` where :func:`has_add_norm`, on buffers the caller holds:
     operands as for :func:`linear_call`, except that ``out``, ``residual`` and ``normed`` are contiguous fp32
     ``[m, out]`` (three distinct buffers) and ``norm_weight`` contiguous fp32 ``[out]``."""
+    if not has_add_norm(packed):
+        raise ValueError(f"no add-and-norm kernel for a {packed.kind!r} weight")
     n, k, m = packed.out_features, packed.in_features, x.shape[0]
     bias_ptr = bias.data_ptr() if bias is not None else None
     norm = (residual.data_ptr(), norm_weight.data_ptr(), eps, normed.data_ptr(), threads)
@@ -388,8 +391,6 @@ def linear_add_norm_call(
         assert lib is not None, "panel-packed weight without its kernel"
         args = (x.data_ptr(), x.stride(0), packed.data.data_ptr(), bias_ptr, out.data_ptr(), m, n, k)
         return kernel_call.KernelCall(lib.gemm_panels_add_norm_f32, (*args, *norm), "panels add-and-norm")
-    if packed.kind != "dpbf16" or packed.glu:
-        raise ValueError(f"no add-and-norm kernel for a {packed.kind!r} weight")
     dp = _dp_lib()
     assert dp is not None and x_bf16 is not None and x_bf16.numel() >= m * k
     dp_args = (x.data_ptr(), x.stride(0), x_bf16.data_ptr(), m, packed.data.data_ptr(), bias_ptr, out.data_ptr(), n, k)

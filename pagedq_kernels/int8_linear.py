@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from pagedq_kernels import c_build, cpu_linear, host_memory, kernel_call
 
 PANEL = 16  # output columns per panel (gemm_tile.h NR)
-AMX_BLOCK, AMX_K, AMX_ROWS = cpu_linear.AMX_BLOCK, cpu_linear.AMX_K, cpu_linear.AMX_ROWS  # csrc/amx_tile.h
+AMX_BLOCK, AMX_K = cpu_linear.AMX_BLOCK, cpu_linear.AMX_K  # csrc/amx_tile.h
 INT8_MAX = 127
 
 
@@ -267,17 +267,12 @@ def linear(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None) -> to
     x2, out, bias = cpu_linear.panel_operands(x, n, k, bias, packed.glu, "int8 linear")
     m = x2.shape[0]
     if m:
-        x_bf16 = torch.empty((bf16_rows(packed, m), k), dtype=torch.bfloat16) if packed.amx else None
+        x_bf16 = torch.empty((cpu_linear.bf16_rows("amx", m), k), dtype=torch.bfloat16) if packed.amx else None
         function, args, _ = linear_call(packed, x2, out, bias, x_bf16, torch.get_num_threads())
         if function(*args):
             buffer = "AMX weight" if packed.amx else "dequantisation"
             raise MemoryError(f"int8 linear: no memory for the {buffer} buffer")
     return out.view(*x.shape[:-1], n).to(x.dtype)
-
-
-def bf16_rows(packed: PackedInt8, rows: int) -> int:
-    """Rows of the bf16 buffer the AMX kernel rounds ``rows`` rows of x into (a tile's 16); 0 for the panels."""
-    return -(-rows // AMX_ROWS) * AMX_ROWS if packed.amx else 0
 
 
 def linear_call(
@@ -289,22 +284,26 @@ def linear_call(
     threads: int,
 ) -> kernel_call.KernelCall:
     """The one kernel call of :func:`linear` on buffers the caller holds, as :func:`cpu_linear.linear_call` has
-    them (``x_bf16``: AMX only, at least :func:`bf16_rows` x ``in`` elements). A non-zero status: the kernel
-    could not allocate its buffer, and wrote nothing."""
+    them (``x_bf16``: AMX only, at least ``cpu_linear.bf16_rows("amx", m)`` x ``in`` elements). A non-zero status:
+    the kernel could not allocate its buffer, and wrote nothing."""
     n, k, m = packed.out_features, packed.in_features, x.shape[0]
     bias_ptr = bias.data_ptr() if bias is not None else None
-    tail = (out.data_ptr(), out.stride(0), *((m,) if not packed.amx else ()), n, k, int(packed.glu), threads)
+    values, scales = packed.values.data_ptr(), packed.scales.data_ptr()
     if packed.amx:
-        assert x_bf16 is not None and x_bf16.numel() >= bf16_rows(packed, m) * k, "bf16 rows' buffer too small"
+        assert x_bf16 is not None and x_bf16.numel() >= cpu_linear.bf16_rows("amx", m) * k, "bf16 buffer too small"
         amx = _amx_lib()
         assert amx is not None, "AMX-packed int8 weight without its kernel"
-        tiles = (x.data_ptr(), x.stride(0), x_bf16.data_ptr(), m, packed.values.data_ptr(), packed.scales.data_ptr())
-        return kernel_call.KernelCall(amx.gemm_int8_amx, (*tiles, bias_ptr, *tail), "int8 AMX linear")
+        tiles = (x.data_ptr(), x.stride(0), x_bf16.data_ptr(), m, values, scales, bias_ptr, out.data_ptr())
+        return kernel_call.KernelCall(
+            amx.gemm_int8_amx, (*tiles, out.stride(0), n, k, int(packed.glu), threads), "int8 AMX linear"
+        )
     lib = c_build.load("cpu_int8_gemm", _bind)
     assert lib is not None, "int8-packed weight without its kernel"
     offsets = packed.offsets.data_ptr() if packed.offsets is not None else None
-    head = (x.data_ptr(), x.stride(0), packed.values.data_ptr(), packed.scales.data_ptr(), offsets, packed.group_size)
-    return kernel_call.KernelCall(lib.gemm_int8_panels, (*head, bias_ptr, *tail), "int8 linear")
+    panels = (x.data_ptr(), x.stride(0), values, scales, offsets, packed.group_size, bias_ptr, out.data_ptr())
+    return kernel_call.KernelCall(
+        lib.gemm_int8_panels, (*panels, out.stride(0), m, n, k, int(packed.glu), threads), "int8 linear"
+    )
 
 
 def linear_any(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from engine.models.llama import KVCache, LlamaAttention, LlamaForCausalLM
 
 DISABLE_ENV = "PAGEDQ_DISABLE_CPU_PLAN"
-C_KINDS = ("panels", "amx", "dpbf16")  # the packed kinds with a C kernel call (cpu_linear.linear_call)
 
 
 Packed = cpu_linear.PackedWeight | int8_linear.PackedInt8
@@ -43,7 +42,7 @@ Packed = cpu_linear.PackedWeight | int8_linear.PackedInt8
 def _c_packed(weight: Packed | None) -> Packed | None:
     """``weight`` where it has a C kernel call (:func:`_linear_call`), else None."""
     if isinstance(weight, cpu_linear.PackedWeight):
-        return weight if weight.kind in C_KINDS else None
+        return weight if weight.kind in cpu_linear.CALL_KINDS else None
     return weight
 
 

@@ -241,22 +241,15 @@ class TorchAttention:
             return None
         use_dp = cpu_attention.dp_attention_enabled(first_k.dtype)
         runs = [r for r in (split.decode, split.verify) if r is not None and r.rows.numel()]
-        layers = []
-        for k_cache, v_cache in caches:
-            calls = [cpu_attention.write_kv_cache_call(k, v, k_cache, v_cache, meta.slot_mapping)]
-            for rows in runs:
-                operands = (rows.rows, rows.seq_lens, rows.tables, scale)
-                call = cpu_attention.decode_call(q, k_cache, v_cache, out, *operands, q_lens=rows.q_lens, use_dp=use_dp)
-                calls.append(call)
-            if split.prefill_batch is not None:
-                b = split.prefill_batch
-                calls.append(
-                    cpu_attention.prefill_call(
-                        q, k_cache, v_cache, out, b.q_starts, b.q_lens, b.seq_lens, b.tables, scale, use_dp=use_dp
-                    )
-                )
-            layers.append(calls)
-        return layers
+        kinds = [cpu_attention.write_kv_cache_calls(k, v, caches, meta.slot_mapping)]
+        for rows in runs:
+            operands = (rows.rows, rows.seq_lens, rows.tables, scale)
+            kinds.append(cpu_attention.decode_calls(q, caches, out, *operands, q_lens=rows.q_lens, use_dp=use_dp))
+        if split.prefill_batch is not None:
+            b = split.prefill_batch
+            batch = (b.q_starts, b.q_lens, b.seq_lens, b.tables, scale)
+            kinds.append(cpu_attention.prefill_calls(q, caches, out, *batch, use_dp=use_dp))
+        return [list(layer) for layer in zip(*kinds, strict=True)]
 
     @staticmethod
     def _split(plan: _TorchPlan, k_cache: torch.Tensor) -> _Split:

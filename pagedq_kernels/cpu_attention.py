@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,11 +44,22 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.decode_cascade_blocks.restype = i64
 
 
-def _query_and_cache(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
-) -> tuple[int, int, int, int, int, int]:
-    """The arguments both kernels start with: q (pointer, token and head strides), the caches, out."""
-    return q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+Caches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+"""``(k_cache, v_cache)`` per layer, all of one shape, dtype and layout."""
+
+
+def _over_caches(
+    function: Callable[..., int | None], head: tuple[object, ...], tail: tuple[object, ...], caches: Caches, what: str
+) -> list[kernel_call.KernelCall]:
+    """One call of ``function`` per layer: ``head``, the layer's two cache addresses, ``tail``. Every kernel here
+    takes the caches in one place of its argument list, so a step's calls for all layers differ only there and
+    their arguments are worked out once."""
+    return [kernel_call.KernelCall(function, (*head, k.data_ptr(), v.data_ptr(), *tail), what) for k, v in caches]
+
+
+def _query(q: torch.Tensor) -> tuple[int, int, int]:
+    """The arguments both attention kernels start with: q's pointer, token and head strides."""
+    return q.data_ptr(), q.stride(0), q.stride(1)
 
 
 def _shapes_and_scale(
@@ -127,27 +139,22 @@ def write_kv_cache_supported(
 def write_kv_cache_call(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> kernel_call.KernelCall:
-    """The C call of :func:`write_kv_cache` on tensors :func:`write_kv_cache_supported` accepted (a plan asks once
-    for a step's first layer: every layer's caches share their shape, dtype and layout)."""
+    """The C call of :func:`write_kv_cache` on tensors :func:`write_kv_cache_supported` accepted."""
+    return write_kv_cache_calls(k, v, [(k_cache, v_cache)], slot_mapping)[0]
+
+
+def write_kv_cache_calls(
+    k: torch.Tensor, v: torch.Tensor, caches: Caches, slot_mapping: torch.Tensor
+) -> list[kernel_call.KernelCall]:
+    """:func:`write_kv_cache_call` into each layer's caches (a plan asks :func:`write_kv_cache_supported` once, for
+    the first layer's)."""
     lib = c_build.load(_NAME, _bind)
     assert lib is not None, "ask write_kv_cache_supported() first"
+    k_cache, v_cache = caches[0]
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    return kernel_call.KernelCall(
-        lib.write_kv_cache_f32,
-        (
-            k.data_ptr(),
-            k.stride(0),
-            v.data_ptr(),
-            v.stride(0),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            slot_mapping.data_ptr(),
-            k.shape[0],
-            num_kv_heads * head_dim,
-            _kv_bf16(k_cache, v_cache),
-        ),
-        "KV cache write",
-    )
+    head = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0))
+    tail = (slot_mapping.data_ptr(), k.shape[0], num_kv_heads * head_dim, _kv_bf16(k_cache, v_cache))
+    return _over_caches(lib.write_kv_cache_f32, head, tail, caches, "KV cache write")
 
 
 def available() -> bool:
@@ -189,26 +196,42 @@ def decode_call(
     :func:`multi_query_supported`. ``use_dp``: :func:`dp_attention_enabled` as the caller already asked it for
     this step (default: asked here).
     """
+    operands = (rows, seq_lens, block_tables, scale)
+    return decode_calls(q, [(k_cache, v_cache)], out, *operands, cascade=cascade, q_lens=q_lens, use_dp=use_dp)[0]
+
+
+def decode_calls(
+    q: torch.Tensor,
+    caches: Caches,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    cascade: bool = True,
+    q_lens: torch.Tensor | None = None,
+    use_dp: bool | None = None,
+) -> list[kernel_call.KernelCall]:
+    """:func:`decode_call` over each layer's caches."""
     lib = c_build.load(_NAME, _bind)
     assert lib is not None, "call available() first"
+    k_cache, v_cache = caches[0]
     if use_dp is None:
         use_dp = dp_attention_enabled(k_cache.dtype)
-    return kernel_call.KernelCall(
-        lib.paged_decode_attention_f32,
-        (
-            *_query_and_cache(q, k_cache, v_cache, out),
-            rows.data_ptr(),
-            seq_lens.data_ptr(),
-            block_tables.data_ptr(),
-            q_lens.data_ptr() if q_lens is not None else None,
-            *_shapes_and_scale(rows.shape[0], block_tables, q, k_cache, scale),
-            _kv_bf16(k_cache, v_cache),
-            int(use_dp),
-            int(cascade),
-            torch.get_num_threads(),
-        ),
-        "paged decode attention (q_lens need multi_query_supported())",
+    tail = (
+        out.data_ptr(),
+        rows.data_ptr(),
+        seq_lens.data_ptr(),
+        block_tables.data_ptr(),
+        q_lens.data_ptr() if q_lens is not None else None,
+        *_shapes_and_scale(rows.shape[0], block_tables, q, k_cache, scale),
+        _kv_bf16(k_cache, v_cache),
+        int(use_dp),
+        int(cascade),
+        torch.get_num_threads(),
     )
+    what = "paged decode attention (q_lens need multi_query_supported())"
+    return _over_caches(lib.paged_decode_attention_f32, _query(q), tail, caches, what)
 
 
 paged_decode_attention = kernel_call.immediate(decode_call, "paged_decode_attention")
@@ -273,25 +296,39 @@ def prefill_call(
     the products (bf16 flash attention's numerics); otherwise the arithmetic is fp32.
     ``use_dp`` as for :func:`decode_call`. Ask :func:`prefill_supported` first.
     """
+    operands = (q_starts, q_lens, seq_lens, block_tables, scale)
+    return prefill_calls(q, [(k_cache, v_cache)], out, *operands, use_dp=use_dp)[0]
+
+
+def prefill_calls(
+    q: torch.Tensor,
+    caches: Caches,
+    out: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    use_dp: bool | None = None,
+) -> list[kernel_call.KernelCall]:
+    """:func:`prefill_call` over each layer's caches."""
     lib = c_build.load(_NAME, _bind)
     assert lib is not None and prefill_supported(q.shape[-1]), "call prefill_supported() first"
+    k_cache, v_cache = caches[0]
     if use_dp is None:
         use_dp = dp_attention_enabled(k_cache.dtype)
-    return kernel_call.KernelCall(
-        lib.paged_prefill_attention_f32,
-        (
-            *_query_and_cache(q, k_cache, v_cache, out),
-            q_starts.data_ptr(),
-            q_lens.data_ptr(),
-            seq_lens.data_ptr(),
-            block_tables.data_ptr(),
-            *_shapes_and_scale(q_starts.shape[0], block_tables, q, k_cache, scale),
-            _kv_bf16(k_cache, v_cache),
-            int(use_dp),
-            torch.get_num_threads(),
-        ),
-        "paged prefill attention",
+    tail = (
+        out.data_ptr(),
+        q_starts.data_ptr(),
+        q_lens.data_ptr(),
+        seq_lens.data_ptr(),
+        block_tables.data_ptr(),
+        *_shapes_and_scale(q_starts.shape[0], block_tables, q, k_cache, scale),
+        _kv_bf16(k_cache, v_cache),
+        int(use_dp),
+        torch.get_num_threads(),
     )
+    return _over_caches(lib.paged_prefill_attention_f32, _query(q), tail, caches, "paged prefill attention")
 
 
 paged_prefill_attention = kernel_call.immediate(prefill_call, "paged_prefill_attention")

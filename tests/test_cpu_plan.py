@@ -60,14 +60,15 @@ def _step(step: list[tuple[int, int]], num_blocks: int, device: torch.device) ->
     return positions.to(device), meta
 
 
-def _both_forwards(llm: LLM, step: list[tuple[int, int]] = STEP) -> None:
-    """One step through the plan and through the modules, from the same random cache: equal outputs and caches."""
+def _both_forwards(llm: LLM, step: list[tuple[int, int]] = STEP, seed: int = 0) -> torch.Tensor:
+    """One step through the plan and through the modules, from the same random cache: equal outputs and caches.
+    Returns the plan's output."""
     runner = llm.engine.runner
     model = runner.model
     assert isinstance(runner, ModelRunner) and isinstance(model, LlamaForCausalLM)
     plan = model.cpu_plan
     assert plan is not None, "this model packs for the C kernels: it should have a plan"
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cache = runner.kv_cache
     cache.copy_(torch.randn(cache.shape).to(cache.dtype))  # the cached prefixes the chunks continue
     start = cache.clone()
@@ -92,6 +93,7 @@ def _both_forwards(llm: LLM, step: list[tuple[int, int]] = STEP) -> None:
     assert torch.equal(planned, moduled)
     assert torch.equal(planned_cache, cache)
     assert not torch.equal(cache, start)  # the step did write its K/V
+    return planned
 
 
 @pytest.mark.parametrize(
@@ -117,6 +119,24 @@ def test_plan_equals_the_module_forward_fp32(
         return
     # The generic build has no C prefill kernel: a step with prompt chunks keeps the modules' torch prefill.
     _both_forwards(llm, STEP if cpu_attention.prefill_supported(16) else DECODE_STEP)
+
+
+def test_a_kept_step_frame_serves_the_next_step_of_as_many_rows(tiny_model: Callable[[str], Path]) -> None:
+    """A decode-sized step's buffers and bound calls are kept (the plan's step frames): a second step of as many
+    rows, other tokens and cache, again equals the module forward, through the same frame, and leaves the first
+    step's result (the caller's own copy) as it was."""
+    llm = LLM(str(tiny_model("llama_gqa")), dtype="float32", num_kv_blocks=64, block_size=BLOCK)
+    plan = llm.engine.runner.model.cpu_plan
+    if plan is None:
+        pytest.skip("no fp32 panel kernel in this build: no plan")
+    first = _both_forwards(llm, DECODE_STEP, seed=0)
+    held = first.clone()
+    key = (len(DECODE_STEP), torch.get_num_threads())
+    frame = plan._frames[key]
+    second = _both_forwards(llm, DECODE_STEP, seed=1)
+    assert plan._frames[key] is frame
+    assert torch.equal(first, held)
+    assert not torch.equal(first, second)
 
 
 @pytest.mark.parametrize(("arch", "quantization"), [("llama_gqa", "none"), ("qwen2", "none"), ("llama_gqa", "int8")])

@@ -120,6 +120,9 @@ def _bind_bf16(function: str) -> Callable[[ctypes.CDLL], None]:
             f32 = ctypes.c_float
             lib.gemm_bf16_dp_add_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, f32, ptr, i32]
             lib.gemm_bf16_dp_add_norm.restype = i32
+            screen = lib.gemm_bf16_dp_screen_argmax  # pagedq_kernels/argmax_screen.py
+            screen.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, f32, i64, i64, ptr, ptr, ptr, i32]
+            screen.restype = i32
 
     return bind
 
@@ -153,6 +156,22 @@ def dp_available() -> bool:
     if os.environ.get("PAGEDQ_DISABLE_DP_LINEAR") or not cpu_isa.current().bf16_matmul:
         return False
     return c_build.variant() == "avx512" and _dp_lib() is not None
+
+
+def dp_library() -> ctypes.CDLL | None:
+    """The AVX512-bf16 kernel library where :func:`dp_available`, else None (for kernels beside the linear's own
+    entry points that run on it: :mod:`pagedq_kernels.argmax_screen`)."""
+    return _dp_lib() if dp_available() else None
+
+
+def pack_dp(weight: torch.Tensor) -> PackedWeight | None:
+    """``weight`` rounded to bf16 in the ``dpbf16`` layout, whatever kind :func:`pack` would prefer (on AMX
+    machines too, whose CPUs also run VDPBF16PS): None where that kernel does not run or ``in_features`` is not
+    a multiple of 32."""
+    if dp_library() is None or weight.dim() != 2:
+        return None
+    data = _pack_amx(weight.detach().to(torch.bfloat16), glu=False)
+    return None if data is None else PackedWeight("dpbf16", data, weight.shape[0], weight.shape[1])
 
 
 def _onednn_available(dtype: torch.dtype) -> bool:

@@ -82,13 +82,90 @@ typedef struct {
     int64_t *nan_at; /* [m] */
 } dp_argmax;
 
+#ifndef SCREEN_CAP
+#define SCREEN_CAP 128 /* candidates kept per row per thread before its row is settled over every column */
+#endif
+
+/* One thread's part of a certified screen (gemm_bf16_dp_screen_argmax), per row: the bound's two per-row
+ * factors, the largest lower bound a - e seen so far per lane and over the lanes (the floor), and the columns
+ * whose upper bound a + e reached the floor when they were seen (a count of -1: the row overflowed). */
+typedef struct {
+    const float *row_norm;      /* [blocks * 32]: ||w_v||, rounded up; 0 past n */
+    const float *rounding_norm; /* [blocks * 32]: ||bf16(w_v) - w_v||, rounded up; 0 past n */
+    const float *scale;         /* [m][2]: the row's factors of row_norm and rounding_norm in e */
+    float *floor_lanes;         /* [m][16] */
+    float *floor;               /* [m] */
+    int32_t *cand_col;          /* [m][SCREEN_CAP] */
+    float *cand_hi;             /* [m][SCREEN_CAP] */
+    int32_t *count;             /* [m] */
+} dp_screen;
+
+/* Keeps the columns col + l (l in `keep`) of row i with their upper bounds; when the row's list is full, the
+ * entries the floor has passed go first, and a list still full marks the row overflowed. */
+static void screen_push(dp_screen *sc, int64_t i, __m512 hi, __mmask16 keep, int64_t col)
+{
+    float his[16];
+    _mm512_storeu_ps(his, hi);
+    int32_t *cols = sc->cand_col + i * SCREEN_CAP;
+    float *highs = sc->cand_hi + i * SCREEN_CAP;
+    const float bar = sc->floor[i];
+    int32_t n = sc->count[i];
+    while (keep) {
+        const int l = __builtin_ctz(keep);
+        keep &= keep - 1;
+        if (n == SCREEN_CAP) {
+            int32_t kept = 0;
+            for (int32_t j = 0; j < n; j++)
+                if (highs[j] >= bar) { cols[kept] = cols[j]; highs[kept] = highs[j]; kept++; }
+            n = kept;
+            if (n == SCREEN_CAP) { sc->count[i] = -1; return; }
+        }
+        cols[n] = (int32_t)(col + l);
+        highs[n] = his[l];
+        n++;
+    }
+    sc->count[i] = n;
+}
+
+/* The screen's epilogue over a tile's rows x 32 approximate logits a (ncols valid): e = row_norm * S +
+ * rounding_norm * T bounds |a - exact| per column; the floor rises to the largest a - e, and a column whose
+ * a + e reaches it is kept. A column left out has a + e below some other column's a - e, so its exact value is
+ * below that column's: it cannot be the argmax. */
+static inline __attribute__((always_inline)) void screen_epilogue(const __m512 *acc0, const __m512 *acc1, int rows,
+                                                                  int ncols, dp_screen *sc, int64_t row0, int64_t col)
+{
+    const __mmask16 m0 = lanes16(ncols), m1 = lanes16(ncols > 16 ? ncols - 16 : 0);
+    const __m512 nw0 = _mm512_loadu_ps(sc->row_norm + col), nw1 = _mm512_loadu_ps(sc->row_norm + col + 16);
+    const __m512 nd0 = _mm512_loadu_ps(sc->rounding_norm + col), nd1 = _mm512_loadu_ps(sc->rounding_norm + col + 16);
+    const __m512 tiny = _mm512_set1_ps(0x1p-100f); /* flushed denormals (DAZ/FTZ in VDPBF16PS) */
+    for (int r = 0; r < DP_MR; r++) {
+        if (r >= rows) break;
+        const int64_t i = row0 + r;
+        if (sc->count[i] < 0) continue;
+        const __m512 s = _mm512_set1_ps(sc->scale[2 * i]), t = _mm512_set1_ps(sc->scale[2 * i + 1]);
+        const __m512 e0 = _mm512_fmadd_ps(nw0, s, _mm512_fmadd_ps(nd0, t, tiny));
+        const __m512 e1 = _mm512_fmadd_ps(nw1, s, _mm512_fmadd_ps(nd1, t, tiny));
+        __m512 lanes = _mm512_loadu_ps(sc->floor_lanes + i * 16);
+        lanes = _mm512_mask_max_ps(lanes, m0, lanes, _mm512_sub_ps(acc0[r], e0));
+        lanes = _mm512_mask_max_ps(lanes, m1, lanes, _mm512_sub_ps(acc1[r], e1));
+        _mm512_storeu_ps(sc->floor_lanes + i * 16, lanes);
+        const float bar = _mm512_reduce_max_ps(lanes);
+        sc->floor[i] = bar;
+        const __m512 f = _mm512_set1_ps(bar), hi0 = _mm512_add_ps(acc0[r], e0), hi1 = _mm512_add_ps(acc1[r], e1);
+        const __mmask16 k0 = _mm512_mask_cmp_ps_mask(m0, hi0, f, _CMP_GE_OQ);
+        const __mmask16 k1 = _mm512_mask_cmp_ps_mask(m1, hi1, f, _CMP_GE_OQ);
+        if (k0) screen_push(sc, i, hi0, k0, col);
+        if (k1 && sc->count[i] >= 0) screen_push(sc, i, hi1, k1, col + 16);
+    }
+}
+
 /* rows x 32 outputs of one column block: acc = x rows (bf16, stride k) @ the block's weight, then + bias,
  * or with glu silu(columns 0-15) * columns 16-31 (16 outputs), ncols of them valid. With `am` (column `col`,
  * first row `row0`), nothing is stored: the rows' running argmax takes the block's ncols values instead. */
 static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16_t *x, int64_t k,
                                                           const uint16_t *panel, const float *bias, float *y,
                                                           int64_t ldy, int ncols, int glu, dp_argmax *am,
-                                                          int64_t row0, int64_t col)
+                                                          dp_screen *sc, int64_t row0, int64_t col)
 {
     __m512 c0a = _mm512_setzero_ps(), c1a = c0a, c2a = c0a, c3a = c0a, c4a = c0a, c5a = c0a;
     __m512 c6a = c0a, c7a = c0a, c8a = c0a, c9a = c0a, c10a = c0a, c11a = c0a;
@@ -123,6 +200,10 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
 #undef ROW
     const __m512 acc0[DP_MR] = {c0a, c1a, c2a, c3a, c4a, c5a, c6a, c7a, c8a, c9a, c10a, c11a};
     const __m512 acc1[DP_MR] = {c0b, c1b, c2b, c3b, c4b, c5b, c6b, c7b, c8b, c9b, c10b, c11b};
+    if (sc) {
+        screen_epilogue(acc0, acc1, rows, ncols, sc, row0, col);
+        return;
+    }
     if (am) { /* lane l sees columns col + l, then col + 16 + l: in order, so a strict > keeps its first */
         const __mmask16 m0 = lanes16(ncols), m1 = lanes16(ncols > 16 ? ncols - 16 : 0);
         const __m512i c0 = _mm512_add_epi32(_mm512_set1_epi32((int)col),
@@ -173,13 +254,14 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
 
 /* dp_tile, one inlined copy per row count: constant counts keep every accumulator in a register. */
 static inline void dp_tile_rows(int rows, const uint16_t *x, int64_t k, const uint16_t *panel, const float *bias,
-                                float *y, int64_t ldy, int ncols, int glu, dp_argmax *am, int64_t row0, int64_t col)
+                                float *y, int64_t ldy, int ncols, int glu, dp_argmax *am, dp_screen *sc, int64_t row0,
+                                int64_t col)
 {
-#define DP_CASE(n) case n: dp_tile(n, x, k, panel, bias, y, ldy, ncols, glu, am, row0, col); break;
+#define DP_CASE(n) case n: dp_tile(n, x, k, panel, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
     switch (rows) {
     DP_CASE(12) DP_CASE(11) DP_CASE(10) DP_CASE(9) DP_CASE(8) DP_CASE(7)
     DP_CASE(6) DP_CASE(5) DP_CASE(4) DP_CASE(3) DP_CASE(2)
-    default: dp_tile(1, x, k, panel, bias, y, ldy, ncols, glu, am, row0, col); break;
+    default: dp_tile(1, x, k, panel, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
     }
 #undef DP_CASE
 }
@@ -188,7 +270,7 @@ static inline void dp_tile_rows(int rows, const uint16_t *x, int64_t k, const ui
  * parallel region, after round_rows): stored into y, or taken by the thread's running argmax `am`. The static
  * schedule hands each thread one contiguous range of blocks, the same in every pass, in thread order. */
 static void dp_blocks(const uint16_t *x, int64_t m, const uint16_t *w, const float *bias, float *y, int64_t ldy,
-                      int64_t n, int64_t k, int glu, dp_argmax *am)
+                      int64_t n, int64_t k, int glu, dp_argmax *am, dp_screen *sc)
 {
     const int64_t width = glu ? 16 : 32; /* outputs per column block */
     const int64_t blocks = (n + width - 1) / width;
@@ -205,8 +287,8 @@ static void dp_blocks(const uint16_t *x, int64_t m, const uint16_t *w, const flo
             int64_t r0 = m0;
             for (int64_t t = tiles; t > 0; t--) { /* the rows left spread evenly over the tiles left */
                 const int rows = (int)((m1 - r0 + t - 1) / t);
-                dp_tile_rows(rows, x + r0 * k, k, panel, bp, am ? NULL : y + r0 * ldy + col, ldy, ncols, glu, am, r0,
-                             col);
+                dp_tile_rows(rows, x + r0 * k, k, panel, bp, am || sc ? NULL : y + r0 * ldy + col, ldy, ncols, glu, am,
+                             sc, r0, col);
                 r0 += rows;
             }
         }
@@ -224,7 +306,7 @@ int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const 
     #pragma omp parallel num_threads(num_threads) if (blocks > 1)
     {
         round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
-        dp_blocks(x, m, w, bias, y, ldy, n, k, glu, NULL);
+        dp_blocks(x, m, w, bias, y, ldy, n, k, glu, NULL, NULL);
     }
     return 0;
 }
@@ -240,7 +322,7 @@ int gemm_bf16_dp_add_norm(const float *x_f32, int64_t ldx, uint16_t *x, int64_t 
     #pragma omp parallel num_threads(num_threads)
     {
         round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
-        dp_blocks(x, m, w, bias, y, n, n, k, 0, NULL);
+        dp_blocks(x, m, w, bias, y, n, n, k, 0, NULL, NULL);
         #pragma omp barrier
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++)
@@ -279,7 +361,7 @@ int gemm_bf16_dp_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m,
             for (int64_t i = 0; i < m * 16; i++) { am.best[i] = -INFINITY; am.col[i] = 0; }
             for (int64_t i = 0; i < m; i++) am.nan_at[i] = -1;
             round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
-            dp_blocks(x, m, w, NULL, NULL, 0, n, k, 0, &am);
+            dp_blocks(x, m, w, NULL, NULL, 0, n, k, 0, &am, NULL);
             for (int64_t i = 0; i < m; i++) { /* this thread's 16 lanes -> its maximum and first column */
                 float mx = am.best[i * 16];
                 int64_t at = am.col[i * 16];
@@ -308,6 +390,153 @@ int gemm_bf16_dp_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m,
     return status;
 }
 
+/* x [k] @ the fp32 panel of column `col` (pagedq_kernels/cpu_linear.py kind "panels": 16 columns per panel, k rows
+ * of 16): the value the panel kernel (gemm_tile.h tile, tile_pair; either build) computes for it, since each lane's
+ * sum runs the same chain of fused multiply-adds from zero in ascending k. */
+static float panel_value(const float *x, const float *panels, int64_t k, int64_t col)
+{
+    const float *panel = panels + (col / 16) * k * 16;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk++)
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(x[kk]), _mm512_loadu_ps(panel + kk * 16), acc);
+    float lanes[16];
+    _mm512_storeu_ps(lanes, acc);
+    return lanes[col % 16];
+}
+
+/* The panel kernel's argmax of one row over every column (gemm_panels_argmax_f32's answer: the first NaN, else
+ * the first column of the largest value): a row the screen could not narrow. Four panels at a time, each lane's
+ * chain as panel_value's. */
+static void panel_row_argmax(const float *x, const float *panels, int64_t n, int64_t k, float *best, int64_t *idx)
+{
+    float mx = -INFINITY, lanes[64];
+    int64_t at = 0, first_nan = -1;
+    const int64_t count = (n + 15) / 16;
+    for (int64_t p = 0; p < count && first_nan < 0; p += 4) {
+        const int64_t group = count - p < 4 ? count - p : 4;
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        const float *panel = panels + p * k * 16;
+        for (int64_t kk = 0; kk < k; kk++) {
+            const __m512 xb = _mm512_set1_ps(x[kk]);
+            for (int g = 0; g < 4; g++)
+                if (g < group) acc[g] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(panel + g * k * 16 + kk * 16), acc[g]);
+        }
+        for (int g = 0; g < 4; g++) _mm512_storeu_ps(lanes + 16 * g, acc[g]);
+        for (int64_t c = 0; c < group * 16 && p * 16 + c < n; c++) {
+            const float v = lanes[c];
+            if (v != v) { first_nan = p * 16 + c; break; }
+            if (v > mx) { mx = v; at = p * 16 + c; }
+        }
+    }
+    *best = first_nan >= 0 ? NAN : mx;
+    *idx = first_nan >= 0 ? first_nan : at;
+}
+
+/* Per row of x @ W^T, W fp32 (no bias): gemm_panels_argmax_f32's answer, bit for bit (the same largest value,
+ * the first column holding it, NaN first), from a bf16 screen and an fp32 settling: the greedy sampler's argmax
+ * over an fp32 lm_head (pagedq_kernels/argmax_screen.py), at about half the fp32 kernel's time.
+ *
+ * Screen: x rounded to bf16 times the bf16-rounded weight `w` (this file's layout) gives a per column. Its
+ * distance from the panel kernel's fp32 value r is bounded, per row and column, by
+ *   |a - r| <= g (|w~| |x~| + |w| |x|) + |w~ - w| |x~| + |w| |x~ - x|   (Cauchy-Schwarz; ~: rounded to bf16)
+ * where g bounds the relative error of a k-term fp32 sum (both kernels' sums). With |w~| <= |w| + |w~ - w|
+ * that is e = row_norm * S + rounding_norm * T, the per-column norms given (rounded up), S and T per row
+ * (computed here in double, from the rounded row itself, inflated for fp32 rounding of a, e and a +- e).
+ * The exact argmax v* has r_v* >= r_u for every u, so a_v* + e_v* >= a_u - e_u: it is among the columns
+ * whose a + e reaches the largest a - e, the floor (screen_epilogue). On SmolLM2's lm_head and compass
+ * prompts that leaves 1 column at the median, 17 at the 99th percentile, 38 at most.
+ * Settle: each kept column's value is the panel kernel's own (panel_value, from the fp32 panels
+ * `exact_panels`), and the largest wins, the first column on a tie; so the answer is the panel kernel's.
+ * A row whose norms are not finite or so large that a sum could overflow (|x| |w| > 1e30: then NaN or
+ * infinity may arise), or whose candidates overflow SCREEN_CAP, is settled over every column.
+ *
+ * counts[0] += columns settled from the screen, counts[1] += rows settled over every column. Returns 0, or
+ * -1 when scratch memory could not be had. */
+int gemm_bf16_dp_screen_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w,
+                               const float *exact_panels, const float *row_norm, const float *rounding_norm,
+                               float max_row_norm, int64_t n, int64_t k, float *best, int64_t *idx, int64_t *counts,
+                               int num_threads)
+{
+    const int64_t blocks = (n + 31) / 32;
+    const int teams = num_threads > 0 ? num_threads : 1;
+    float *scale = (float *)malloc(sizeof(float) * m * 2);
+    float *floor_lanes = (float *)malloc(sizeof(float) * teams * m * 16);
+    float *floors = (float *)malloc(sizeof(float) * teams * m);
+    int32_t *cand_col = (int32_t *)malloc(sizeof(int32_t) * teams * m * SCREEN_CAP);
+    float *cand_hi = (float *)malloc(sizeof(float) * teams * m * SCREEN_CAP);
+    int32_t *count = (int32_t *)malloc(sizeof(int32_t) * teams * m);
+    int status = scale && floor_lanes && floors && cand_col && cand_hi && count ? 0 : -1;
+    /* g: k terms, twice fp32's unit roundoff (margin for the dot product's two adds per instruction) */
+    const double u = 0x1p-23 * (double)(k + 2), g = u / (1.0 - u), rho = 0x1p-20, inflate = 1.0 + 0x1p-16;
+    int64_t settled = 0, full_rows = 0;
+    if (status == 0) {
+        #pragma omp parallel num_threads(teams) if (blocks > 1)
+        {
+            const int t = omp_get_thread_num(), used = omp_get_num_threads();
+            round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < m; i++) {
+                const float *xr = x_f32 + i * ldx;
+                const uint16_t *xt = x + i * k;
+                double nx = 0, nt = 0, nd = 0;
+                for (int64_t kk = 0; kk < k; kk++) {
+                    union { uint32_t bits; float value; } rounded = {(uint32_t)xt[kk] << 16};
+                    const double a = xr[kk], b = rounded.value;
+                    nx += a * a, nt += b * b, nd += (b - a) * (b - a);
+                }
+                nx = sqrt(nx), nt = sqrt(nt), nd = sqrt(nd);
+                const double s = (g * (nt + nx) + nd + rho * nt) * inflate, tt = (g * nt + nt + rho * nt) * inflate;
+                const int narrow = isfinite(nx) && isfinite(nt) && nx * (double)max_row_norm <= 1e30 &&
+                                   nt * (double)max_row_norm <= 1e30;
+                scale[2 * i] = narrow ? (float)(s * (1.0 + 0x1p-20)) : NAN; /* rounded up */
+                scale[2 * i + 1] = narrow ? (float)(tt * (1.0 + 0x1p-20)) : NAN;
+            } /* a barrier: every row's scale ready */
+            dp_screen sc = {row_norm, rounding_norm, scale, floor_lanes + (int64_t)t * m * 16, floors + (int64_t)t * m,
+                            cand_col + (int64_t)t * m * SCREEN_CAP, cand_hi + (int64_t)t * m * SCREEN_CAP,
+                            count + (int64_t)t * m};
+            for (int64_t i = 0; i < m; i++) {
+                for (int l = 0; l < 16; l++) sc.floor_lanes[i * 16 + l] = -INFINITY;
+                sc.floor[i] = -INFINITY;
+                sc.count[i] = scale[2 * i] == scale[2 * i] ? 0 : -1;
+            }
+            dp_blocks(x, m, w, NULL, NULL, 0, n, k, 0, NULL, &sc);
+            #pragma omp barrier
+            #pragma omp for schedule(dynamic, 1) reduction(+ : settled, full_rows)
+            for (int64_t i = 0; i < m; i++) {
+                const float *xr = x_f32 + i * ldx;
+                float lo = -INFINITY, mx = -INFINITY;
+                int64_t at = -1;
+                int full = 0;
+                for (int s = 0; s < used; s++) {
+                    full |= count[(int64_t)s * m + i] < 0;
+                    if (floors[(int64_t)s * m + i] > lo) lo = floors[(int64_t)s * m + i];
+                }
+                for (int s = 0; s < used && !full; s++) {
+                    const int32_t *cols = cand_col + ((int64_t)s * m + i) * SCREEN_CAP;
+                    const float *highs = cand_hi + ((int64_t)s * m + i) * SCREEN_CAP;
+                    for (int32_t j = 0; j < count[(int64_t)s * m + i]; j++) {
+                        if (!(highs[j] >= lo)) continue;
+                        const float v = panel_value(xr, exact_panels, k, cols[j]);
+                        settled++;
+                        if (v > mx || (v == mx && cols[j] < at)) { mx = v; at = cols[j]; }
+                    }
+                }
+                if (full || at < 0) { /* at < 0 cannot happen: the floor's own column reaches it */
+                    panel_row_argmax(xr, exact_panels, n, k, &best[i], &idx[i]);
+                    full_rows++;
+                } else {
+                    best[i] = mx;
+                    idx[i] = at;
+                }
+            }
+        }
+        counts[0] += settled;
+        counts[1] += full_rows;
+    }
+    free(scale); free(floor_lanes); free(floors); free(cand_col); free(cand_hi); free(count);
+    return status;
+}
+
 #else /* not the avx512 build: no AVX512-bf16 code here */
 
 int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w, const float *bias,
@@ -331,6 +560,16 @@ int gemm_bf16_dp_add_norm(const float *x_f32, int64_t ldx, uint16_t *x, int64_t 
 {
     (void)x_f32, (void)ldx, (void)x, (void)m, (void)w, (void)bias, (void)y, (void)n, (void)k, (void)residual;
     (void)norm_w, (void)eps, (void)normed, (void)num_threads;
+    return -2;
+}
+
+int gemm_bf16_dp_screen_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w,
+                               const float *exact_panels, const float *row_norm, const float *rounding_norm,
+                               float max_row_norm, int64_t n, int64_t k, float *best, int64_t *idx, int64_t *counts,
+                               int num_threads)
+{
+    (void)x_f32, (void)ldx, (void)x, (void)m, (void)w, (void)exact_panels, (void)row_norm, (void)rounding_norm;
+    (void)max_row_norm, (void)n, (void)k, (void)best, (void)idx, (void)counts, (void)num_threads;
     return -2;
 }
 

@@ -1,0 +1,110 @@
+"""The greedy argmax over an fp32 lm_head, screened in bf16 and settled in fp32: the fp32 answer, in about half
+its time, where AVX512-bf16 runs.
+
+Why: on the compass workload in fp32 the lm_head's argmax (``cpu_linear.argmax_linear`` on the fp32 panels) is
+2.6 s of 35 (SmolLM2: 49152 x 576, a fifth of a token's FLOPs), and the AVX512-bf16 kernel runs the same shape at
+twice the fp32 panels' rate (2-vCPU AMD EPYC Zen 4: 441 vs 210 GFLOP/s at 64 rows, 451 vs 215 at 256).
+bf16 alone would change tokens; the screen does not. ``csrc/cpu_bf16_dp.c``'s ``gemm_bf16_dp_screen_argmax``
+bounds, per row and column, how far the bf16 product can be from the fp32 panel kernel's value (from the norms
+of the weight's rows and of their bf16 rounding error, given here, and of the row of x and its rounding, there),
+keeps only the columns that could still be the largest (one at the median on SmolLM2, 38 at most on the compass
+prompts), and recomputes those exactly as the panel kernel does. A row it cannot narrow (non-finite or huge
+inputs, too many near-ties) is settled over every column. So the answer is ``argmax_linear``'s on the fp32
+panels, bit for bit: values, first column on ties, NaN first.
+
+``PAGEDQ_DISABLE_SCREENED_ARGMAX=1`` switches it off (the fp32 panels' argmax serves)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedq_kernels import cpu_linear
+
+BLOCK = 32  # output columns per dpbf16 column block: the norm arrays are padded to a multiple (zeros)
+
+
+@dataclass(frozen=True, eq=False)
+class ScreenedHead:
+    """An fp32 weight's two packings and the norms that bound the bf16 one's error, built by :func:`build`."""
+
+    exact: cpu_linear.PackedWeight  # the fp32 panels: the values the answer is
+    screen: cpu_linear.PackedWeight  # the weight rounded to bf16, dpbf16 layout
+    row_norm: torch.Tensor  # fp32 [blocks * 32]: ||w_v||, rounded up
+    rounding_norm: torch.Tensor  # fp32 [blocks * 32]: ||bf16(w_v) - w_v||, rounded up
+    max_row_norm: float
+
+
+@dataclass
+class ScreenCounts:
+    """What the screens settled (process-wide): columns recomputed in fp32, rows settled over every column."""
+
+    columns: int = 0
+    full_rows: int = 0
+    rows: int = 0
+
+
+counts = ScreenCounts()
+
+
+def _rounded_up(norms: torch.Tensor) -> torch.Tensor:
+    """float64 norms as float32 no smaller than them (the cast rounds to nearest: 2^-24 relative at most)."""
+    return (norms * (1 + 2**-20)).float()
+
+
+def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None) -> ScreenedHead | None:
+    """The screen for ``weight [vocab, hidden]`` fp32, whose fp32 panels are ``exact``; None where it cannot run
+    (switched off, no AVX512-bf16, not fp32 panels, ``in_features`` not a multiple of 32, a non-finite weight)."""
+    if os.environ.get("PAGEDQ_DISABLE_SCREENED_ARGMAX") or exact is None or exact.kind != "panels" or exact.glu:
+        return None
+    if weight.dtype != torch.float32 or tuple(weight.shape) != (exact.out_features, exact.in_features):
+        return None
+    if not bool(torch.isfinite(weight).all()):
+        return None
+    screen = cpu_linear.pack_dp(weight)
+    if screen is None:
+        return None
+    wide = weight.detach().double()
+    row_norm = wide.norm(dim=1)
+    rounding_norm = (weight.detach().to(torch.bfloat16).double() - wide).norm(dim=1)
+    padded = -(-weight.shape[0] // BLOCK) * BLOCK
+    pad = (0, padded - weight.shape[0])
+    return ScreenedHead(
+        exact,
+        screen,
+        torch.nn.functional.pad(_rounded_up(row_norm), pad),
+        torch.nn.functional.pad(_rounded_up(rounding_norm), pad),
+        float(_rounded_up(row_norm.max()).item()),
+    )
+
+
+def argmax(x: torch.Tensor, head: ScreenedHead) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cpu_linear.argmax_linear(x, head.exact)``: each row's largest value of ``x @ W.T`` (fp32) and the first
+    column holding it (int64), NaN first, for ``x [rows, in]``."""
+    k = head.exact.in_features
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"argmax_screen: input of shape {tuple(x.shape)}, the weight expects [rows, {k}]")
+    lib = cpu_linear.dp_library()
+    if lib is None:
+        raise RuntimeError("argmax_screen: the AVX512-bf16 kernel is not available (the ISA cap moved?)")
+    x2 = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+    m = x2.shape[0]
+    best = torch.empty((m,), dtype=torch.float32)
+    index = torch.empty((m,), dtype=torch.int64)
+    if not m:
+        return best, index
+    rounded = torch.empty((m, k), dtype=torch.bfloat16)  # the kernel rounds x into it
+    settled = torch.zeros((2,), dtype=torch.int64)
+    status = lib.gemm_bf16_dp_screen_argmax(
+        x2.data_ptr(), x2.stride(0), rounded.data_ptr(), m, head.screen.data.data_ptr(), head.exact.data.data_ptr(),
+        head.row_norm.data_ptr(), head.rounding_norm.data_ptr(), head.max_row_norm, head.exact.out_features, k,
+        best.data_ptr(), index.data_ptr(), settled.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"the screened argmax kernel could not run (status {status})")
+    counts.columns += int(settled[0])
+    counts.full_rows += int(settled[1])
+    counts.rows += m
+    return best, index

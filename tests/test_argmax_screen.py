@@ -1,0 +1,142 @@
+"""The fp32 lm_head's argmax screened in bf16 (pagedq_kernels/argmax_screen.py, csrc/cpu_bf16_dp.c
+gemm_bf16_dp_screen_argmax): bit for bit the fp32 panel kernel's argmax, where columns are near-tied in ways bf16
+cannot tell apart, where the screen cannot narrow a row (too many ties, inputs too large for its bound) and for
+NaN; a tiny fp32 model generates the same tokens with it as without. Runs where AVX512-bf16 does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM
+from pagedq_kernels import argmax_screen, cpu_isa, cpu_linear
+from schemas.sampling import SamplingParams
+from tests.epilogue_checks import check_argmax_epilogue
+
+
+@pytest.fixture(autouse=True)
+def screen_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite caps the ISA below bf16 (tests/conftest.py): lifted here, as tests/test_bf16_linear.py does."""
+    monkeypatch.delenv(cpu_isa.ENV_CAP, raising=False)
+    for switch in ("PAGEDQ_DISABLE_DP_LINEAR", "PAGEDQ_DISABLE_SCREENED_ARGMAX"):
+        monkeypatch.delenv(switch, raising=False)
+    if cpu_linear.dp_library() is None:
+        pytest.skip(f"AVX512-bf16 not runnable here (probed: {list(cpu_isa.current().probed)})")
+
+
+def _screened(w: torch.Tensor) -> argmax_screen.ScreenedHead:
+    head = argmax_screen.build(w, cpu_linear.pack(w, "panels"))
+    assert head is not None
+    return head
+
+
+def _same_as_panels(x: torch.Tensor, head: argmax_screen.ScreenedHead) -> None:
+    values, indices = argmax_screen.argmax(x, head)
+    want = cpu_linear.argmax_linear(x, head.exact)
+    assert want is not None
+    assert torch.equal(indices, want[1]), (indices, want[1])
+    torch.testing.assert_close(values, want[0], rtol=0, atol=0, equal_nan=True)
+
+
+class _Screened:
+    """``argmax_linear`` answered by the screen, for the shared epilogue checks (the screened head as the
+    packed weight's stand-in)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.heads: dict[int, argmax_screen.ScreenedHead] = {}
+        plain = cpu_linear.argmax_linear
+
+        def argmax_linear(x: torch.Tensor, packed: cpu_linear.PackedWeight) -> object:
+            head = self.heads.get(id(packed))
+            return plain(x, packed) if head is None else argmax_screen.argmax(x, head)
+
+        monkeypatch.setattr(cpu_linear, "argmax_linear", argmax_linear)
+
+    def pack(self, w: torch.Tensor) -> cpu_linear.PackedWeight | None:
+        packed = cpu_linear.pack(w, "panels")
+        head = argmax_screen.build(w, packed)
+        if head is not None and packed is not None:
+            self.heads[id(packed)] = head
+        return packed
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_shared_argmax_checks_hold_for_the_screen(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/epilogue_checks.py (ties across threads and inside a block, all-zero rows, NaN rows, a partial last
+    block, no rows) with the screen answering; its NaN-weight case has no screen (build refuses a non-finite
+    weight) and goes to the panels, as the model does."""
+    screened = _Screened(monkeypatch)
+    check_argmax_epilogue(screened.pack, threads)
+    assert len(screened.heads) == 1  # the NaN weight got none
+    nan = torch.randn(64, 64)
+    nan[3, 5] = float("inf")
+    assert argmax_screen.build(nan, cpu_linear.pack(nan, "panels")) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_near_ties_bf16_cannot_tell_apart_are_settled_in_fp32(threads: int) -> None:
+    """Rows of the weight a hair apart (2^-12 relative: they round to the same bf16), so bf16 logits tie or
+    invert the fp32 order: the screen keeps them all and fp32 decides, as the panel kernel does. Columns
+    straddle blocks (1000 wide, the last block partial) and the threads' ranges."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 1000, 96
+    w = torch.randn(n, k, generator=g) * 0.1
+    x = torch.randn(40, k, generator=g)
+    for row in range(x.shape[0]):  # per row of x, its best column and near copies of it spread over the vocab
+        best = int((x[row] @ w.T).argmax())
+        for copy in (best + 1, (best + 331) % n, (best + 733) % n, n - 1):
+            w[copy] = w[best] * (1 + 2**-12 * torch.randn(k, generator=g))
+    head = _screened(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        start = argmax_screen.counts.columns
+        for rows in (1, 7, 13, 40):
+            _same_as_panels(x[:rows], head)
+        assert argmax_screen.counts.columns - start > 61 * 2  # more than one column settled for most rows
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rows_the_screen_cannot_narrow_are_settled_over_every_column() -> None:
+    """More tied columns than a thread keeps per row (SCREEN_CAP = 128), and inputs so large that a sum could
+    overflow (the bound no longer holds; infinities and NaN appear): those rows go over every column in fp32,
+    with the panels' answer (first tie, first NaN), and the other rows of the same call are screened."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 2048, 64
+    w = torch.randn(n, k, generator=g) * 0.1
+    x = torch.randn(6, k, generator=g)
+    w[100:500] = w[50]  # 401 identical columns
+    x[0] = w[50] * 10  # row 0: its best column is 50, tied with 400 others
+    x[1] = 3e37  # row 1: |x| |w| beyond the bound's reach: products overflow to infinity
+    x[2, 0] = float("inf")  # row 2: infinity in, NaN out where weights of both signs meet it
+    head = _screened(w)
+    start = argmax_screen.counts.full_rows
+    _same_as_panels(x, head)
+    assert argmax_screen.counts.full_rows - start == 3
+    assert int(argmax_screen.argmax(x[:1], head)[1][0]) == 50
+
+
+def test_a_tiny_fp32_model_generates_the_same_tokens_with_the_screen(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model's greedy path (``compute_greedy``) takes the screen for an fp32 lm_head on the panels, and the
+    tokens are those of the same model without it."""
+    path = tiny_model("llama_gqa")
+    g = torch.Generator().manual_seed(0)
+    prompts: list[list[int]] = [torch.randint(3, 500, (12,), generator=g).tolist() for _ in range(16)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    screened = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    model = screened.engine.runner.model
+    assert model.lm_head_packed is not None and model.lm_head_packed.kind == "panels"
+    assert model.lm_head_screen is not None
+    start = argmax_screen.counts.rows
+    with_screen = [o.outputs[0].token_ids for o in screened.generate(prompts, params)]
+    assert argmax_screen.counts.rows - start >= 16 * 8
+    monkeypatch.setenv("PAGEDQ_DISABLE_SCREENED_ARGMAX", "1")
+    plain = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    assert plain.engine.runner.model.lm_head_screen is None
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == with_screen

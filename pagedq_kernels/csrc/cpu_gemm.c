@@ -177,15 +177,34 @@ void gemm_panels_f32(const float *x, int64_t ldx, const float *packed, const flo
     panel_items(x, ldx, packed, bias, y, ldy, m, n, k, glu);
 }
 
-/* The residual add and the RMSNorm after a projection (o_proj, down), in the product's parallel region: y [m, n]
- * = x @ W^T + bias + residual (the new residual stream), normed [m, n] = norm_w * y / rms(y), each row by
- * add_rms_norm_row as cpu_ops.c's rms_norm_f32 computes it (the same floats). One parallel region and one call
- * instead of two: a decode step runs 60 such norms, ~10-30 us each in their own call (Python, the region's
- * start and end) for a few microseconds of work. */
+/* The residual add and the RMSNorm after a projection (o_proj, down): y [m, n] = x @ W^T + bias + residual (the
+ * new residual stream), normed [m, n] = norm_w * y / rms(y), each row by add_rms_norm_row as cpu_ops.c's
+ * rms_norm_f32 computes it (the same floats). One call instead of two: a decode step runs 60 such norms, ~10-30 us
+ * each in their own call (Python, ctypes) for a few microseconds of work.
+ *
+ * From ADD_NORM_SPLIT_ROWS rows the product (gemm_panels_f32) and the row pass run as two parallel regions; below
+ * that, as one with a barrier between them. Measured on a 2-vCPU AMD EPYC Zen 4 (family 25 model 17), 8 copies of
+ * each weight, builds interleaved in one process, GFLOP/s one region -> two (the plain product alone): o 576x576
+ * at 8 / 16 / 64 / 256 / 2048 rows 198 / 204 / 215 / 213 / 206 -> 194 / 206 / 221 / 221 / 217 (207 / 217 / 229 /
+ * 230 / 227), down 1536x576 207 / 210 / 216 / 216 / 214 -> 205 / 213 / 223 / 225 / 223. A region holding the
+ * product alone, with neither barrier nor row pass, still ran 3-4 % under gemm_panels_f32's own (why is not
+ * known). The same split in the bf16 kernel (cpu_bf16_dp.c) gained nothing. Also tried, no faster: the residual
+ * added in the tile's registers with per-panel sums of squares and each thread scaling its own columns (the
+ * residual's misses then stalled the tile until prefetched), and product-then-norm in 128-row blocks. */
+#ifndef ADD_NORM_SPLIT_ROWS
+#define ADD_NORM_SPLIT_ROWS 16
+#endif
 void gemm_panels_add_norm_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *y,
                               int64_t m, int64_t n, int64_t k, const float *residual, const float *norm_w, float eps,
                               float *normed, int num_threads)
 {
+    if (m >= ADD_NORM_SPLIT_ROWS) {
+        gemm_panels_f32(x, ldx, packed, bias, y, n, m, n, k, 0, num_threads);
+        #pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t i = 0; i < m; i++)
+            add_rms_norm_row(y + i * n, residual + i * n, norm_w, normed + i * n, y + i * n, n, eps);
+        return;
+    }
     #pragma omp parallel num_threads(num_threads)
     {
         panel_items(x, ldx, packed, bias, y, n, m, n, k, 0);

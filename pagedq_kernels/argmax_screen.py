@@ -16,6 +16,7 @@ panels, bit for bit: values, first column on ties, NaN first.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ class ScreenedHead:
     row_norm: torch.Tensor  # fp32 [blocks * 32]: ||w_v||, rounded up
     rounding_norm: torch.Tensor  # fp32 [blocks * 32]: ||bf16(w_v) - w_v||, rounded up
     max_row_norm: float
+    kernels: ctypes.CDLL  # the AVX512-bf16 build, held as the dpbf16 weights hold it (a later ISA cap moves neither)
 
 
 @dataclass
@@ -64,7 +66,8 @@ def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None) -> Screen
     if not bool(torch.isfinite(weight).all()):
         return None
     screen = cpu_linear.pack_dp(weight)
-    if screen is None:
+    kernels = cpu_linear.dp_library()
+    if screen is None or kernels is None:
         return None
     wide = weight.detach().double()
     row_norm = wide.norm(dim=1)
@@ -77,6 +80,7 @@ def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None) -> Screen
         torch.nn.functional.pad(_rounded_up(row_norm), pad),
         torch.nn.functional.pad(_rounded_up(rounding_norm), pad),
         float(_rounded_up(row_norm.max()).item()),
+        kernels,
     )
 
 
@@ -86,9 +90,6 @@ def argmax(x: torch.Tensor, head: ScreenedHead) -> tuple[torch.Tensor, torch.Ten
     k = head.exact.in_features
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"argmax_screen: input of shape {tuple(x.shape)}, the weight expects [rows, {k}]")
-    lib = cpu_linear.dp_library()
-    if lib is None:
-        raise RuntimeError("argmax_screen: the AVX512-bf16 kernel is not available (the ISA cap moved?)")
     x2 = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
     m = x2.shape[0]
     best = torch.empty((m,), dtype=torch.float32)
@@ -97,7 +98,7 @@ def argmax(x: torch.Tensor, head: ScreenedHead) -> tuple[torch.Tensor, torch.Ten
         return best, index
     rounded = torch.empty((m, k), dtype=torch.bfloat16)  # the kernel rounds x into it
     settled = torch.zeros((2,), dtype=torch.int64)
-    status = lib.gemm_bf16_dp_screen_argmax(
+    status = head.kernels.gemm_bf16_dp_screen_argmax(
         x2.data_ptr(), x2.stride(0), rounded.data_ptr(), m, head.screen.data.data_ptr(), head.exact.data.data_ptr(),
         head.row_norm.data_ptr(), head.rounding_norm.data_ptr(), head.max_row_norm, head.exact.out_features, k,
         best.data_ptr(), index.data_ptr(), settled.data_ptr(), torch.get_num_threads(),

@@ -140,3 +140,14 @@ def test_a_tiny_fp32_model_generates_the_same_tokens_with_the_screen(
     plain = LLM(str(path), dtype="float32", num_kv_blocks=64)
     assert plain.engine.runner.model.lm_head_screen is None
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == with_screen
+
+
+def test_a_built_screen_keeps_running_after_the_isa_cap_moves_below_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The screen holds the AVX512-bf16 build it was made with, as dpbf16 weights do: a live engine whose
+    ``PAGEDQ_CPU_ISA`` cap drops to avx2 keeps answering (the panels' own answer, from their avx2 build)."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(700, 64, generator=g)
+    head = _screened(w)
+    monkeypatch.setenv(cpu_isa.ENV_CAP, "avx2")
+    assert cpu_linear.dp_library() is None
+    _same_as_panels(torch.randn(9, 64, generator=g), head)

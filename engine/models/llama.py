@@ -260,7 +260,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, Linear) and (m.weight.numel() or m.int8 is not None)
         )
         self.lm_head_packed = cpu_linear.pack(self.lm_head_weight, dtype=dtype)
-        self.lm_head_screen = argmax_screen.build(self.lm_head_weight, self.lm_head_packed)  # before it is freed
+        if self.tp.size == 1:  # compute_greedy's only case; built before a dense lm_head is freed
+            self.lm_head_screen = argmax_screen.build(self.lm_head_weight, self.lm_head_packed)
         if self.lm_head_packed is not None and not self.config.tie_word_embeddings:
             self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
         self.cpu_plan = LlamaCpuPlan.build(self)

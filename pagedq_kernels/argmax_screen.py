@@ -9,8 +9,8 @@ bounds, per row and column, how far the bf16 product can be from the fp32 panel 
 of the weight's rows and of their bf16 rounding error, given here, and of the row of x and its rounding, there),
 keeps only the columns that could still be the largest (one at the median on SmolLM2, 38 at most on the compass
 prompts), and recomputes those exactly as the panel kernel does. A row it cannot narrow (non-finite or huge
-inputs, too many near-ties) is settled over every column. So the answer is ``argmax_linear``'s on the fp32
-panels, bit for bit: values, first column on ties, NaN first.
+inputs, too many near-ties) goes to ``argmax_linear`` on the fp32 panels, every column. So the answer is
+``argmax_linear``'s on the fp32 panels, bit for bit: values, first column on ties, NaN first.
 
 ``PAGEDQ_DISABLE_SCREENED_ARGMAX=1`` switches it off (the fp32 panels' argmax serves)."""
 
@@ -41,7 +41,8 @@ class ScreenedHead:
 
 @dataclass
 class ScreenCounts:
-    """What the screens settled (process-wide): columns recomputed in fp32, rows settled over every column."""
+    """What the screens did (process-wide): columns recomputed in fp32, rows the fp32 panels' argmax settled over
+    every column, rows asked for."""
 
     columns: int = 0
     full_rows: int = 0
@@ -105,6 +106,12 @@ def argmax(x: torch.Tensor, head: ScreenedHead) -> tuple[torch.Tensor, torch.Ten
     )  # fmt: skip
     if status != 0:
         raise RuntimeError(f"the screened argmax kernel could not run (status {status})")
+    unsettled = (index < 0).nonzero().flatten()
+    if unsettled.numel():  # rows the screen could not narrow: the fp32 panels over every column
+        full = cpu_linear.argmax_linear(x2.index_select(0, unsettled), head.exact)
+        if full is None:
+            raise RuntimeError("argmax_screen: the fp32 panel kernel is not available for the rows left to it")
+        best[unsettled], index[unsettled] = full
     counts.columns += int(settled[0])
     counts.full_rows += int(settled[1])
     counts.rows += m

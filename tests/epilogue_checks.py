@@ -10,11 +10,17 @@ import torch
 
 from pagedq_kernels import cpu_linear, cpu_ops
 
+ArgmaxOf = Callable[[torch.Tensor, cpu_linear.PackedWeight], tuple[torch.Tensor, torch.Tensor] | None]
 
-def check_argmax_epilogue(pack: Callable[[torch.Tensor], cpu_linear.PackedWeight | None], threads: int) -> None:
-    """``argmax_linear`` is the argmax over :func:`~pagedq_kernels.cpu_linear.linear`'s own output (the same sums),
-    tie-broken to the first column and NaN first as ``torch.max`` has them, across threads' column ranges.
-    A partial last block (1000 columns) whose padding columns must never win."""
+
+def check_argmax_epilogue(
+    pack: Callable[[torch.Tensor], cpu_linear.PackedWeight | None],
+    threads: int,
+    argmax: ArgmaxOf = cpu_linear.argmax_linear,
+) -> None:
+    """``argmax`` (default ``argmax_linear``) is the argmax over :func:`~pagedq_kernels.cpu_linear.linear`'s own
+    output (the same sums), tie-broken to the first column and NaN first as ``torch.max`` has them, across threads'
+    column ranges. A partial last block (1000 columns) whose padding columns must never win."""
     g = torch.Generator().manual_seed(7)
     n, k = 1000, 64
     w = torch.randn(n, k, generator=g)
@@ -30,7 +36,7 @@ def check_argmax_epilogue(pack: Callable[[torch.Tensor], cpu_linear.PackedWeight
         x[2] = -x[2].abs()
         x[3] = float("nan")  # NaN everywhere: NaN at column 0
         for rows in (1, 13, 40):
-            values, indices = cpu_linear.argmax_linear(x[:rows], packed) or (None, None)
+            values, indices = argmax(x[:rows], packed) or (None, None)
             assert values is not None and indices is not None
             ref_values, ref_indices = cpu_linear.linear(x[:rows], packed, None).max(dim=1)
             assert torch.equal(indices, ref_indices)
@@ -43,10 +49,10 @@ def check_argmax_epilogue(pack: Callable[[torch.Tensor], cpu_linear.PackedWeight
         assert nan_packed is not None
         ones = torch.zeros(2, k)
         ones[:, 0] = 1.0
-        values, indices = cpu_linear.argmax_linear(ones, nan_packed) or (None, None)
+        values, indices = argmax(ones, nan_packed) or (None, None)
         assert values is not None and indices is not None
         assert indices.tolist() == [900, 900] and bool(values.isnan().all())
-        empty = cpu_linear.argmax_linear(torch.empty(0, k), packed)
+        empty = argmax(torch.empty(0, k), packed)
         assert empty is not None and empty[0].shape == (0,)
     finally:
         torch.set_num_threads(before)

@@ -42,18 +42,11 @@ def _same_as_panels(x: torch.Tensor, head: argmax_screen.ScreenedHead) -> None:
 
 
 class _Screened:
-    """``argmax_linear`` answered by the screen, for the shared epilogue checks (the screened head as the
-    packed weight's stand-in)."""
+    """The screen as the argmax of the shared epilogue checks: packs keep their screened heads, and a packed
+    weight without one (a non-finite weight, which build refuses) goes to the panels, as the model's does."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self) -> None:
         self.heads: dict[int, argmax_screen.ScreenedHead] = {}
-        plain = cpu_linear.argmax_linear
-
-        def argmax_linear(x: torch.Tensor, packed: cpu_linear.PackedWeight) -> object:
-            head = self.heads.get(id(packed))
-            return plain(x, packed) if head is None else argmax_screen.argmax(x, head)
-
-        monkeypatch.setattr(cpu_linear, "argmax_linear", argmax_linear)
 
     def pack(self, w: torch.Tensor) -> cpu_linear.PackedWeight | None:
         packed = cpu_linear.pack(w, "panels")
@@ -62,14 +55,18 @@ class _Screened:
             self.heads[id(packed)] = head
         return packed
 
+    def argmax(self, x: torch.Tensor, packed: cpu_linear.PackedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
+        head = self.heads.get(id(packed))
+        return cpu_linear.argmax_linear(x, packed) if head is None else argmax_screen.argmax(x, head)
+
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_shared_argmax_checks_hold_for_the_screen(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_shared_argmax_checks_hold_for_the_screen(threads: int) -> None:
     """tests/epilogue_checks.py (ties across threads and inside a block, all-zero rows, NaN rows, a partial last
     block, no rows) with the screen answering; its NaN-weight case has no screen (build refuses a non-finite
     weight) and goes to the panels, as the model does."""
-    screened = _Screened(monkeypatch)
-    check_argmax_epilogue(screened.pack, threads)
+    screened = _Screened()
+    check_argmax_epilogue(screened.pack, threads, screened.argmax)
     assert len(screened.heads) == 1  # the NaN weight got none
     nan = torch.randn(64, 64)
     nan[3, 5] = float("inf")

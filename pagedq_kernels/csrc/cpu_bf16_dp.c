@@ -83,7 +83,7 @@ typedef struct {
 } dp_argmax;
 
 #ifndef SCREEN_CAP
-#define SCREEN_CAP 128 /* candidates kept per row per thread before its row is settled over every column */
+#define SCREEN_CAP 128 /* candidates kept per row per thread before its row is left to every column */
 #endif
 
 /* One thread's part of a certified screen (gemm_bf16_dp_screen_argmax), per row: the bound's two per-row
@@ -404,34 +404,6 @@ static float panel_value(const float *x, const float *panels, int64_t k, int64_t
     return lanes[col % 16];
 }
 
-/* The panel kernel's argmax of one row over every column (gemm_panels_argmax_f32's answer: the first NaN, else
- * the first column of the largest value): a row the screen could not narrow. Four panels at a time, each lane's
- * chain as panel_value's. */
-static void panel_row_argmax(const float *x, const float *panels, int64_t n, int64_t k, float *best, int64_t *idx)
-{
-    float mx = -INFINITY, lanes[64];
-    int64_t at = 0, first_nan = -1;
-    const int64_t count = (n + 15) / 16;
-    for (int64_t p = 0; p < count && first_nan < 0; p += 4) {
-        const int64_t group = count - p < 4 ? count - p : 4;
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        const float *panel = panels + p * k * 16;
-        for (int64_t kk = 0; kk < k; kk++) {
-            const __m512 xb = _mm512_set1_ps(x[kk]);
-            for (int g = 0; g < 4; g++)
-                if (g < group) acc[g] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(panel + g * k * 16 + kk * 16), acc[g]);
-        }
-        for (int g = 0; g < 4; g++) _mm512_storeu_ps(lanes + 16 * g, acc[g]);
-        for (int64_t c = 0; c < group * 16 && p * 16 + c < n; c++) {
-            const float v = lanes[c];
-            if (v != v) { first_nan = p * 16 + c; break; }
-            if (v > mx) { mx = v; at = p * 16 + c; }
-        }
-    }
-    *best = first_nan >= 0 ? NAN : mx;
-    *idx = first_nan >= 0 ? first_nan : at;
-}
-
 /* Per row of x @ W^T, W fp32 (no bias): gemm_panels_argmax_f32's answer, bit for bit (the same largest value,
  * the first column holding it, NaN first), from a bf16 screen and an fp32 settling: the greedy sampler's argmax
  * over an fp32 lm_head (pagedq_kernels/argmax_screen.py), at about half the fp32 kernel's time.
@@ -448,10 +420,11 @@ static void panel_row_argmax(const float *x, const float *panels, int64_t n, int
  * Settle: each kept column's value is the panel kernel's own (panel_value, from the fp32 panels
  * `exact_panels`), and the largest wins, the first column on a tie; so the answer is the panel kernel's.
  * A row whose norms are not finite or so large that a sum could overflow (|x| |w| > 1e30: then NaN or
- * infinity may arise), or whose candidates overflow SCREEN_CAP, is settled over every column.
+ * infinity may arise), or whose candidates overflow SCREEN_CAP, is left to gemm_panels_argmax_f32 over every
+ * column: idx[i] = -1 marks it (the caller runs those rows there).
  *
- * counts[0] += columns settled from the screen, counts[1] += rows settled over every column. Returns 0, or
- * -1 when scratch memory could not be had. */
+ * counts[0] += columns settled from the screen, counts[1] += rows left unsettled. Returns 0, or -1 when
+ * scratch memory could not be had. */
 int gemm_bf16_dp_screen_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w,
                                const float *exact_panels, const float *row_norm, const float *rounding_norm,
                                float max_row_norm, int64_t n, int64_t k, float *best, int64_t *idx, int64_t *counts,
@@ -522,7 +495,8 @@ int gemm_bf16_dp_screen_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int
                     }
                 }
                 if (full || at < 0) { /* at < 0 cannot happen: the floor's own column reaches it */
-                    panel_row_argmax(xr, exact_panels, n, k, &best[i], &idx[i]);
+                    best[i] = NAN;
+                    idx[i] = -1;
                     full_rows++;
                 } else {
                     best[i] = mx;

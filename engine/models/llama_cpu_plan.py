@@ -190,7 +190,7 @@ class LlamaCpuPlan:
         layers = zip(frame.before_attention, attention, frame.after_attention, strict=True)
         kernel_call.run(itertools.chain(frame.first, *(itertools.chain(*layer) for layer in layers)))
         # A kept frame is the next step's of as many rows: what the caller holds must not change under it.
-        return frame.out.clone() if n <= FRAME_CACHE_ROWS else frame.out
+        return frame.out.clone() if _keeps_frame(n) else frame.out
 
     def _frame(self, n: int, threads: int) -> _StepFrame:
         """The step frame for ``n`` rows: a kept one, or a new one (kept where ``n`` is a decode step's size)."""
@@ -200,7 +200,7 @@ class LlamaCpuPlan:
             self._frames.move_to_end(key)
             return frame
         frame = self._build_frame(n, threads)
-        if n <= FRAME_CACHE_ROWS:
+        if _keeps_frame(n):
             self._frames[key] = frame
             while sum(rows for rows, _ in self._frames) > FRAME_CACHE_ROWS_KEPT:
                 self._frames.popitem(last=False)
@@ -242,6 +242,11 @@ class LlamaCpuPlan:
             residual = residuals[1]
         kept = (*residuals, normed[1], qkv_rows, activated, o_rows, *((x_bf16,) if x_bf16 is not None else ()))
         return _StepFrame(hidden, positions, q, k, v, attended, normed[0], first, before, after, kept)
+
+
+def _keeps_frame(rows: int) -> bool:
+    """Whether a step of this many rows keeps its frame (forward then hands the caller a copy of its output)."""
+    return rows <= FRAME_CACHE_ROWS
 
 
 @dataclass(frozen=True)

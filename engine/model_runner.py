@@ -172,15 +172,17 @@ class ModelRunner:
     ) -> torch.Tensor | GreedyChoice | None:
         """The forward over prepared inputs; float32 logits of ``rows`` (None when there are none), or with
         ``greedy`` their :class:`GreedyChoice` where the model has one."""
+        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         if self.graphs is not None and self.graphs.can_run(meta.num_seqs, meta.max_query_len):
-            hidden = self.graphs.run(input_ids, positions, meta)
+            selected = self.graphs.run(input_ids, positions, meta).index_select(0, index)
         else:
             self.model.ops.attention.prepare(meta)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            # Only the rows that get logits go through the last layer past its attention (LlamaForCausalLM.forward).
+            every_row = len(rows) == input_ids.shape[0] and rows == list(range(len(rows)))
+            output_rows = None if every_row else index
+            selected = self.model(input_ids, positions, self.kv_caches, meta, output_rows)
         logits: torch.Tensor | GreedyChoice | None = None
         if rows:
-            index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-            selected = hidden.index_select(0, index)
             choice = self.model.compute_greedy(selected) if greedy else None
             logits = GreedyChoice(*choice) if choice is not None else self.model.compute_logits(selected)
         if self.device.type == "cuda":

@@ -60,9 +60,11 @@ def _step(step: list[tuple[int, int]], num_blocks: int, device: torch.device) ->
     return positions.to(device), meta
 
 
-def _both_forwards(llm: LLM, step: list[tuple[int, int]] = STEP, seed: int = 0) -> torch.Tensor:
+def _both_forwards(
+    llm: LLM, step: list[tuple[int, int]] = STEP, seed: int = 0, output_rows: list[int] | None = None
+) -> torch.Tensor:
     """One step through the plan and through the modules, from the same random cache: equal outputs and caches.
-    Returns the plan's output."""
+    Returns the plan's output (of ``output_rows`` only, where given)."""
     runner = llm.engine.runner
     model = runner.model
     assert isinstance(runner, ModelRunner) and isinstance(model, LlamaForCausalLM)
@@ -81,12 +83,13 @@ def _both_forwards(llm: LLM, step: list[tuple[int, int]] = STEP, seed: int = 0) 
         if step is STEP:  # every attention kernel, in one step
             assert split.prefill_batch is not None
             assert split.verify is not None or not cpu_attention.multi_query_supported(cache.dtype)
-        planned = plan.forward(ids, positions, runner.kv_caches, meta)
+        rows = None if output_rows is None else torch.tensor(output_rows, dtype=torch.long)
+        planned = plan.forward(ids, positions, runner.kv_caches, meta, rows)
         planned_cache = cache.clone()
         cache.copy_(start)
         model.cpu_plan = None
         try:
-            moduled = model(ids, positions, runner.kv_caches, meta)
+            moduled = model(ids, positions, runner.kv_caches, meta, rows)
         finally:
             model.cpu_plan = plan
     assert planned is not None
@@ -137,6 +140,37 @@ def test_a_kept_step_frame_serves_the_next_step_of_as_many_rows(tiny_model: Call
     assert plan._frames[key] is frame
     assert torch.equal(first, held)
     assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_only_the_rows_kept_go_past_the_last_layers_attention(
+    dtype: str, monkeypatch: pytest.MonkeyPatch, tiny_model: Callable[[str], Path]
+) -> None:
+    """``output_rows``: the plan and the module forward both give those rows of the whole step's output, bit for
+    bit, and write the whole step's K/V (the equal caches are checked in _both_forwards against the module
+    forward, and here against the whole step's): each sequence's last row (the rows that get logits), rows in
+    any order, none at all (every sequence a mid-prompt chunk), and every row. bf16: where the CPU runs one of
+    pagedq's bf16 kernels."""
+    if dtype == "bfloat16":
+        monkeypatch.delenv(cpu_isa.ENV_CAP, raising=False)
+        if not cpu_isa.current().bf16_matmul:
+            pytest.skip(f"this CPU multiplies no bf16 in hardware (probed: {list(cpu_isa.current().probed)})")
+    llm = LLM(str(tiny_model("llama_gqa")), dtype=dtype, num_kv_blocks=64, block_size=BLOCK)
+    runner = llm.engine.runner
+    assert isinstance(runner, ModelRunner)
+    if runner.model.cpu_plan is None:
+        pytest.skip("no fp32 panel kernel in this build: no plan")
+    step = STEP if cpu_attention.prefill_supported(16) else DECODE_STEP
+    cache = runner.kv_cache
+    whole = _both_forwards(llm, step)
+    whole_cache = cache.clone()
+    ends = torch.tensor([q for _, q in step]).cumsum(0)
+    n = int(ends[-1])
+    for rows in ((ends - 1).tolist(), [n - 1, 3, 0, 40 % n], [], list(range(n))):
+        kept = _both_forwards(llm, step, output_rows=rows)
+        assert kept.shape == (len(rows), whole.shape[1])
+        assert torch.equal(kept, whole[rows])
+        assert torch.equal(cache, whole_cache)
 
 
 @pytest.mark.parametrize(("arch", "quantization"), [("llama_gqa", "none"), ("qwen2", "none"), ("llama_gqa", "int8")])

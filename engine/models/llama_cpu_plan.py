@@ -174,23 +174,48 @@ class LlamaCpuPlan:
         return cls(model, blocks[0].self_attn, ops.attention, layers, norms[0])
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """The module forward's result (final-normed hidden states ``[N, hidden]``, the KV written), or None
-        where this step needs a path only the module forward has (then nothing was computed or written)."""
+        """The module forward's result (final-normed hidden states ``[N, hidden]``, or of ``output_rows`` only;
+        the KV written), or None where this step needs a path only the module forward has (then nothing was
+        computed or written).
+
+        With ``output_rows``, the last layer runs to its attention on every row (its K/V), and past it on a
+        frame of the kept rows alone, as the module forward does: the rows gathered into that frame (attention's
+        output and the residual) are the operands those rows' calls read, so the floats are the same."""
         n = input_ids.shape[0]
         if not n or positions.dtype != torch.int64:
             return None
-        frame = self._frame(n, torch.get_num_threads())
+        threads = torch.get_num_threads()
+        frame = self._frame(n, threads)
         attention = self.attention.kernel_calls(frame.q, frame.k, frame.v, kv_caches, frame.attended, meta, self.scale)
         if attention is None:
             return None
+        kept = n if output_rows is None else output_rows.numel()
+        tail = self._frame(kept, threads) if 0 < kept < n else None  # the kept rows' frame, past attention
         frame.hidden.copy_(self.embed_tokens(input_ids))
         frame.positions.copy_(positions)
-        layers = zip(frame.before_attention, attention, frame.after_attention, strict=True)
+        layers = list(zip(frame.before_attention, attention, frame.after_attention, strict=True))
+        if kept == n:
+            kernel_call.run(itertools.chain(frame.first, *(itertools.chain(*layer) for layer in layers)))
+            out = frame.out if output_rows is None else frame.out.index_select(0, output_rows)
+            # A kept frame is the next step's of as many rows: what the caller holds must not change under it.
+            return out.clone() if output_rows is None and _keeps_frame(n) else out
+        assert output_rows is not None
+        before_last, attention_last, _ = layers.pop()
         kernel_call.run(itertools.chain(frame.first, *(itertools.chain(*layer) for layer in layers)))
-        # A kept frame is the next step's of as many rows: what the caller holds must not change under it.
-        return frame.out.clone() if _keeps_frame(n) else frame.out
+        kernel_call.run(itertools.chain(before_last, attention_last))
+        if tail is None:  # no row gets logits (every sequence a mid-prompt chunk): the K/V was all
+            return frame.out.new_empty((0, self.hidden_size))
+        torch.index_select(frame.attended.view(n, -1), 0, output_rows, out=tail.attended.view(kept, -1))
+        torch.index_select(frame.last_residual, 0, output_rows, out=tail.last_residual)
+        kernel_call.run(tail.after_attention[-1])
+        return tail.out.clone() if _keeps_frame(kept) else tail.out
 
     def _frame(self, n: int, threads: int) -> _StepFrame:
         """The step frame for ``n`` rows: a kept one, or a new one (kept where ``n`` is a decode step's size)."""
@@ -230,7 +255,7 @@ class LlamaCpuPlan:
         rotary = cpu_ops.rotary_call(positions, q, k, self.cos_sin_cache, threads)
         before: list[list[kernel_call.KernelCall]] = []
         after: list[list[kernel_call.KernelCall]] = []
-        residual = hidden
+        residual = last_residual = hidden  # what each layer's o_proj adds to: the embedding, then residuals[1]
         for layer in self.layers:
             before.append([layer.qkv.call(normed[0], qkv_rows, layer.qkv.bias, x_bf16, threads), rotary])
             post = layer.post_attention_norm
@@ -239,9 +264,9 @@ class LlamaCpuPlan:
             mlp_out = (residuals[1], normed[0])
             calls += _add_norm(layer.down, activated, residuals[0], layer.next_norm, *mlp_out, scratch)
             after.append(calls)
-            residual = residuals[1]
+            last_residual, residual = residual, residuals[1]
         kept = (*residuals, normed[1], qkv_rows, activated, o_rows, *((x_bf16,) if x_bf16 is not None else ()))
-        return _StepFrame(hidden, positions, q, k, v, attended, normed[0], first, before, after, kept)
+        return _StepFrame(hidden, positions, q, k, v, attended, last_residual, normed[0], first, before, after, kept)
 
 
 def _keeps_frame(rows: int) -> bool:
@@ -262,6 +287,7 @@ class _StepFrame:
     k: torch.Tensor  # [n, KVH, D]
     v: torch.Tensor
     attended: torch.Tensor  # [n, H, D] attention's output
+    last_residual: torch.Tensor  # [n, hidden] the residual stream the last layer's o_proj adds to
     out: torch.Tensor  # [n, hidden] the final norm's output
     first: list[kernel_call.KernelCall]  # the first layer's input norm
     before_attention: list[list[kernel_call.KernelCall]]  # per layer: qkv, rotary

@@ -14,8 +14,8 @@
  *
  * The caches hold float32, or bfloat16 with kv_bf16 set (half the bytes a step reads, and twice the
  * blocks in the same memory). In the avx512 build, decode reads the cache in place, either dtype
- * (task_in_place: bf16 widened in registers); elsewhere every K/V row passes through kv_block (or flash_rows'
- * copies) on its way in: bf16 rows are widened to fp32 there, into the L1-resident staging the fp32 path
+ * (task_in_place: bf16 widened in registers), and prefill an fp32 cache (flash_rows_km); elsewhere every K/V
+ * row passes through kv_block (or flash_rows' copies) on its way in: bf16 rows are widened to fp32 there, into the L1-resident staging the fp32 path
  * already copies through. Either way the arithmetic is fp32, and widening is exact (a bf16 is the top
  * half of a float), so a bf16 cache gives what the fp32 kernels give on the same values, to float
  * rounding (the order of the sums differs between tasks). The one exception: over a bf16 cache where
@@ -1010,11 +1010,25 @@ static flash_tile flash_tile_in(float *scratch, int64_t R, int64_t D)
     t.m = t.S + R * KC; t.l = t.m + R; t.alpha = t.l + R; t.Kt = t.alpha + R; t.Vc = t.Kt + D * KC;
     t.Kc = t.Vc + KC * D;
     for (int64_t r = 0; r < R; r++) { t.m[r] = -INFINITY; t.l[r] = 0.f; }
-    memset(t.O, 0, sizeof(float) * R * D);
-    return t;
+    return t; /* O: flash_rows zeroes it; flash_rows_dp and flash_rows_km write it whole at their end */
 }
 
 static size_t flash_tile_floats(int64_t R, int64_t D) { return (size_t)(3 * R * D + R * KC + 3 * R + 3 * D * KC + 16); }
+
+/* off[j]: where position c0 + j's K/V row of kv head h starts in the cache (elements), j < nk; one division
+ * per block, not two per position (a chunk's 128 divisions were ~3k cycles, a tenth of a short prompt's
+ * attention in the key-major path). */
+static inline void chunk_offsets(int64_t *off, const int32_t *table, int64_t bs, int64_t rs, int64_t h, int64_t D,
+                                 int64_t c0, int64_t nk)
+{
+    for (int64_t j = 0; j < nk;) {
+        const int64_t pos = c0 + j, block = pos / bs, in = pos - block * bs;
+        const int64_t run = bs - in < nk - j ? bs - in : nk - j;
+        const int64_t first = ((int64_t)table[block] * bs + in) * rs + h * D;
+        for (int64_t e = 0; e < run; e++) off[j + e] = first + e * rs;
+        j += run;
+    }
+}
 
 /* Row r of the chunk's scores S (KC keys) -> softmax numerators under the row's running max, updating
  * its max m, sum l and the rescale alpha of what it accumulated before. With `masked`, keys past
@@ -1080,15 +1094,17 @@ static void flash_rows(flash_tile *t, const void *k_cache, const void *v_cache, 
 {
     const int64_t R = t->R;
     float *S = t->S, *Kt = t->Kt, *Vc = t->Vc;
+    memset(t->O, 0, sizeof(float) * R * D);
     for (int64_t c0 = 0; c0 < end; c0 += KC) {
         const int64_t nk = end - c0 < KC ? end - c0 : KC;
         const int64_t nk16 = (nk + NR - 1) / NR * NR; /* keys computed (a short last chunk stops early) */
+        int64_t offs[KC];
+        chunk_offsets(offs, table, bs, rs, h, D, c0, nk);
         for (int64_t j0 = 0; j0 < nk16; j0 += 8) {  /* Kt = the chunk's keys transposed, 8x8 at a time */
             const float *kr[8];
             for (int64_t j = j0; j < j0 + 8; j++) {
-                const int64_t pos = c0 + j;
                 if (j >= nk) { kr[j - j0] = NULL; continue; }
-                const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * rs + h * D;
+                const int64_t off = offs[j];
                 if (bf16) {
                     bf16_to_f32((const uint16_t *)k_cache + off, t->Kc + j * D, D);
                     bf16_to_f32((const uint16_t *)v_cache + off, Vc + j * D, D);
@@ -1222,26 +1238,6 @@ static dp_scratch dp_scratch_in(float *scratch, int64_t R, int64_t D)
     return s;
 }
 
-/* exp for the softmax numerators here: 2^(x log2 e) as 2^n (vscalefps) times a degree-5 polynomial of the
- * fraction f (fitted on [-0.5, 0.5]: 3.1e-7 relative, ~3 ulp, against exp16's ~1), 9 vector operations
- * instead of exp16's 17 (no clamping, exponent arithmetic or two-step reduction: vscalefps takes a large n to
- * 0 or inf itself, and f = x log2 e - n comes out of one fused multiply-subtract). The softmax is the part of
- * this path that is not dot products: with exp16 it took ~3.0 of 10.5 ms of 1 x 2048 tokens (SmolLM2's heads,
- * bf16 cache, 2 threads, the phases timed by skipping each). */
-static inline __m512 exp16_scalef(__m512 x)
-{
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_fmsub_ps(x, log2e, n); /* [-0.5, 0.5] */
-    __m512 y = _mm512_set1_ps(1.3262854190e-3f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6708433703e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5507130921e-2f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022212625e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314700365e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(y, n);
-}
-
 /* out[i][rows] (i < DP_KEYS, row stride Rp) = init + sum over p < n of the bf16 pair a[i][p * as], broadcast,
  * times the pairs b[p][rows] of NV vectors of 16 rows (b, out, alpha already offset to the first). Both products:
  * S^T (a: key rows in the cache, as = 1; b: Qt; init 0) and T^T (a: Vp columns, as = D; b: Pp; init: out times
@@ -1351,12 +1347,12 @@ static void flash_rows_dp(flash_tile *t, float *dp_space, const void *k_cache, c
         const int64_t nk8 = (nk + DP_KEYS - 1) / DP_KEYS * DP_KEYS, kpairs = (nk + 1) / 2;
         const uint32_t *kp[KC];
         const uint16_t *vp[KC];
+        int64_t offs[KC];
+        chunk_offsets(offs, table, bs, rs, h, D, c0, nk);
         for (int64_t j = 0; j < nk8; j++) {
-            const int64_t pos = c0 + j;
             if (j >= nk) { kp[j] = (const uint32_t *)s.zero; vp[j] = s.zero; continue; }
-            const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * rs + h * D;
-            kp[j] = (const uint32_t *)(kc + off);
-            vp[j] = vc + off;
+            kp[j] = (const uint32_t *)(kc + offs[j]);
+            vp[j] = vc + offs[j];
         }
         /* S^T = K Qt, DP_KEYS keys x up to DP_VECS row vectors per register tile */
         for (int64_t j0 = 0; j0 < nk8; j0 += DP_KEYS)
@@ -1397,6 +1393,192 @@ static void flash_rows_dp(flash_tile *t, float *dp_space, const void *k_cache, c
 }
 
 #pragma GCC pop_options
+
+/* ---- An fp32 cache's products key-major: flash_rows_km.
+ *
+ * flash_rows_dp's layout with fp32 arithmetic, for the avx512 build over an fp32 cache: the tile's rows are the
+ * vector lanes (R rounded up to Rp), S^T = K Q^T broadcasts each key's d straight from its cache row against the
+ * queries transposed once per tile (Qt [D][Rp]), the online softmax runs down the keys 16 rows at a time (no
+ * horizontal max or sum, no per-row mask set-up), and O^T = O^T alpha + V^T P^T broadcasts each value's d straight
+ * from its cache row against the numerators (St, overwritten in place). flash_rows instead transposes every
+ * chunk's keys and copies its values for every tile that reads them (a 512-token prompt's early chunks once per
+ * later tile of 16 queries), and reduces each row's max and sum across lanes. The same arithmetic up to the order
+ * of the sums and the exp (exp16_scalef, ~3 ulp, where flash_rows' exp16 is ~1): fp32 tolerance in
+ * tests/test_cpu_attention.py. Measured in the table beside paged_prefill_attention_f32. */
+#define KM_KEYS 8 /* keys (S) or output dims (O) per register tile, x up to KM_VECS row vectors: 24 accumulators */
+#define KM_VECS 3
+
+typedef struct {
+    int64_t Rp;           /* rows rounded up to 16 */
+    float *St;            /* [KC][Rp] scores, then the softmax numerators, key-major */
+    float *Qt, *Ot;       /* [D][Rp] the scaled queries and the running output, transposed */
+    float *m, *l, *alpha; /* [Rp] running max, sum, this chunk's rescale */
+    int32_t *last;        /* [Rp] each row's last visible position */
+    float *zero;          /* [D] a zero row: the keys that pad a chunk to KM_KEYS */
+} km_scratch;
+
+static size_t km_scratch_floats(int64_t R, int64_t D)
+{
+    const int64_t Rp = (R + 15) / 16 * 16;
+    return (size_t)(KC * Rp + 2 * D * Rp + 4 * Rp + D + 64);
+}
+
+static km_scratch km_scratch_in(float *scratch, int64_t R, int64_t D)
+{
+    km_scratch s;
+    s.Rp = (R + 15) / 16 * 16;
+    s.St = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63); /* Rp, a multiple of 16: every array on a line */
+    s.Qt = s.St + KC * s.Rp;
+    s.Ot = s.Qt + D * s.Rp;
+    s.m = s.Ot + D * s.Rp;
+    s.l = s.m + s.Rp; s.alpha = s.l + s.Rp;
+    s.last = (int32_t *)(s.alpha + s.Rp);
+    s.zero = (float *)(s.last + s.Rp);
+    memset(s.zero, 0, sizeof(float) * D);
+    return s; /* Ot: the first chunk's products write it */
+}
+
+/* S^T rows of KM_KEYS keys: out[i][rows] = sum over d < D of key[i][d] (broadcast) times Qt[d][rows], for NV
+ * vectors of 16 rows (Qt and out already offset to the first). */
+static inline __attribute__((always_inline)) void km_scores(const int NV, const float *const *key, const float *Qt,
+                                                            int64_t Rp, int64_t D, float *out)
+{
+    __m512 acc[KM_KEYS][KM_VECS];
+    for (int i = 0; i < KM_KEYS; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m512 qv[KM_VECS];
+        for (int v = 0; v < NV; v++) qv[v] = _mm512_load_ps(Qt + d * Rp + 16 * v);
+        for (int i = 0; i < KM_KEYS; i++) {
+            const __m512 kd = _mm512_set1_ps(key[i][d]);
+            for (int v = 0; v < NV; v++) acc[i][v] = _mm512_fmadd_ps(kd, qv[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < KM_KEYS; i++)
+        for (int v = 0; v < NV; v++) _mm512_store_ps(out + i * Rp + 16 * v, acc[i][v]);
+}
+
+/* O^T rows of KM_KEYS output dims d0..: out[i][rows] = out[i][rows] * alpha[rows] (nothing where alpha is NULL:
+ * the first chunk) + sum over j < nk of value[j][d0 + i] (broadcast) times P[j][rows], for NV vectors of 16 rows
+ * (P, out, alpha already offset). */
+static inline __attribute__((always_inline)) void km_values(const int NV, const float *const *value, int64_t d0,
+                                                            const float *P, int64_t Rp, int64_t nk, float *out,
+                                                            const float *alpha)
+{
+    __m512 acc[KM_KEYS][KM_VECS];
+    for (int v = 0; v < NV; v++) {
+        const __m512 al = alpha ? _mm512_load_ps(alpha + 16 * v) : _mm512_setzero_ps();
+        for (int i = 0; i < KM_KEYS; i++)
+            acc[i][v] = alpha ? _mm512_mul_ps(_mm512_load_ps(out + i * Rp + 16 * v), al) : _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < nk; j++) {
+        __m512 pv[KM_VECS];
+        const float *vr = value[j] + d0;
+        for (int v = 0; v < NV; v++) pv[v] = _mm512_load_ps(P + j * Rp + 16 * v);
+        for (int i = 0; i < KM_KEYS; i++) {
+            const __m512 vd = _mm512_set1_ps(vr[i]);
+            for (int v = 0; v < NV; v++) acc[i][v] = _mm512_fmadd_ps(vd, pv[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < KM_KEYS; i++)
+        for (int v = 0; v < NV; v++) _mm512_store_ps(out + i * Rp + 16 * v, acc[i][v]);
+}
+
+/* One vector of 16 rows of the chunk's scores St (key j at St + j * Rp, nk keys) -> the numerators in place,
+ * the rows' running max m, sum l and rescale alpha updated (chunk_softmax's arithmetic, down the keys).
+ * MASKED: key j counts only in the rows whose lastv (last visible key, relative to the chunk) >= j. */
+static inline __attribute__((always_inline)) void km_softmax(const int MASKED, float *St, int64_t Rp, int64_t nk,
+                                                             __m512i lastv, float *m, float *l, float *alpha)
+{
+    const __m512 m_old = _mm512_load_ps(m);
+    __m512 mx = m_old;
+    for (int64_t j = 0; j < nk; j++) {
+        const __m512 sj = _mm512_load_ps(St + j * Rp);
+        if (MASKED) mx = _mm512_mask_max_ps(mx, _mm512_cmpge_epi32_mask(lastv, _mm512_set1_epi32((int)j)), mx, sj);
+        else mx = _mm512_max_ps(mx, sj);
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nk; j++) {
+        __m512 pj = exp16_scalef(_mm512_sub_ps(_mm512_load_ps(St + j * Rp), mx));
+        if (MASKED) pj = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(lastv, _mm512_set1_epi32((int)j)), pj);
+        _mm512_store_ps(St + j * Rp, pj);
+        sum = _mm512_add_ps(sum, pj);
+    }
+    /* a row's first chunk always sees key 0, so mx is finite from then on */
+    const __m512 al = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                          exp16_scalef(_mm512_sub_ps(m_old, mx)));
+    _mm512_store_ps(alpha, al);
+    _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), al, sum));
+    _mm512_store_ps(m, mx);
+}
+
+/* flash_rows (same arguments, same O, m, l on return) for an fp32 cache, key-major. */
+static void flash_rows_km(flash_tile *t, float *km_space, const float *k_cache, const float *v_cache,
+                          const int32_t *table, int64_t bs, int64_t rs, int64_t h, int64_t D, int64_t end, int64_t p0,
+                          int64_t nq)
+{
+    const int64_t R = t->R;
+    km_scratch s = km_scratch_in(km_space, R, D);
+    const int64_t Rp = s.Rp, NV = Rp / 16;
+    for (int64_t r = 0; r < Rp; r++) {
+        s.m[r] = -INFINITY; s.l[r] = 0.f;
+        s.last[r] = (int32_t)(r < R && nq > 0 ? p0 + r % nq : end - 1);
+    }
+    for (int64_t r0 = 0; r0 < Rp; r0 += 8) /* Qt: 8 x 8 blocks transposed; rows past R zeros (results unused) */
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+            __m256 m8[8];
+            for (int i = 0; i < 8; i++)
+                m8[i] = r0 + i < R ? _mm256_loadu_ps(t->Qs + (r0 + i) * D + d0) : _mm256_setzero_ps();
+            transpose8(m8);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(s.Qt + (d0 + i) * Rp + r0, m8[i]);
+        }
+    for (int64_t c0 = 0; c0 < end; c0 += KC) {
+        const int64_t nk = end - c0 < KC ? end - c0 : KC;
+        const int64_t nk8 = (nk + KM_KEYS - 1) / KM_KEYS * KM_KEYS;
+        const float *kp[KC], *vp[KC];
+        int64_t offs[KC];
+        chunk_offsets(offs, table, bs, rs, h, D, c0, nk);
+        for (int64_t j = 0; j < nk8; j++) {
+            if (j >= nk) { kp[j] = s.zero; continue; }
+            kp[j] = k_cache + offs[j];
+            vp[j] = v_cache + offs[j];
+        }
+        for (int64_t j0 = 0; j0 < nk8; j0 += KM_KEYS) /* S^T = K Qt */
+            for (int64_t v0 = 0; v0 < NV; v0 += KM_VECS) {
+                const int64_t nv = NV - v0 < KM_VECS ? NV - v0 : KM_VECS;
+                float *out = s.St + j0 * Rp + 16 * v0;
+                if (nv == 3) km_scores(3, kp + j0, s.Qt + 16 * v0, Rp, D, out);
+                else if (nv == 2) km_scores(2, kp + j0, s.Qt + 16 * v0, Rp, D, out);
+                else km_scores(1, kp + j0, s.Qt + 16 * v0, Rp, D, out);
+            }
+        for (int64_t v = 0; v < NV; v++) { /* key c0 + j visible to row r iff c0 + j <= last[r] */
+            const __m512i lastv = _mm512_sub_epi32(_mm512_load_si512((const void *)(s.last + 16 * v)),
+                                                   _mm512_set1_epi32((int)c0));
+            float *sv = s.St + 16 * v;
+            if (_mm512_reduce_min_epi32(lastv) >= nk - 1) /* every row sees every key */
+                km_softmax(0, sv, Rp, nk, lastv, s.m + 16 * v, s.l + 16 * v, s.alpha + 16 * v);
+            else
+                km_softmax(1, sv, Rp, nk, lastv, s.m + 16 * v, s.l + 16 * v, s.alpha + 16 * v);
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += KM_KEYS) /* O^T = O^T alpha + V^T P^T */
+            for (int64_t v0 = 0; v0 < NV; v0 += KM_VECS) {
+                const int64_t nv = NV - v0 < KM_VECS ? NV - v0 : KM_VECS;
+                const float *P = s.St + 16 * v0, *al = c0 ? s.alpha + 16 * v0 : NULL;
+                float *out = s.Ot + d0 * Rp + 16 * v0;
+                if (nv == 3) km_values(3, vp, d0, P, Rp, nk, out, al);
+                else if (nv == 2) km_values(2, vp, d0, P, Rp, nk, out, al);
+                else km_values(1, vp, d0, P, Rp, nk, out, al);
+            }
+    }
+    for (int64_t r = 0; r < R; r++) { t->m[r] = s.m[r]; t->l[r] = s.l[r]; }
+    for (int64_t r0 = 0; r0 < R; r0 += 8) /* O from O^T, 8 x 8 blocks */
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+            __m256 m8[8];
+            for (int i = 0; i < 8; i++) m8[i] = _mm256_loadu_ps(s.Ot + (d0 + i) * Rp + r0);
+            transpose8(m8);
+            for (int i = 0; i < 8 && r0 + i < R; i++) _mm256_storeu_ps(t->O + (r0 + i) * D + d0, m8[i]);
+        }
+}
 #endif
 
 /* Cascade, first half: the queries of up to QT decode sequences (for one kv head) over the shared
@@ -1608,8 +1790,9 @@ typedef struct {
     float scale;
     int kv_bf16;
     int use_dp;         /* a bf16 cache's products on VDPBF16PS (flash_rows_dp); the avx512 build only */
+    int key_major;      /* an fp32 cache's products key-major (flash_rows_km); the avx512 build only */
     int64_t qt;         /* queries per tile */
-    int64_t dp_offset;  /* where flash_rows_dp's scratch starts in a thread's scratch (floats) */
+    int64_t aux_offset; /* where flash_rows_dp's or flash_rows_km's scratch starts in a thread's scratch (floats) */
 } prefill_args;
 
 static void prefill_task(const prefill_args *a, int64_t s, int64_t h, int64_t t0, float *scratch)
@@ -1626,8 +1809,11 @@ static void prefill_task(const prefill_args *a, int64_t s, int64_t h, int64_t t0
         }
 #ifdef PAGEDQ_AVX512
     if (a->use_dp)
-        flash_rows_dp(&t, scratch + a->dp_offset, a->k_cache, a->v_cache, a->block_tables + s * a->max_blocks,
+        flash_rows_dp(&t, scratch + a->aux_offset, a->k_cache, a->v_cache, a->block_tables + s * a->max_blocks,
                       a->block_size, a->num_kv_heads * D, h, D, p0 + nq, p0, nq);
+    else if (a->key_major)
+        flash_rows_km(&t, scratch + a->aux_offset, (const float *)a->k_cache, (const float *)a->v_cache,
+                      a->block_tables + s * a->max_blocks, a->block_size, a->num_kv_heads * D, h, D, p0 + nq, p0, nq);
     else
 #endif
     flash_rows(&t, a->k_cache, a->v_cache, a->kv_bf16, a->block_tables + s * a->max_blocks, a->block_size,
@@ -1653,7 +1839,17 @@ static void prefill_task(const prefill_args *a, int64_t s, int64_t h, int64_t t0
  *   8 x 256                  2.344 -> 1.387   259 -> 437
  *   256 after 256 cached     0.798 -> 0.392   284 -> 579
  *   1 x 2048                17.278 -> 8.176   280 -> 591
- * (the phases of 1 x 2048, each timed by skipping it: S and P V ~3 ms each, the softmax ~1.4, the rest ~0.5). */
+ * (the phases of 1 x 2048, each timed by skipping it: S and P V ~3 ms each, the softmax ~1.4, the rest ~0.5).
+ * An fp32 cache in the avx512 build takes flash_rows_km. Measured on an AMD EPYC (family 25 model 17 = Zen 4,
+ * 2 threads), the same heads and command with --kv-dtype float32, two interleaved rounds each, flash_rows ->
+ * flash_rows_km, ms (GFLOP/s of causal attention; this CPU's fp32 FMA peak ~229):
+ *   4 x 256 tokens           2.09 -> 1.78-1.81   145 -> 170
+ *   8 x 256                  4.28-4.43 -> 3.60-3.80
+ *   256 after 256 cached     1.43 -> 1.20
+ *   1 x 2048                30.25-30.37 -> 25.32-25.65   160 -> 191
+ * (phases of 1 x 2048 there: S^T ~11 ms and P V ~11, both near the FMA peak; the softmax ~2.6 with exp16, ~1.0
+ * with exp16_scalef; the rest ~0.5). In the compass bench (fp32, no drafts) the step's prefill attention went
+ * from 1.51 to 1.30 s. */
 void paged_prefill_attention_f32(
     const float *q, int64_t q_tok, int64_t q_head,
     const void *k_cache, const void *v_cache, float *out,
@@ -1666,14 +1862,16 @@ void paged_prefill_attention_f32(
 #ifdef PAGEDQ_AVX512
     use_dp = use_dp && kv_bf16;
     if (use_dp) tile_q = DP_QT;
+    const int key_major = !kv_bf16; /* an fp32 cache: flash_rows_km */
 #else
     use_dp = 0;
+    const int key_major = 0;
 #endif
     const int64_t G = num_heads / num_kv_heads;
     const size_t tile_floats = flash_tile_floats(G * tile_q, head_dim);
     const prefill_args a = {q, q_tok, q_head, k_cache, v_cache, out, q_starts, q_lens, seq_lens,
                             block_tables, max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale, kv_bf16,
-                            use_dp, tile_q, (int64_t)tile_floats};
+                            use_dp, key_major, tile_q, (int64_t)tile_floats};
     int64_t num_tasks = 0;
     for (int64_t s = 0; s < num_seqs; s++) num_tasks += num_kv_heads * ((q_lens[s] + tile_q - 1) / tile_q);
     int64_t *tasks = (int64_t *)malloc(sizeof(int64_t) * 3 * (num_tasks ? num_tasks : 1));
@@ -1689,6 +1887,7 @@ void paged_prefill_attention_f32(
         size_t floats = tile_floats;
 #ifdef PAGEDQ_AVX512
         if (use_dp) floats += dp_scratch_floats(G * tile_q, head_dim);
+        if (key_major) floats += km_scratch_floats(G * tile_q, head_dim);
 #endif
         float *scratch = (float *)malloc(sizeof(float) * floats);
         #pragma omp for schedule(dynamic, 1)

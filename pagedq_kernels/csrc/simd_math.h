@@ -100,6 +100,26 @@ static inline __m512 exp16(__m512 x)
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
+/* exp for softmax numerators (cpu_attention.c's key-major prefill paths): 2^(x log2 e) as 2^n (vscalefps) times a
+ * degree-5 polynomial of the fraction f (fitted on [-0.5, 0.5]: 3.1e-7 relative, ~3 ulp, against exp16's ~1), 9
+ * vector operations instead of exp16's 17 (no clamping, exponent arithmetic or two-step reduction: vscalefps takes
+ * a large n to 0 or inf itself, and f = x log2 e - n comes out of one fused multiply-subtract). With exp16 the
+ * softmax took ~3.0 of 10.5 ms of 1 x 2048 tokens on the bf16 dot products (SmolLM2's heads, 2 threads, the phases
+ * timed by skipping each). */
+static inline __m512 exp16_scalef(__m512 x)
+{
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_fmsub_ps(x, log2e, n); /* [-0.5, 0.5] */
+    __m512 y = _mm512_set1_ps(1.3262854190e-3f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6708433703e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5507130921e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022212625e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314700365e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(y, n);
+}
+
 /* The low `n` lanes (0 <= n, all 16 when n >= 16): the mask of a loop's last, partial vector. */
 static inline __mmask16 lanes16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
 

@@ -115,13 +115,14 @@ class ModelConfig:
         are left out because they cost no matmul FLOPs.
         """
         h = self.hidden_size
-        per_layer = (
-            h * (self.q_size + 2 * self.kv_size)  # qkv_proj
-            + self.q_size * h  # o_proj
-            + h * 2 * self.intermediate_size  # gate_up_proj
-            + self.intermediate_size * h  # down_proj
-        )
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.num_params_past_attention()  # qkv_proj and the rest
         return self.num_layers * per_layer + h * self.vocab_size
+
+    def num_params_past_attention(self) -> int:
+        """One layer's matmul weights after its attention (o_proj, gate_up_proj, down_proj): what a row that gets
+        no logits skips in the last layer (``LlamaForCausalLM.forward``'s ``output_rows``)."""
+        h = self.hidden_size
+        return self.q_size * h + h * 2 * self.intermediate_size + self.intermediate_size * h
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:

@@ -125,12 +125,13 @@ def test_check_flags_wrong_lengths_and_derive_counts_only_useful_tokens() -> Non
     short = _result("hf-cb", [[5, 6, 7, 8], [9]], workload, wall=1.0)
     assert not short.tokens_ok and short.bad_requests == 1 and short.output_tokens == 5
 
-    flops = rep.FlopModel(matmul_params=1000, lm_head_params=100)
+    flops = rep.FlopModel(matmul_params=1000, lm_head_params=100, past_attention_params=20)
     rec = rep.derive(good, flops, peak_flops=1e6)
     assert rec["output_tok_s"] == 3.0 and rec["total_tok_s"] == 5.5
     assert rec["flop_util"] == pytest.approx(2 * 1000 * 11 / 2.0 / 1e6, abs=1e-4)
-    # exact: decoder on 11 - 2 tokens, lm_head on the 6 outputs
-    assert rec["flop_util_exact"] == pytest.approx(2 * (900 * 9 + 100 * 6) / 2.0 / 1e6, abs=1e-4)
+    # exact: decoder on 11 - 2 tokens less the last layer past attention for the 5 - 2 prompt rows without
+    # logits, lm_head on the 6 outputs
+    assert rec["flop_util_exact"] == pytest.approx(2 * (900 * 9 - 20 * 3 + 100 * 6) / 2.0 / 1e6, abs=1e-4)
 
     agree = rep.agreement(good, short)
     assert agree["identical"] == 0.5 and agree["common_prefix"] == 1.0

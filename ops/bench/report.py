@@ -8,7 +8,8 @@ Useful-FLOP utilisation is ``2 x (weights in the matmuls) x (tokens that went th
 divided by a matmul peak measured in the same process (``peak``). ``flop_util`` follows the issue's formula
 (every processed token counted against every matmul weight, lm_head included); ``flop_util_exact`` counts
 what the work strictly requires (lm_head only for sampled positions; the last output token of a request is
-never fed back through the decoder). Prompt tokens served from a prefix cache are not "processed".
+never fed back through the decoder; a prompt row that gets no logits needs the last layer only up to its
+K/V, so not that layer's o_proj and MLP). Prompt tokens served from a prefix cache are not "processed".
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class FlopModel:
 
     matmul_params: int
     lm_head_params: int
+    past_attention_params: int = 0  # one layer's o_proj + gate_up + down (ModelConfig.num_params_past_attention)
 
     @property
     def decoder_params(self) -> int:
@@ -61,8 +63,11 @@ def derive(res: SystemResult, flops: FlopModel, peak_flops: float, threads: int 
     wall = max(res.wall_s, 1e-9)
     processed = res.processed_tokens
     issue_flops = 2.0 * flops.matmul_params * processed
+    prompt_rows_without_logits = max(0, res.prompt_tokens - res.cached_tokens - res.requests)
     exact_flops = 2.0 * (
-        flops.decoder_params * max(0, processed - res.requests) + flops.lm_head_params * res.output_tokens
+        flops.decoder_params * max(0, processed - res.requests)
+        - flops.past_attention_params * prompt_rows_without_logits
+        + flops.lm_head_params * res.output_tokens
     )
     out.update(
         {

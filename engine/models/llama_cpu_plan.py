@@ -208,8 +208,8 @@ class LlamaCpuPlan:
             return out.clone() if output_rows is None and _keeps_frame(n) else out
         assert output_rows is not None
         before_last, attention_last, _ = layers.pop()
-        kernel_call.run(itertools.chain(frame.first, *(itertools.chain(*layer) for layer in layers)))
-        kernel_call.run(itertools.chain(before_last, attention_last))
+        before = (itertools.chain(*layer) for layer in layers)
+        kernel_call.run(itertools.chain(frame.first, *before, before_last, attention_last))
         if tail is None:  # no row gets logits (every sequence a mid-prompt chunk): the K/V was all
             return frame.out.new_empty((0, self.hidden_size))
         torch.index_select(frame.attended.view(n, -1), 0, output_rows, out=tail.attended.view(kept, -1))

@@ -1167,6 +1167,59 @@ static void flash_rows(flash_tile *t, const void *k_cache, const void *v_cache, 
 }
 
 #ifdef PAGEDQ_AVX512
+/* ---- What the two key-major prefill paths share (flash_rows_dp on bf16 dot products, flash_rows_km on fp32
+ * FMAs, both below): the tile's rows are the vector lanes, 16 per vector (R rounded up to Rp); a register tile
+ * holds LANE_TILE_KEYS broadcast operands (keys for S^T, output dims for O^T) x up to LANE_TILE_VECS row
+ * vectors, 24 accumulators; the online softmax runs down the keys, 16 rows at a time. */
+#define LANE_TILE_KEYS 8
+#define LANE_TILE_VECS 3
+
+/* A register tile's accumulators at its start: out[i][rows] * alpha[rows] (the O^T rescale folded in), or zeros
+ * where alpha is NULL (S^T, or a tile's first chunk). */
+static inline __attribute__((always_inline)) void lane_tile_start(const int NV, __m512 acc[][LANE_TILE_VECS],
+                                                                  const float *out, int64_t Rp, const float *alpha)
+{
+    for (int v = 0; v < NV; v++) {
+        const __m512 al = alpha ? _mm512_load_ps(alpha + 16 * v) : _mm512_setzero_ps();
+        for (int i = 0; i < LANE_TILE_KEYS; i++)
+            acc[i][v] = alpha ? _mm512_mul_ps(_mm512_load_ps(out + i * Rp + 16 * v), al) : _mm512_setzero_ps();
+    }
+}
+
+static inline __attribute__((always_inline)) void lane_tile_store(const int NV, __m512 acc[][LANE_TILE_VECS],
+                                                                  float *out, int64_t Rp)
+{
+    for (int i = 0; i < LANE_TILE_KEYS; i++)
+        for (int v = 0; v < NV; v++) _mm512_store_ps(out + i * Rp + 16 * v, acc[i][v]);
+}
+
+/* The running max m_old of 16 rows carried down keys 0..nk-1 of the scores St (key j at St + j * Rp). MASKED:
+ * key j counts only in the rows whose lastv (last visible key, relative to the chunk) >= j. */
+static inline __attribute__((always_inline)) __m512 keys_max(const int MASKED, const float *St, int64_t Rp, int64_t nk,
+                                                             __m512i lastv, __m512 m_old)
+{
+    __m512 mx = m_old;
+    for (int64_t j = 0; j < nk; j++) {
+        const __m512 sj = _mm512_load_ps(St + j * Rp);
+        if (MASKED) mx = _mm512_mask_max_ps(mx, _mm512_cmpge_epi32_mask(lastv, _mm512_set1_epi32((int)j)), mx, sj);
+        else mx = _mm512_max_ps(mx, sj);
+    }
+    return mx;
+}
+
+/* 16 rows' softmax state after a chunk whose numerators (under the new max mx) sum to `sum`: alpha, the rescale
+ * of what they held, exp(m_old - mx); l = l * alpha + sum; m = mx. */
+static inline __attribute__((always_inline)) void rows_rescale(__m512 m_old, __m512 mx, __m512 sum, float *m, float *l,
+                                                               float *alpha)
+{
+    /* a row's first chunk always sees key 0, so mx is finite from then on */
+    const __m512 al = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                          exp16_scalef(_mm512_sub_ps(m_old, mx)));
+    _mm512_store_ps(alpha, al);
+    _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), al, sum));
+    _mm512_store_ps(m, mx);
+}
+
 /* ---- The bf16 cache's products on AVX512-bf16 dot products (VDPBF16PS): flash_rows_dp.
  *
  * flash_rows widens every key and value of a chunk to fp32 and runs both products through the fp32 register
@@ -1197,8 +1250,6 @@ static void flash_rows(flash_tile *t, const void *k_cache, const void *v_cache, 
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
 
-#define DP_KEYS 8 /* keys per S register tile (x up to 3 row vectors: 24 accumulators) */
-#define DP_VECS 3
 /* Prefill queries per tile on this path. 32 (R = 96 rows for SmolLM2's groups of 3) measured 1 x 2048 tokens
  * 8.59 -> 8.06 ms but 8 x 256 1.47 -> 1.50 (the diagonal chunk's masked keys grow with the tile): kept at 16. */
 #define DP_QT 16
@@ -1238,7 +1289,7 @@ static dp_scratch dp_scratch_in(float *scratch, int64_t R, int64_t D)
     return s;
 }
 
-/* out[i][rows] (i < DP_KEYS, row stride Rp) = init + sum over p < n of the bf16 pair a[i][p * as], broadcast,
+/* out[i][rows] (i < LANE_TILE_KEYS, row stride Rp) = init + sum over p < n of the bf16 pair a[i][p * as], broadcast,
  * times the pairs b[p][rows] of NV vectors of 16 rows (b, out, alpha already offset to the first). Both products:
  * S^T (a: key rows in the cache, as = 1; b: Qt; init 0) and T^T (a: Vp columns, as = D; b: Pp; init: out times
  * the rows' alpha, the O^T rescale folded in). */
@@ -1246,22 +1297,17 @@ static inline __attribute__((always_inline)) void dp_lanes(const int NV, const u
                                                            const uint32_t *b, int64_t Rp, int64_t n, float *out,
                                                            const float *alpha)
 {
-    __m512 acc[DP_KEYS][DP_VECS];
-    for (int v = 0; v < NV; v++) {
-        const __m512 al = alpha ? _mm512_load_ps(alpha + 16 * v) : _mm512_setzero_ps();
-        for (int i = 0; i < DP_KEYS; i++)
-            acc[i][v] = alpha ? _mm512_mul_ps(_mm512_load_ps(out + i * Rp + 16 * v), al) : _mm512_setzero_ps();
-    }
+    __m512 acc[LANE_TILE_KEYS][LANE_TILE_VECS];
+    lane_tile_start(NV, acc, out, Rp, alpha);
     for (int64_t p = 0; p < n; p++) {
-        __m512bh bv[DP_VECS];
+        __m512bh bv[LANE_TILE_VECS];
         for (int v = 0; v < NV; v++) bv[v] = (__m512bh)_mm512_load_si512((const void *)(b + p * Rp + 16 * v));
-        for (int i = 0; i < DP_KEYS; i++) {
+        for (int i = 0; i < LANE_TILE_KEYS; i++) {
             const __m512bh ab = (__m512bh)_mm512_set1_epi32((int)a[i][p * as]);
             for (int v = 0; v < NV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], ab, bv[v]);
         }
     }
-    for (int i = 0; i < DP_KEYS; i++)
-        for (int v = 0; v < NV; v++) _mm512_store_ps(out + i * Rp + 16 * v, acc[i][v]);
+    lane_tile_store(NV, acc, out, Rp);
 }
 
 /* One vector of 16 rows of the chunk's scores St (key j at St + j * Rp, nk keys) -> P as key pairs (Pp), their
@@ -1275,12 +1321,7 @@ static inline __attribute__((always_inline)) void dp_softmax(const int MASKED, c
     const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512 m_old = _mm512_load_ps(m);
-    __m512 mx = m_old;
-    for (int64_t j = 0; j < nk; j++) {
-        const __m512 sj = _mm512_load_ps(St + j * Rp);
-        if (MASKED) mx = _mm512_mask_max_ps(mx, _mm512_cmpge_epi32_mask(lastv, _mm512_set1_epi32((int)j)), mx, sj);
-        else mx = _mm512_max_ps(mx, sj);
-    }
+    const __m512 mx = keys_max(MASKED, St, Rp, nk, lastv, m_old);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < (nk + 1) / 2; j++) {
         __m512 pj[2];
@@ -1295,20 +1336,15 @@ static inline __attribute__((always_inline)) void dp_softmax(const int MASKED, c
         const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(pj[1], pj[0]);
         _mm512_store_si512((void *)(Pp + j * Rp), _mm512_permutexvar_epi16(pair_idx, packed));
     }
-    /* a row's first chunk always sees key 0, so mx is finite from then on */
-    const __m512 al = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
-                                          exp16_scalef(_mm512_sub_ps(m_old, mx)));
-    _mm512_store_ps(alpha, al);
-    _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), al, sum));
-    _mm512_store_ps(m, mx);
+    rows_rescale(m_old, mx, sum, m, l, alpha);
 }
 
-/* dp_lanes over all NV row vectors, DP_VECS at a time (one inlined copy per count). */
+/* dp_lanes over all NV row vectors, LANE_TILE_VECS at a time (one inlined copy per count). */
 static void dp_lanes_all(int64_t NV, const uint32_t *const *a, int64_t as, const uint32_t *b, int64_t Rp, int64_t n,
                          float *out, const float *alpha)
 {
-    for (int64_t v0 = 0; v0 < NV; v0 += DP_VECS) {
-        const int64_t nv = NV - v0 < DP_VECS ? NV - v0 : DP_VECS;
+    for (int64_t v0 = 0; v0 < NV; v0 += LANE_TILE_VECS) {
+        const int64_t nv = NV - v0 < LANE_TILE_VECS ? NV - v0 : LANE_TILE_VECS;
         const float *al = alpha ? alpha + 16 * v0 : NULL;
         if (nv == 3) dp_lanes(3, a, as, b + 16 * v0, Rp, n, out + 16 * v0, al);
         else if (nv == 2) dp_lanes(2, a, as, b + 16 * v0, Rp, n, out + 16 * v0, al);
@@ -1344,7 +1380,7 @@ static void flash_rows_dp(flash_tile *t, float *dp_space, const void *k_cache, c
     const __m512i inter_hi = _mm512_add_epi16(inter, _mm512_set1_epi16(16));
     for (int64_t c0 = 0; c0 < end; c0 += KC) {
         const int64_t nk = end - c0 < KC ? end - c0 : KC;
-        const int64_t nk8 = (nk + DP_KEYS - 1) / DP_KEYS * DP_KEYS, kpairs = (nk + 1) / 2;
+        const int64_t nk8 = (nk + LANE_TILE_KEYS - 1) / LANE_TILE_KEYS * LANE_TILE_KEYS, kpairs = (nk + 1) / 2;
         const uint32_t *kp[KC];
         const uint16_t *vp[KC];
         int64_t offs[KC];
@@ -1354,8 +1390,8 @@ static void flash_rows_dp(flash_tile *t, float *dp_space, const void *k_cache, c
             kp[j] = (const uint32_t *)(kc + offs[j]);
             vp[j] = vc + offs[j];
         }
-        /* S^T = K Qt, DP_KEYS keys x up to DP_VECS row vectors per register tile */
-        for (int64_t j0 = 0; j0 < nk8; j0 += DP_KEYS)
+        /* S^T = K Qt, LANE_TILE_KEYS keys x up to LANE_TILE_VECS row vectors per register tile */
+        for (int64_t j0 = 0; j0 < nk8; j0 += LANE_TILE_KEYS)
             dp_lanes_all(NV, kp + j0, 1, s.Qt, Rp, pairs, s.St + j0 * Rp, NULL);
         /* Vp: value rows 2j and 2j + 1 interleaved (a chunk's odd last key pairs with zeros) */
         for (int64_t j = 0; j < kpairs; j++) {
@@ -1379,10 +1415,10 @@ static void flash_rows_dp(flash_tile *t, float *dp_space, const void *k_cache, c
             else
                 dp_softmax(1, sv, pv, Rp, nk, lastv, s.m + 16 * v, s.l + 16 * v, s.alpha + 16 * v);
         }
-        /* O^T = O^T * alpha + (P V)^T, DP_KEYS output dims x up to DP_VECS row vectors per register tile */
-        for (int64_t d0 = 0; d0 < D; d0 += DP_KEYS) {
-            const uint32_t *cols[DP_KEYS];
-            for (int i = 0; i < DP_KEYS; i++) cols[i] = s.Vp + d0 + i;
+        /* O^T = O^T * alpha + (P V)^T, LANE_TILE_KEYS output dims x up to LANE_TILE_VECS row vectors per register tile */
+        for (int64_t d0 = 0; d0 < D; d0 += LANE_TILE_KEYS) {
+            const uint32_t *cols[LANE_TILE_KEYS];
+            for (int i = 0; i < LANE_TILE_KEYS; i++) cols[i] = s.Vp + d0 + i;
             dp_lanes_all(NV, cols, D, s.Pp, Rp, kpairs, s.Ot + d0 * Rp, s.alpha);
         }
     }
@@ -1405,16 +1441,13 @@ static void flash_rows_dp(flash_tile *t, float *dp_space, const void *k_cache, c
  * later tile of 16 queries), and reduces each row's max and sum across lanes. The same arithmetic up to the order
  * of the sums and the exp (exp16_scalef, ~3 ulp, where flash_rows' exp16 is ~1): fp32 tolerance in
  * tests/test_cpu_attention.py. Measured in the table beside paged_prefill_attention_f32. */
-#define KM_KEYS 8 /* keys (S) or output dims (O) per register tile, x up to KM_VECS row vectors: 24 accumulators */
-#define KM_VECS 3
-
 typedef struct {
     int64_t Rp;           /* rows rounded up to 16 */
     float *St;            /* [KC][Rp] scores, then the softmax numerators, key-major */
     float *Qt, *Ot;       /* [D][Rp] the scaled queries and the running output, transposed */
     float *m, *l, *alpha; /* [Rp] running max, sum, this chunk's rescale */
     int32_t *last;        /* [Rp] each row's last visible position */
-    float *zero;          /* [D] a zero row: the keys that pad a chunk to KM_KEYS */
+    float *zero;          /* [D] a zero row: the keys that pad a chunk to LANE_TILE_KEYS */
 } km_scratch;
 
 static size_t km_scratch_floats(int64_t R, int64_t D)
@@ -1438,50 +1471,43 @@ static km_scratch km_scratch_in(float *scratch, int64_t R, int64_t D)
     return s; /* Ot: the first chunk's products write it */
 }
 
-/* S^T rows of KM_KEYS keys: out[i][rows] = sum over d < D of key[i][d] (broadcast) times Qt[d][rows], for NV
+/* S^T rows of LANE_TILE_KEYS keys: out[i][rows] = sum over d < D of key[i][d] (broadcast) times Qt[d][rows], for NV
  * vectors of 16 rows (Qt and out already offset to the first). */
 static inline __attribute__((always_inline)) void km_scores(const int NV, const float *const *key, const float *Qt,
                                                             int64_t Rp, int64_t D, float *out)
 {
-    __m512 acc[KM_KEYS][KM_VECS];
-    for (int i = 0; i < KM_KEYS; i++)
-        for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();
+    __m512 acc[LANE_TILE_KEYS][LANE_TILE_VECS];
+    lane_tile_start(NV, acc, out, Rp, NULL);
     for (int64_t d = 0; d < D; d++) {
-        __m512 qv[KM_VECS];
+        __m512 qv[LANE_TILE_VECS];
         for (int v = 0; v < NV; v++) qv[v] = _mm512_load_ps(Qt + d * Rp + 16 * v);
-        for (int i = 0; i < KM_KEYS; i++) {
+        for (int i = 0; i < LANE_TILE_KEYS; i++) {
             const __m512 kd = _mm512_set1_ps(key[i][d]);
             for (int v = 0; v < NV; v++) acc[i][v] = _mm512_fmadd_ps(kd, qv[v], acc[i][v]);
         }
     }
-    for (int i = 0; i < KM_KEYS; i++)
-        for (int v = 0; v < NV; v++) _mm512_store_ps(out + i * Rp + 16 * v, acc[i][v]);
+    lane_tile_store(NV, acc, out, Rp);
 }
 
-/* O^T rows of KM_KEYS output dims d0..: out[i][rows] = out[i][rows] * alpha[rows] (nothing where alpha is NULL:
+/* O^T rows of LANE_TILE_KEYS output dims d0..: out[i][rows] = out[i][rows] * alpha[rows] (nothing where alpha is NULL:
  * the first chunk) + sum over j < nk of value[j][d0 + i] (broadcast) times P[j][rows], for NV vectors of 16 rows
  * (P, out, alpha already offset). */
 static inline __attribute__((always_inline)) void km_values(const int NV, const float *const *value, int64_t d0,
                                                             const float *P, int64_t Rp, int64_t nk, float *out,
                                                             const float *alpha)
 {
-    __m512 acc[KM_KEYS][KM_VECS];
-    for (int v = 0; v < NV; v++) {
-        const __m512 al = alpha ? _mm512_load_ps(alpha + 16 * v) : _mm512_setzero_ps();
-        for (int i = 0; i < KM_KEYS; i++)
-            acc[i][v] = alpha ? _mm512_mul_ps(_mm512_load_ps(out + i * Rp + 16 * v), al) : _mm512_setzero_ps();
-    }
+    __m512 acc[LANE_TILE_KEYS][LANE_TILE_VECS];
+    lane_tile_start(NV, acc, out, Rp, alpha);
     for (int64_t j = 0; j < nk; j++) {
-        __m512 pv[KM_VECS];
+        __m512 pv[LANE_TILE_VECS];
         const float *vr = value[j] + d0;
         for (int v = 0; v < NV; v++) pv[v] = _mm512_load_ps(P + j * Rp + 16 * v);
-        for (int i = 0; i < KM_KEYS; i++) {
+        for (int i = 0; i < LANE_TILE_KEYS; i++) {
             const __m512 vd = _mm512_set1_ps(vr[i]);
             for (int v = 0; v < NV; v++) acc[i][v] = _mm512_fmadd_ps(vd, pv[v], acc[i][v]);
         }
     }
-    for (int i = 0; i < KM_KEYS; i++)
-        for (int v = 0; v < NV; v++) _mm512_store_ps(out + i * Rp + 16 * v, acc[i][v]);
+    lane_tile_store(NV, acc, out, Rp);
 }
 
 /* One vector of 16 rows of the chunk's scores St (key j at St + j * Rp, nk keys) -> the numerators in place,
@@ -1491,12 +1517,7 @@ static inline __attribute__((always_inline)) void km_softmax(const int MASKED, f
                                                              __m512i lastv, float *m, float *l, float *alpha)
 {
     const __m512 m_old = _mm512_load_ps(m);
-    __m512 mx = m_old;
-    for (int64_t j = 0; j < nk; j++) {
-        const __m512 sj = _mm512_load_ps(St + j * Rp);
-        if (MASKED) mx = _mm512_mask_max_ps(mx, _mm512_cmpge_epi32_mask(lastv, _mm512_set1_epi32((int)j)), mx, sj);
-        else mx = _mm512_max_ps(mx, sj);
-    }
+    const __m512 mx = keys_max(MASKED, St, Rp, nk, lastv, m_old);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < nk; j++) {
         __m512 pj = exp16_scalef(_mm512_sub_ps(_mm512_load_ps(St + j * Rp), mx));
@@ -1504,12 +1525,7 @@ static inline __attribute__((always_inline)) void km_softmax(const int MASKED, f
         _mm512_store_ps(St + j * Rp, pj);
         sum = _mm512_add_ps(sum, pj);
     }
-    /* a row's first chunk always sees key 0, so mx is finite from then on */
-    const __m512 al = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
-                                          exp16_scalef(_mm512_sub_ps(m_old, mx)));
-    _mm512_store_ps(alpha, al);
-    _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), al, sum));
-    _mm512_store_ps(m, mx);
+    rows_rescale(m_old, mx, sum, m, l, alpha);
 }
 
 /* flash_rows (same arguments, same O, m, l on return) for an fp32 cache, key-major. */
@@ -1534,7 +1550,7 @@ static void flash_rows_km(flash_tile *t, float *km_space, const float *k_cache, 
         }
     for (int64_t c0 = 0; c0 < end; c0 += KC) {
         const int64_t nk = end - c0 < KC ? end - c0 : KC;
-        const int64_t nk8 = (nk + KM_KEYS - 1) / KM_KEYS * KM_KEYS;
+        const int64_t nk8 = (nk + LANE_TILE_KEYS - 1) / LANE_TILE_KEYS * LANE_TILE_KEYS;
         const float *kp[KC], *vp[KC];
         int64_t offs[KC];
         chunk_offsets(offs, table, bs, rs, h, D, c0, nk);
@@ -1543,9 +1559,9 @@ static void flash_rows_km(flash_tile *t, float *km_space, const float *k_cache, 
             kp[j] = k_cache + offs[j];
             vp[j] = v_cache + offs[j];
         }
-        for (int64_t j0 = 0; j0 < nk8; j0 += KM_KEYS) /* S^T = K Qt */
-            for (int64_t v0 = 0; v0 < NV; v0 += KM_VECS) {
-                const int64_t nv = NV - v0 < KM_VECS ? NV - v0 : KM_VECS;
+        for (int64_t j0 = 0; j0 < nk8; j0 += LANE_TILE_KEYS) /* S^T = K Qt */
+            for (int64_t v0 = 0; v0 < NV; v0 += LANE_TILE_VECS) {
+                const int64_t nv = NV - v0 < LANE_TILE_VECS ? NV - v0 : LANE_TILE_VECS;
                 float *out = s.St + j0 * Rp + 16 * v0;
                 if (nv == 3) km_scores(3, kp + j0, s.Qt + 16 * v0, Rp, D, out);
                 else if (nv == 2) km_scores(2, kp + j0, s.Qt + 16 * v0, Rp, D, out);
@@ -1560,9 +1576,9 @@ static void flash_rows_km(flash_tile *t, float *km_space, const float *k_cache, 
             else
                 km_softmax(1, sv, Rp, nk, lastv, s.m + 16 * v, s.l + 16 * v, s.alpha + 16 * v);
         }
-        for (int64_t d0 = 0; d0 < D; d0 += KM_KEYS) /* O^T = O^T alpha + V^T P^T */
-            for (int64_t v0 = 0; v0 < NV; v0 += KM_VECS) {
-                const int64_t nv = NV - v0 < KM_VECS ? NV - v0 : KM_VECS;
+        for (int64_t d0 = 0; d0 < D; d0 += LANE_TILE_KEYS) /* O^T = O^T alpha + V^T P^T */
+            for (int64_t v0 = 0; v0 < NV; v0 += LANE_TILE_VECS) {
+                const int64_t nv = NV - v0 < LANE_TILE_VECS ? NV - v0 : LANE_TILE_VECS;
                 const float *P = s.St + 16 * v0, *al = c0 ? s.alpha + 16 * v0 : NULL;
                 float *out = s.Ot + d0 * Rp + 16 * v0;
                 if (nv == 3) km_values(3, vp, d0, P, Rp, nk, out, al);

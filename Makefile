@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := .setup.stamp
 
-.PHONY: setup demo test test-slow test-all lint
+.PHONY: setup demo test test-slow test-all lint bench-survey
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q torch==2.13.0   # the CPU build; an unpinned torch pulls CUDA (GBs)
@@ -23,6 +23,11 @@ test-slow: $(STAMP)
 
 test-all: $(STAMP)
 	$(PYTHON) -m pytest -q -m "slow or not slow"
+
+# Issue 18's whole matrix on this CPU (~25 min on 2 cores; vLLM's rows need ops/bench/vllm_env.sh run once):
+# bench-survey/survey.md, and each row's report beside it.
+bench-survey: $(STAMP)
+	$(PYTHON) -m ops.bench.survey $(or $(OUT),bench-survey)
 
 lint: $(STAMP)
 	ruff check .

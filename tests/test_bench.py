@@ -21,6 +21,7 @@ import pytest
 from ops.bench import report as rep
 from ops.bench import runner
 from ops.bench import workloads as wl
+from ops.bench.host_cpu import host_cpu
 from ops.bench.registry import SYSTEM_NAMES
 from ops.bench.system import SystemResult
 
@@ -283,6 +284,8 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
     assert report["matmul_peak"]["gflop_s"] > 0
     assert report["meta"]["quick"] is True
     assert set(report["workloads"]) == {"mixed", "prefix", "online", "contended", "structured"}
+    cpu = host_cpu()  # named beside every figure as lscpu names it: family, model, vector flags
+    assert report["meta"]["cpu_id"] == cpu.as_json() and f"cpu: {cpu.describe()}" in proc.stdout
 
     mixed = report["workloads"]["mixed"]
     assert set(mixed["systems"]) == set(runner.DEFAULT_SYSTEMS)

@@ -261,6 +261,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"  omp={meta.get('omp_wait_policy')}  load avg {meta['loadavg_start']}"
         f" -> {meta['loadavg_end']}",
     ]
+    if cpu_id := meta.get("cpu_id"):
+        lines.append(f"cpu: {cpu_id['described']}")
     if isa := meta.get("cpu_isa"):
         lines.append(f"kernels: {isa['kernel_variant']} build; instruction sets run by the probe: {isa['probed']}"
                      + (f" (capped at {isa['cap']} by PAGEDQ_CPU_ISA)" if isa.get("cap") else ""))  # fmt: skip

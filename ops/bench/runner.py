@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ops.bench import report as rep
 from ops.bench import workloads as wl
+from ops.bench.host_cpu import host_cpu
 
 if TYPE_CHECKING:
     import torch
@@ -186,14 +187,6 @@ def _quiet_libraries() -> None:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-
-
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def _loadavg() -> str:
@@ -381,10 +374,12 @@ def run(args: argparse.Namespace) -> int:
         )
         from pagedq_kernels import cpu_isa
 
+        cpu = host_cpu()
         meta = {
             "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "host": socket.gethostname(),
-            "cpu": _cpu_name(),
+            "cpu": cpu.name,
+            "cpu_id": cpu.as_json(),
             "cpu_count": os.cpu_count(),
             **({"cpu_isa": cpu_isa.current().describe()} if not cuda else {}),
             "threads": threads,

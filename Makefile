@@ -24,7 +24,7 @@ test-slow: $(STAMP)
 test-all: $(STAMP)
 	$(PYTHON) -m pytest -q -m "slow or not slow"
 
-# Issue 18's whole matrix on this CPU (~25 min on 2 cores; vLLM's rows need ops/bench/vllm_env.sh run once):
+# Issue 18's whole matrix on this CPU (~21 min on 2 cores; vLLM's rows need ops/bench/vllm_env.sh run once):
 # bench-survey/survey.md, and each row's report beside it.
 bench-survey: $(STAMP)
 	$(PYTHON) -m ops.bench.survey $(or $(OUT),bench-survey)

@@ -7,7 +7,8 @@ an instruction set with bf16 products, drafts off and on; the acceptance command
 contended run), each in its own process as a user would type it, and writes ``survey.md``: the CPU as
 ``lscpu`` names it, the commit, and a table of the figures, ratios and targets from each row's JSON. Each
 row's full report stays beside it (``<row>.log``, ``<row>.json``). A row that fails is reported as failed
-and the survey goes on. About 25 minutes on 2 cores (a row: both systems' model loads, then the runs).
+and the survey goes on. About 21 minutes on a 2-vCPU AMD EPYC Zen 4 (README run 37), most of it the
+systems' runs and vLLM's loads.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -146,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         json_path = out_dir / f"{row.name}.json"
         json_path.unlink(missing_ok=True)
         with log.open("w") as sink:
-            rc = subprocess.run(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
+            rc = subprocess.run(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT).returncode
         report = json.loads(json_path.read_text()) if rc == 0 and json_path.exists() else None
         lines.append(row_line(row, report, f"exit status {rc}, see {log.name}"))
         print(f"[survey] {row.name}: {lines[-1]}", flush=True)

@@ -286,6 +286,7 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
     assert set(report["workloads"]) == {"mixed", "prefix", "online", "contended", "structured"}
     cpu = host_cpu()  # named beside every figure as lscpu names it: family, model, vector flags
     assert report["meta"]["cpu_id"] == cpu.as_json() and f"cpu: {cpu.describe()}" in proc.stdout
+    assert f"versions: torch {report['meta']['torch']}, transformers {report['meta']['transformers']}" in proc.stdout
 
     mixed = report["workloads"]["mixed"]
     assert set(mixed["systems"]) == set(runner.DEFAULT_SYSTEMS)

@@ -12,6 +12,7 @@ import pytest
 
 from ops.bench import survey
 from ops.bench.host_cpu import HostCpu, host_cpu
+from ops.bench.report import format_versions, version_map
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,6 +85,22 @@ def test_survey_rows_are_chosen_by_name_and_by_bf16() -> None:
         assert args[args.index("--workloads") + 1] in ("compass", "mixed", "contended")
 
 
+def test_versions_name_each_peers_software() -> None:
+    """torch and transformers from the bench process, then each peer's own packages; a peer's torch only where
+    its venv runs another one. Every system's record is read, whichever workload it ran on."""
+    report = {
+        "meta": {"torch": "2.13.0+cpu", "transformers": "5.25.0"},
+        "workloads": {
+            "compass": {"systems": {"pagedq": {}, "vllm-cpu": {"versions": {"vllm": "0.32.0", "torch": "2.13.0+cpu"}}}},
+            "mixed": {"systems": {"vllm": {"versions": {"vllm": "0.11.0", "torch": "2.9.0+cu128"}}}},
+        },
+    }
+    found = version_map(report)
+    assert found == {"torch": "2.13.0+cpu", "transformers": "5.25.0", "vllm": "0.32.0", "torch (vllm)": "2.9.0+cu128"}
+    assert format_versions(found) == "torch 2.13.0+cpu, transformers 5.25.0, torch (vllm) 2.9.0+cu128, vllm 0.32.0"
+    assert version_map({"meta": {"torch": "2.13.0+cpu", "transformers": None}})["transformers"] == "absent"
+
+
 def test_survey_runs_the_benches_and_tabulates_their_reports(tmp_path: Path) -> None:
     """Two rows end to end in --quick (tiny model; vLLM's venv pointed away): each bench runs as its own
     process, and survey.md carries the CPU, the commit and each report's own figures."""
@@ -97,6 +114,8 @@ def test_survey_runs_the_benches_and_tabulates_their_reports(tmp_path: Path) -> 
     table = (out / "survey.md").read_text()
     assert table.splitlines()[0] == f"# pagedq survey: {host_cpu().describe()}"
     assert "`--quick` (tiny model)" in table
+    compass_meta = json.loads((out / "compass-fp32.json").read_text())["meta"]
+    assert f"versions: torch {compass_meta['torch']}, transformers {compass_meta['transformers']}" in table
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
     assert list(rows)[1:] == ["compass-fp32", "acceptance"]  # after the header row, in matrix order
 

@@ -250,6 +250,30 @@ def _fmt(value: Any, spec: str = ".1f") -> str:
     return str(value)
 
 
+def version_map(report: dict[str, Any]) -> dict[str, str]:
+    """The software the ratios depend on: torch and transformers from the bench process, then what each peer
+    running in its own environment (vLLM's venv) reported of itself. A peer's release moves its figures as much
+    as a CPU does: transformers 5.25.0 ran the same static batches twice as fast as 5.17.0 (README, run 38)."""
+    meta = report["meta"]
+    found = {"torch": str(meta.get("torch", "?")), "transformers": str(meta.get("transformers") or "absent")}
+    for workload in report.get("workloads", {}).values():
+        for name, record in workload.get("systems", {}).items():
+            for package, version in (record.get("versions") or {}).items():
+                if package == "torch" and version == found["torch"]:
+                    continue  # the peer's venv runs the same torch: said once
+                found.setdefault(f"{package} ({name})" if package == "torch" else package, str(version))
+    return found
+
+
+def format_versions(found: dict[str, str]) -> str:
+    """``version_map``'s (or several merged) as one line: torch, transformers, then the peers' in name order."""
+    head = [f"{package} {found[package]}" for package in ("torch", "transformers") if package in found]
+    rest = [
+        f"{package} {version}" for package, version in sorted(found.items()) if package not in ("torch", "transformers")
+    ]
+    return ", ".join(head + rest)
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The human-readable report printed to stdout."""
     meta = report["meta"]
@@ -263,6 +287,7 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     if cpu_id := meta.get("cpu_id"):
         lines.append(f"cpu: {cpu_id['described']}")
+    lines.append(f"versions: {format_versions(version_map(report))}")
     if isa := meta.get("cpu_isa"):
         lines.append(f"kernels: {isa['kernel_variant']} build; instruction sets run by the probe: {isa['probed']}"
                      + (f" (capped at {isa['cap']} by PAGEDQ_CPU_ISA)" if isa.get("cap") else ""))  # fmt: skip

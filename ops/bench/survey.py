@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.bench.host_cpu import host_cpu
+from ops.bench.report import format_versions, version_map
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -138,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpu = host_cpu()
     started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = []
+    versions: dict[str, str] = {}  # torch, transformers and each peer's, as the rows' reports give them
     for row in rows:
         cmd = command(row, out_dir, args.repeat, args.quick)
         print(f"[survey] {row.name}: {' '.join(cmd[2:])}", flush=True)
@@ -148,6 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rc = subprocess.run(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT).returncode
         report = json.loads(json_path.read_text()) if rc == 0 and json_path.exists() else None
         lines.append(row_line(row, report, f"exit status {rc}, see {log.name}"))
+        if report is not None:
+            for package, version in version_map(report).items():
+                versions.setdefault(package, version)
         print(f"[survey] {row.name}: {lines[-1]}", flush=True)
     summary = [
         f"# pagedq survey: {cpu.describe()}",
@@ -156,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"`dtype=auto` = {'bfloat16' if bf16 else 'float32'}"
         + (", `--quick` (tiny model)" if args.quick else "")
         + (f", each bench `--repeat {args.repeat}`" if args.repeat > 1 else ""),
+        "",
+        f"versions: {format_versions(versions)}",
         "",
         "| row | command | pagedq out tok/s | peers out tok/s (pagedq/x) | targets | useful FLOP (peak GFLOP/s) "
         "| greedy agreement (first 32) | pagedq drafts accepted |",

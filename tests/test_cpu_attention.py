@@ -74,10 +74,13 @@ def make_batch(
 
 @pytest.mark.parametrize("use_c", [True, False])
 # head_dim 20 takes the decode kernel's portable path (not a multiple of 8; the avx512 build's masked-tail
-# task) and torch's prefill (not a multiple of 16); block size 4 leaves every block shorter than the AVX2
-# decode path's 8-row step, so only its tail loops run, and makes the prefill kernel's 64-key chunks span
-# many blocks.
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 1, 32), (6, 2, 20)])
+# task) and torch's prefill (not a multiple of 16); the AVX2 decode task takes a kv head's query rows 3 at a
+# time and 16 value columns at a time: groups of 8 (3 + 3 + 2) and 2, and head_dim 24 (16 + 8), run its shorter
+# passes; a sequence's last, partly filled block runs its one-position tail. Block size 4 makes the prefill
+# kernel's 64-key chunks span many blocks.
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 1, 32), (6, 2, 20), (4, 2, 24)]
+)
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 def test_matches_reference(
     use_c: bool, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, monkeypatch: pytest.MonkeyPatch

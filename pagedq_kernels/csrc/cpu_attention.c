@@ -26,8 +26,9 @@
  * ~2x the fp32 path's speed there; decode, memory bound, ~10-20% (most in a verify step's 9 queries).
  *
  * Below the avx512 build, two implementations of one (sequence, kv head) task: an AVX2/FMA one for
- * head_dim % 8 == 0 (every model pagedq ships for) and a portable one. The AVX2 one computes 8 scores at a time with 8
- * independent FMA chains folded by a horizontal-add tree, and exponentiates 8 lanes at a time: the
+ * head_dim % 8 == 0 (every model pagedq ships for) and a portable one. The AVX2 one computes 4 scores for up to 3
+ * query rows of a kv head at a time, 12 independent FMA chains folded by horizontal-add trees, and exponentiates 8
+ * lanes at a time: the
  * portable loop's per-row horizontal reductions and scalar expf ran at 2.6 GB/s of KV, a fraction
  * of what memory delivers.
  */
@@ -234,6 +235,104 @@ static inline void prefetch_lines(prefetcher *p, int64_t k)
 }
 
 #ifdef PAGEDQ_AVX2
+/* Lane u of the result = the horizontal sum of a_u. */
+static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
+{
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* Scores of NQ (<= 3) query rows (qq, qq + D, ...) that share one kv head against its 4 key rows k0 + u * rs:
+ * each key vector loaded once feeds the NQ rows' FMAs (12 chains, 3 query vectors: 16 ymm), and row i's 4
+ * scores go to sc[i * stride + 0..3]. */
+static inline __attribute__((always_inline)) void scores_gqa4(const int NQ, const float *qq, int64_t D, const float *k0,
+                                                              int64_t rs, float *sc, int64_t stride)
+{
+    __m256 acc[3][4];
+    for (int i = 0; i < NQ; i++)
+        for (int u = 0; u < 4; u++) acc[i][u] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+        __m256 q[3];
+        for (int i = 0; i < NQ; i++) q[i] = _mm256_loadu_ps(qq + i * D + c);
+        for (int u = 0; u < 4; u++) {
+            const __m256 k = _mm256_loadu_ps(k0 + u * rs + c);
+            for (int i = 0; i < NQ; i++) acc[i][u] = _mm256_fmadd_ps(q[i], k, acc[i][u]);
+        }
+    }
+    for (int i = 0; i < NQ; i++) _mm_storeu_ps(sc + i * stride, hsum4x8(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+}
+
+/* The same for one key row: row i's score to sc[i * stride]. */
+static inline __attribute__((always_inline)) void scores_gqa1(const int NQ, const float *qq, int64_t D, const float *k0,
+                                                              float *sc, int64_t stride)
+{
+    __m256 acc[3];
+    for (int i = 0; i < NQ; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+        const __m256 k = _mm256_loadu_ps(k0 + c);
+        for (int i = 0; i < NQ; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qq + i * D + c), k, acc[i]);
+    }
+    for (int i = 0; i < NQ; i++) sc[i * stride] = hsum1(acc[i]);
+}
+
+/* o rows i < NQ (stride D), columns c..c+8W-1: += sum over t < n of p[i * stride + t] * v_t[c..], the value
+ * rows v0 + t * rs. Each value vector loaded once feeds the NQ rows; the NQ x W sums stay in registers across
+ * the block's rows. */
+static inline __attribute__((always_inline)) void values_gqa(const int NQ, const int W, const float *p, int64_t stride,
+                                                             const float *v0, int64_t rs, int64_t n, float *o, int64_t D)
+{
+    __m256 acc[3][2];
+    for (int i = 0; i < NQ; i++)
+        for (int w = 0; w < W; w++) acc[i][w] = _mm256_loadu_ps(o + i * D + 8 * w);
+    for (int64_t t = 0; t < n; t++) {
+        __m256 v[2];
+        for (int w = 0; w < W; w++) v[w] = _mm256_loadu_ps(v0 + t * rs + 8 * w);
+        for (int i = 0; i < NQ; i++) {
+            const __m256 pt = _mm256_broadcast_ss(p + i * stride + t);
+            for (int w = 0; w < W; w++) acc[i][w] = _mm256_fmadd_ps(pt, v[w], acc[i][w]);
+        }
+    }
+    for (int i = 0; i < NQ; i++)
+        for (int w = 0; w < W; w++) _mm256_storeu_ps(o + i * D + 8 * w, acc[i][w]);
+}
+
+/* One block's scores for the query rows r0..r0+nq-1 (nq <= 3) of one kv head: keys kh + t * rs, t < n. */
+static void block_scores_gqa(int64_t nq, const float *qq, int64_t D, const float *kh, int64_t rs, int64_t n, float *sc,
+                             int64_t stride, prefetcher *pf, int64_t per_step)
+{
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        prefetch_lines(pf, per_step);
+        if (nq == 3) scores_gqa4(3, qq, D, kh + t * rs, rs, sc + t, stride);
+        else if (nq == 2) scores_gqa4(2, qq, D, kh + t * rs, rs, sc + t, stride);
+        else scores_gqa4(1, qq, D, kh + t * rs, rs, sc + t, stride);
+    }
+    for (; t < n; t++) {
+        if (nq == 3) scores_gqa1(3, qq, D, kh + t * rs, sc + t, stride);
+        else if (nq == 2) scores_gqa1(2, qq, D, kh + t * rs, sc + t, stride);
+        else scores_gqa1(1, qq, D, kh + t * rs, sc + t, stride);
+    }
+}
+
+/* One block's values into the output rows r0..r0+nq-1 (nq <= 3) of one kv head, 16 columns at a time. */
+static void block_values_gqa(int64_t nq, const float *p, int64_t stride, const float *vh, int64_t rs, int64_t n, float *o,
+                             int64_t D, prefetcher *pf, int64_t per_step)
+{
+    for (int64_t c = 0; c < D; c += 16) {
+        prefetch_lines(pf, per_step);
+        const int two = c + 16 <= D;
+#define VALUES(NQ)                                                          \
+    if (two) values_gqa(NQ, 2, p, stride, vh + c, rs, n, o + c, D);        \
+    else values_gqa(NQ, 1, p, stride, vh + c, rs, n, o + c, D);
+        if (nq == 3) { VALUES(3) }
+        else if (nq == 2) { VALUES(2) }
+        else { VALUES(1) }
+#undef VALUES
+    }
+}
+#endif
+
+#ifdef PAGEDQ_AVX2
 /* AVX2 task: kv heads h0..h1-1 of sequence s, head_dim % 8 == 0. `scratch` holds
  * nh * (len + D + 2) floats, nh = (h1 - h0) * group query heads, and for a bf16 cache block_size * KVH * D
  * more, where each block is widened to fp32 before use.
@@ -247,7 +346,15 @@ static inline void prefetch_lines(prefetcher *p, int64_t k)
  * byte. Measured there (family 25 model 1, Zen 3, 2 threads, ops/bench/kernel_timing.py, fp32 cache, SmolLM2's
  * heads, ms, staged -> in place): 64 sequences x 350 positions 2.647 -> 1.702, 64 x 700 5.799 -> 3.797, 64 x 350
  * over 30 layers' caches in turn 2.961 -> 2.218 (11.6 -> 15.5 GB/s of K/V), head_dim 80 1.544 -> 0.80-1.03;
- * compass in fp32 without speculation (README run 27): attention 19.8 -> 13.9-15.2 s, 99.1 -> 114.2 tok/s. */
+ * compass in fp32 without speculation (README run 27): attention 19.8 -> 13.9-15.2 s, 99.1 -> 114.2 tok/s.
+ *
+ * The query rows that share a kv head go through each block together, up to 3 at a time (block_scores_gqa,
+ * block_values_gqa): every K/V vector loaded once feeds their FMAs, where one row at a time loaded it once per
+ * row (9 loads per 8 FMAs in the scores, the output reloaded and stored every 4 positions in the values). On a
+ * Zen 3 with 191 GFLOP/s of fp32 peak and a 44.5 GB/s pure 2-thread read (README run 38, ms, row by row -> shared):
+ * 64 x 350 0.932 -> 0.805, 64 x 700 2.017 -> 1.878, 1 x 2000 0.117 -> 0.096, head_dim 80 0.556 -> 0.495; over
+ * 30 layers' caches, where the scattered blocks come from memory, 1.31 -> 1.28 (26.5 GB/s of K/V), and compass
+ * end to end within its noise (216-218 tok/s both): in a real step decode attention waits on memory. */
 static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, float *scratch)
 {
     const task_view tv = view_of(a, s, h0);
@@ -264,8 +371,9 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, flo
        (fewer sequences than threads) ran slower with it, 1 x 2000 positions 0.108 -> 0.137 ms (0.122 without). */
     const int fetch = !copy_to && cols == rs;
     const int64_t kv_lines = prefetch_plan(kc, block_size, rs, col0, cols, esize).left;
-    const int64_t k_steps = nh * ((block_size + 7) / 8), k_per_step = (kv_lines + k_steps - 1) / k_steps;
-    const int64_t v_steps = nh * ((block_size + 3) / 4), v_per_step = (kv_lines + v_steps - 1) / v_steps;
+    const int64_t chunks = (h1 - h0) * ((group + 2) / 3); /* (kv head, up to 3 of its query rows) pairs */
+    const int64_t k_steps = chunks * ((block_size + 3) / 4), k_per_step = (kv_lines + k_steps - 1) / k_steps;
+    const int64_t v_steps = chunks * ((D + 15) / 16), v_per_step = (kv_lines + v_steps - 1) / v_steps;
     const __m256 vscale = _mm256_set1_ps(a->scale);
     for (int64_t r = 0; r < nh; r++)
         for (int64_t c = 0; c < D; c += 8)
@@ -280,35 +388,12 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, flo
         prefetcher pf = prefetch_plan(!fetch ? NULL : b + 1 < nblocks ? kc + table[b + 1] * block_stride * esize
                                                                         : vc + table[b0] * block_stride * esize,
                                       block_size, rs, col0, cols, esize);
-        for (int64_t r = 0; r < nh; r++) {
-            const float *qq = qs + r * D, *kh = kb + (r / group) * D;
-            float *sc = scores + r * len + base;
-            int64_t t = 0;
-            for (; t + 8 <= n; t += 8) {
-                prefetch_lines(&pf, k_per_step);
-                const float *k0 = kh + t * rs;
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-                for (int64_t c = 0; c < D; c += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qq + c);
-                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
-                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + rs + c), a1);
-                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * rs + c), a2);
-                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * rs + c), a3);
-                    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 4 * rs + c), a4);
-                    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 5 * rs + c), a5);
-                    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 6 * rs + c), a6);
-                    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 7 * rs + c), a7);
-                }
-                _mm256_storeu_ps(sc + t, hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7));
+        for (int64_t j = 0; j < h1 - h0; j++)
+            for (int64_t i = 0; i < group; i += 3) {
+                const int64_t r0 = j * group + i;
+                block_scores_gqa(group - i < 3 ? group - i : 3, qs + r0 * D, D, kb + j * D, rs, n, scores + r0 * len + base,
+                                 len, &pf, k_per_step);
             }
-            for (; t < n; t++) {
-                const float *kr = kh + t * rs;
-                __m256 a0 = _mm256_setzero_ps();
-                for (int64_t c = 0; c < D; c += 8)
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qq + c), _mm256_loadu_ps(kr + c), a0);
-                sc[t] = hsum1(a0);
-            }
-        }
         prefetch_lines(&pf, pf.left); /* what a short block left */
     }
     /* Softmax numerators; the 1/sum is applied to the output at the end. */
@@ -340,30 +425,13 @@ static void task_avx2(const attn_args *a, int64_t s, int64_t h0, int64_t h1, flo
                                    n, rs, h0 * D, (h1 - h0) * D, copy_to) + h0 * D;
         prefetcher pf = prefetch_plan(!fetch || b + 1 >= nblocks ? NULL : vc + table[b + 1] * block_stride * esize,
                                       block_size, rs, col0, cols, esize);
-        for (int64_t r = 0; r < nh; r++) {
-            const float *sc = scores + r * len + base, *vh = vb + (r / group) * D;
-            float *o = acc + r * D;
-            int64_t t = 0;
-            for (; t + 4 <= n; t += 4) {
-                prefetch_lines(&pf, v_per_step);
-                const __m256 p0 = _mm256_set1_ps(sc[t]), p1 = _mm256_set1_ps(sc[t + 1]);
-                const __m256 p2 = _mm256_set1_ps(sc[t + 2]), p3 = _mm256_set1_ps(sc[t + 3]);
-                const float *v0 = vh + t * rs;
-                for (int64_t c = 0; c < D; c += 8) {
-                    __m256 x = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + c), _mm256_loadu_ps(o + c));
-                    __m256 y = _mm256_mul_ps(p1, _mm256_loadu_ps(v0 + rs + c));
-                    x = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v0 + 2 * rs + c), x);
-                    y = _mm256_fmadd_ps(p3, _mm256_loadu_ps(v0 + 3 * rs + c), y);
-                    _mm256_storeu_ps(o + c, _mm256_add_ps(x, y));
-                }
+        for (int64_t j = 0; j < h1 - h0; j++)
+            for (int64_t i = 0; i < group; i += 3) {
+                const int64_t r0 = j * group + i;
+                block_values_gqa(group - i < 3 ? group - i : 3, scores + r0 * len + base, len, vb + j * D, rs, n,
+                                 acc + r0 * D, D, &pf, v_per_step);
             }
-            for (; t < n; t++) {
-                const __m256 p = _mm256_set1_ps(sc[t]);
-                const float *v = vh + t * rs;
-                for (int64_t c = 0; c < D; c += 8)
-                    _mm256_storeu_ps(o + c, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + c), _mm256_loadu_ps(o + c)));
-            }
-        }
+        prefetch_lines(&pf, pf.left);
     }
     for (int64_t r = 0; r < nh; r++) {
         if (b0 == 0) {

@@ -235,13 +235,6 @@ static inline void prefetch_lines(prefetcher *p, int64_t k)
 }
 
 #ifdef PAGEDQ_AVX2
-/* Lane u of the result = the horizontal sum of a_u. */
-static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
-{
-    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
 /* Scores of NQ (<= 3) query rows (qq, qq + D, ...) that share one kv head against its 4 key rows k0 + u * rs:
  * each key vector loaded once feeds the NQ rows' FMAs (12 chains, 3 query vectors: 16 ymm), and row i's 4
  * scores go to sc[i * stride + 0..3]. */
@@ -511,7 +504,7 @@ static void finish_rows512(const attn_args *a, int64_t s, int64_t r0, int64_t nh
 /* ---- AVX-512: K/V read in place, bf16 or fp32. */
 
 /* Lane i of the result = the sum of the 16 lanes of a[i]: a transpose-and-add tree of 45 single-uop
- * shuffles and adds, where folding each zmm to 8 lanes and hsum8x8 take 74 (its hadds are 3 uops). */
+ * shuffles and adds, where folding each zmm to 8 lanes and an 8x8 hadd tree took 74 (its hadds are 3 uops). */
 static inline __m512 hsum16x16(const __m512 a[16])
 {
     __m512 t[8], u[4];

@@ -32,13 +32,11 @@ static inline __m256 exp8(__m256 x)
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-/* Lane i of the result = horizontal sum of a_i. */
-static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
-                             __m256 a4, __m256 a5, __m256 a6, __m256 a7)
+/* Lane u of the result = the horizontal sum of a_u. */
+static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
 {
-    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
 static inline float hsum1(__m256 v)
@@ -122,9 +120,6 @@ static inline __m512 exp16_scalef(__m512 x)
 
 /* The low `n` lanes (0 <= n, all 16 when n >= 16): the mask of a loop's last, partial vector. */
 static inline __mmask16 lanes16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
-
-/* The 8 lanes of a ymm whose lane i = the sum of the 16 lanes of a_i (fold to 256 bits, then hsum8x8). */
-static inline __m256 fold(__m512 a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); }
 
 /* bf16 -> fp32 is exact: the 16 bits are the top half of the float. */
 static inline __m512 load16_bf16(const uint16_t *p, __mmask16 m)

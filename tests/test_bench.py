@@ -260,11 +260,15 @@ def test_runner_lists_the_same_systems_without_importing_torch() -> None:
 # --------------------------------------------------------------------------------- end to end
 
 
-def _run_quick_bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """``python -m ops.bench --quick`` on one thread with ``args``; the finished process and its JSON report."""
+def _run_quick_bench(
+    tmp_path: Path, *args: str, env_extra: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """``python -m ops.bench --quick`` on one thread with ``args`` (and ``env_extra`` in its environment); the
+    finished process and its JSON report."""
     out = tmp_path / "bench.json"
     # vLLM's venv is out of these runs even where it exists (its own tests are in test_bench_vllm.py).
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PAGEDQ_VLLM_VENV=str(tmp_path / "no-vllm"))
+    env.update(env_extra or {})
     proc = subprocess.run(
         [sys.executable, "-m", "ops.bench", "--quick", "--threads", "1", "--json", str(out),
          "--work-dir", str(tmp_path / "work"), *args],
@@ -421,3 +425,33 @@ def test_quick_structured_workload_outputs_validate(tmp_path: Path) -> None:
     names = [name for _ in range(2) for name in wl.STRUCTURED_SCHEMAS]  # round-robin, as generated
     for name, text in zip(names, checked["texts"], strict=True):
         jsonschema.validate(json.loads(text), wl.STRUCTURED_SCHEMAS[name])
+
+
+@pytest.mark.parametrize("plan", ["on", "off"])
+def test_profile_splits_attention_by_kernel(tmp_path: Path, plan: str) -> None:
+    """``--profile`` times the KV write, the decode kernel and the prefill kernel apart, inside attention's total:
+    with the whole-step plan on (it makes the calls outside ``attention.forward``: the total is their sum) and
+    off (the total also holds forward's own Python). ~8 s each."""
+    from ops.bench.profile import ATTENTION, ATTENTION_PARTS
+    from pagedq_kernels import cpu_attention
+
+    if not cpu_attention.available():
+        pytest.skip("no C attention kernels here (no compiler)")
+    env = {"PAGEDQ_DISABLE_CPU_PLAN": "1"} if plan == "off" else {}
+    _, report = _run_quick_bench(
+        tmp_path, "--systems", "pagedq", "--workloads", "mixed", "--profile", str(tmp_path / "prof"), env_extra=env
+    )
+    families = report["profile"]["op_families"]
+    parts = {k: v["s"] for k, v in families.items() if k.startswith("attention: ")}
+    assert set(parts) == set(ATTENTION_PARTS.values())  # mixed: prompts, then single-query decodes (each timed)
+    total = families[ATTENTION]["s"]
+    assert sum(parts.values()) <= total + 0.002  # rounded to the millisecond, each
+    if plan == "on":
+        assert sum(parts.values()) == pytest.approx(total, abs=0.002)
+    else:
+        assert families["linear (decoder matmuls)"]["s"] > 0
+    # op_families.txt: the parts, indented, right under the total
+    lines = (tmp_path / "prof" / "op_families.txt").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith(ATTENTION))
+    under = lines[at + 1 : at + 1 + len(parts)]
+    assert sorted(line.split("  ")[2].strip() for line in under) == sorted(k.removeprefix("attention: ") for k in parts)

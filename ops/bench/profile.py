@@ -4,7 +4,8 @@ Runs after the timed runs (so they are unaffected) and makes three extra passes 
 
 1. **op timers**: wall time per op family (matmuls in the decoder, lm_head, attention incl. the KV write,
    attention planning, RMSNorm, rotary, SiLU-and-mul, embedding, the rest of the forward), taken by
-   wrapping the model's modules and the shared ``Ops`` bundle of this one engine instance, plus the
+   wrapping the model's modules and the shared ``Ops`` bundle of this one engine instance (attention's C calls
+   also apart: the KV write, the decode kernel, the prefill kernel, with the whole-step plan on too), plus the
    engine's own phase split (:class:`~engine.step_stats.StepStats`: schedule, prepare, sample, detokenize).
    CPU ops are synchronous, so these are exact; each wrapper costs ~1 us per call.
 2. **torch.profiler**: the aten-level table (self CPU time) in ``torch_ops.txt``.
@@ -62,13 +63,72 @@ def _instrument_model(engine: Any, bucket: dict[str, float]) -> None:
     model.embed_tokens.forward = _timed(model.embed_tokens.forward, bucket, "embedding")
     ops = model.ops
     attn = ops.attention
-    attn.forward = _timed(attn.forward, bucket, "attention (KV write + kernel)")
+    if hasattr(attn, "kernel_calls"):  # the CPU backend's C calls (the Triton backend launches its own)
+        attn.forward, attn.kernel_calls = _attention_timed(attn.forward, attn.kernel_calls, bucket)
+    else:
+        attn.forward = _timed(attn.forward, bucket, ATTENTION)
     attn.prepare = _timed(attn.prepare, bucket, "attention planning (per step)")
     # Ops is a frozen dataclass shared by every layer: replacing its fields on this one instance times
     # every call without touching engine code.
     object.__setattr__(ops, "rms_norm", _timed(ops.rms_norm, bucket, "rms_norm (+residual add)"))
     object.__setattr__(ops, "rotary_embedding", _timed(ops.rotary_embedding, bucket, "rotary"))
     object.__setattr__(ops, "silu_and_mul", _timed(ops.silu_and_mul, bucket, "silu_and_mul"))
+
+
+ATTENTION = "attention (KV write + kernel)"
+# The C calls inside attention, each kind in its own bucket as well: decode attention waits on memory (each
+# token reads its whole context) and prefill attention on arithmetic, so the one total says neither what bounds
+# it nor which kernel to work on. Keyed by the KernelCall's ``what``; a step the torch path takes (no C
+# kernels) counts in the total only.
+ATTENTION_PARTS = {
+    "KV cache write": "attention: KV write",
+    "paged decode attention": "attention: decode kernel (single queries, draft checks)",
+    "paged prefill attention": "attention: prefill kernel",
+}
+
+
+def _attention_timed(
+    forward: Callable[..., Any], build: Callable[..., Any], bucket: dict[str, float]
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``attention.forward`` timed into :data:`ATTENTION`, and ``attention.kernel_calls`` whose calls time
+    themselves into their part. A whole-step plan (``engine/models/llama_cpu_plan.py``) builds those calls for
+    every layer and makes them outside ``forward``: those count into the total here, so it is attention's time
+    with the plan on or off, once."""
+    from pagedq_kernels.kernel_call import KernelCall
+
+    pc = time.perf_counter
+    in_forward = [False]
+
+    def timed_forward(*args: Any, **kwargs: Any) -> Any:
+        t0 = pc()
+        in_forward[0] = True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            in_forward[0] = False
+            bucket[ATTENTION] += pc() - t0
+
+    def timed_call(function: Callable[..., Any], what: str) -> Callable[..., Any]:
+        key = next((v for k, v in ATTENTION_PARTS.items() if what.startswith(k)), f"attention: {what}")
+
+        def call(*args: Any) -> Any:
+            t0 = pc()
+            status = function(*args)
+            took = pc() - t0
+            bucket[key] += took
+            if not in_forward[0]:
+                bucket[ATTENTION] += took
+            return status
+
+        return call
+
+    def timed_build(*args: Any, **kwargs: Any) -> Any:
+        calls = build(*args, **kwargs)
+        if calls is None:
+            return None
+        return [[KernelCall(timed_call(c.function, c.what), c.args, c.what) for c in layer] for layer in calls]
+
+    return timed_forward, timed_build
 
 
 def profile_pagedq(workload: Workload, ctx: BenchContext, out_dir: Path) -> dict[str, Any]:
@@ -88,14 +148,14 @@ def profile_pagedq(workload: Workload, ctx: BenchContext, out_dir: Path) -> dict
     phases = step_breakdown(llm.engine.step_stats, wall)
     forward = llm.engine.step_stats.phase_s["forward"]
     families = dict(bucket)
-    inside = sum(v for k, v in families.items() if k != "attention planning (per step)")
+    # attention's parts are inside its total
+    inside = sum(
+        v for k, v in families.items() if k != "attention planning (per step)" and not k.startswith("attention: ")
+    )
     families["rest of forward (reshapes, splits, glue)"] = max(
         0.0, forward - inside - families.get("attention planning (per step)", 0.0)
     )
-    ops_table = {
-        k: {"s": round(v, 3), "share_of_wall": round(v / wall, 4)}
-        for k, v in sorted(families.items(), key=lambda kv: -kv[1])
-    }
+    ops_table = {k: {"s": round(v, 3), "share_of_wall": round(v / wall, 4)} for k, v in _ordered(families)}
     for k in ("prepare_inputs_s", "schedule_s", "sample_s", "detokenize_s", "stop_checks_s", "engine_other_s",
               "outside_step_s"):  # fmt: skip
         ops_table[f"engine: {k.removesuffix('_s')}"] = {
@@ -132,8 +192,24 @@ def profile_pagedq(workload: Workload, ctx: BenchContext, out_dir: Path) -> dict
     return {"wall_s": round(wall, 3), "op_families": ops_table, "files": sorted(p.name for p in out_dir.iterdir())}
 
 
+def _ordered(families: dict[str, float]) -> list[tuple[str, float]]:
+    """Largest first, attention's parts (largest first) right after its total."""
+    parts = sorted(((k, v) for k, v in families.items() if k.startswith("attention: ")), key=lambda kv: -kv[1])
+    out: list[tuple[str, float]] = []
+    for k, v in sorted(((k, v) for k, v in families.items() if not k.startswith("attention: ")), key=lambda kv: -kv[1]):
+        out.append((k, v))
+        if k == ATTENTION:
+            out += parts
+            parts = []
+    return out + parts
+
+
 def _format_families(workload: str, table: dict[str, dict[str, float]], wall: float, phases: dict[str, Any]) -> str:
     lines = [f"pagedq on {workload}: {wall:.2f} s wall, {phases['steps']} steps, {phases['mean_step_ms']:.1f} ms/step"]
+    if "linear (decoder matmuls)" not in table and "linear + residual + rms_norm (one call)" not in table:
+        lines.append("  (the whole-step CPU plan ran the matmuls, norms and rotary: they are in 'rest of forward';")
+        lines.append("   PAGEDQ_DISABLE_CPU_PLAN=1 times them apart)")
     for name, row in table.items():
-        lines.append(f"  {name:<45} {row['s']:>9.3f} s  {100 * row['share_of_wall']:>5.1f}%")
+        label = f"  {name.removeprefix('attention: ')}" if name.startswith("attention: ") else name  # a part: indented
+        lines.append(f"  {label:<55} {row['s']:>9.3f} s  {100 * row['share_of_wall']:>5.1f}%")
     return "\n".join(lines) + "\n"

@@ -432,7 +432,7 @@ def test_profile_splits_attention_by_kernel(tmp_path: Path, plan: str) -> None:
     """``--profile`` times the KV write, the decode kernel and the prefill kernel apart, inside attention's total:
     with the whole-step plan on (it makes the calls outside ``attention.forward``: the total is their sum) and
     off (the total also holds forward's own Python). ~8 s each."""
-    from ops.bench.profile import ATTENTION, ATTENTION_PARTS
+    from ops.bench.profile import ATTENTION, ATTENTION_PARTS, PART
     from pagedq_kernels import cpu_attention
 
     if not cpu_attention.available():
@@ -442,7 +442,7 @@ def test_profile_splits_attention_by_kernel(tmp_path: Path, plan: str) -> None:
         tmp_path, "--systems", "pagedq", "--workloads", "mixed", "--profile", str(tmp_path / "prof"), env_extra=env
     )
     families = report["profile"]["op_families"]
-    parts = {k: v["s"] for k, v in families.items() if k.startswith("attention: ")}
+    parts = {k: v["s"] for k, v in families.items() if k.startswith(PART)}
     assert set(parts) == set(ATTENTION_PARTS.values())  # mixed: prompts, then single-query decodes (each timed)
     total = families[ATTENTION]["s"]
     assert sum(parts.values()) <= total + 0.002  # rounded to the millisecond, each
@@ -454,4 +454,4 @@ def test_profile_splits_attention_by_kernel(tmp_path: Path, plan: str) -> None:
     lines = (tmp_path / "prof" / "op_families.txt").read_text().splitlines()
     at = next(i for i, line in enumerate(lines) if line.strip().startswith(ATTENTION))
     under = lines[at + 1 : at + 1 + len(parts)]
-    assert sorted(line.split("  ")[2].strip() for line in under) == sorted(k.removeprefix("attention: ") for k in parts)
+    assert sorted(line.split("  ")[2].strip() for line in under) == sorted(k.removeprefix(PART) for k in parts)

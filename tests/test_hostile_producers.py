@@ -217,6 +217,34 @@ def test_a_future_entry_id_is_dead_lettered_and_later_jobs_keep_honest_timings(c
         assert worker.errors == 0
 
 
+def test_jobs_queued_behind_a_future_entry_id_are_served(ctx: Ctx, engine: EngineLike) -> None:
+    """Observation 2, with a backlog: until a worker reaches the entry a producer added with a future id,
+    Redis numbers every later ``XADD *`` after it (same millisecond, next sequence). Those jobs, queued
+    before any worker ran, were refused as if they came from the future too; now only the chosen entry is,
+    the jobs behind it are served with honest timings, and the ids come back to the clock once the stream
+    is through them."""
+    ctx.redis.xadd(
+        ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": "from-the-future", "prompt": "x"})}, id="9999999999999-0"
+    )
+    raw_id = ctx.redis.xadd(
+        ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": "behind-raw", "prompt": "x", "max_tokens": 3, "timeout_s": 60})}
+    )
+    assert raw_id == "9999999999999-1"  # Redis' own id, ahead of the clock
+    client_ids = ctx.client.submit_many(["behind one", "behind two"], max_tokens=3, timeout_s=60)
+    with inprocess_worker(ctx, engine) as worker:
+        for job_id in ("behind-raw", *client_ids):
+            final = ctx.client.result(job_id, timeout=60)
+            assert isinstance(final, FinalEvent)
+            assert 0 <= final.timings.queued_s <= final.timings.total_s < 60
+        event = _await_result(ctx, "from-the-future")
+        assert isinstance(event, ErrorEvent) and event.code == "entry_id_in_future"
+        wait_for(
+            lambda: int(ctx.redis.xinfo_stream(ctx.keys.jobs)["last-generated-id"].split("-")[0]) < 9e12, what="rewind"
+        )
+        assert worker.errors == 0
+    assert [letter.job_id for letter in _dead_letters(ctx)] == ["from-the-future"]
+
+
 def test_submitted_at_in_the_future_or_absurd_is_not_believed(ctx: Ctx, engine: EngineLike) -> None:
     with inprocess_worker(ctx, engine):
         ids = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from schemas.keys import GROUP, JOB_FIELD
 from tests.redis_servers import RedisServer, redis_server  # noqa: F401
 from tests.worker_harness import Ctx, inprocess_worker, wait_for
 from worker.client import JobFailed
-from worker.consumer import EngineLike, Worker
+from worker.consumer import EXIT_NAME_IN_USE, EngineLike, Worker
 from worker.reclaimer import Delivery
 
 
@@ -354,6 +355,35 @@ def test_heartbeat_reports_idle_without_leaked_blocks(ctx: Ctx, engine: EngineLi
         ttl = ctx.redis.pttl(ctx.keys.heartbeat(worker.name))
         assert 0 < ttl <= 3 * 300
     assert worker.name not in ctx.heartbeats()  # removed on shutdown
+
+
+def test_a_second_worker_with_a_live_workers_name_exits_and_a_dead_ones_name_is_reused(
+    ctx: Ctx, engine: EngineLike
+) -> None:
+    """A worker reads its own pending entries back as its own, so a second live worker given the same
+    ``--name`` ran every job of the first again. Now it exits with EXIT_NAME_IN_USE, holding nothing and
+    leaving the live worker's heartbeat in place; a name whose heartbeat is only a dead worker's leftover
+    (not refreshed) is waited out and taken."""
+    with inprocess_worker(ctx, engine, name="twin") as first:
+        ids = ctx.client.submit_many(["p0", "p1"], max_tokens=4)
+        second = Worker(ctx.settings(name="twin"), engine)
+        codes: list[int] = []
+        thread = threading.Thread(target=lambda: codes.append(second.run()), daemon=True)
+        thread.start()
+        thread.join(30)
+        if thread.is_alive():  # it started serving under the live worker's name
+            second.request_stop(force=True)
+            thread.join(30)
+        assert codes == [EXIT_NAME_IN_USE]
+        assert ctx.heartbeats()["twin"]["pid"] == os.getpid()  # the live worker's, still there
+        assert all(ctx.client.result(j, timeout=60).attempt == 1 for j in ids)
+        assert first.counts["final"] == 2
+    ctx.redis.set(ctx.keys.heartbeat("ghost"), json.dumps({"name": "ghost", "pid": 1}), px=600)
+    with inprocess_worker(ctx, engine, name="ghost") as heir:
+        assert heir.exit_code == 0
+        job = ctx.client.submit("p2", max_tokens=4)
+        assert ctx.client.result(job, timeout=60).attempt == 1
+        wait_for(lambda: ctx.heartbeats().get("ghost", {}).get("pid") == os.getpid(), what="the heir's heartbeat")
 
 
 def test_shutdown_hands_back_unstarted_at_once_and_abandons_after_grace(ctx: Ctx, engine: EngineLike) -> None:

@@ -27,6 +27,7 @@ Failure model:
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections import deque
@@ -50,6 +51,9 @@ from worker.status import LoopTimes, WorkerIdentity, engine_load, heartbeat_snap
 
 log = structlog.get_logger("pagedq.worker")
 
+REWIND_RETRY_S = 1.0  # how often to retry moving a stream's ids back while entries ahead of the clock remain
+EXIT_NAME_IN_USE = 78  # EX_CONFIG: a live worker has this name; only another --name helps
+NAME_POLL_S = 0.2  # how often a starting worker looks at the heartbeat of a worker that had its name
 EXIT_ENGINE_LOST = 70  # EX_SOFTWARE, as the watchdog's exit: supervisors restart on any non-zero code
 
 FINAL_FLUSH_RESERVE_S = 2.0
@@ -112,9 +116,10 @@ class Worker:
         self._drain_deadline = 0.0
         self._next_cancel_poll = 0.0
         self._next_status = 0.0
-        self._rewind_pending = False
+        self._rewind_at: float | None = None  # when to try moving a stream's ids back to the clock (None: no need)
         self._recent_n: deque[int] = deque(maxlen=16)  # n of the last jobs read, to size reads in choices
         self._keeper: Keeper | None = None
+        self._name_taken = False  # no live worker had this name at startup (shutdown deletes its heartbeat)
         self.loop_times = LoopTimes()
         self.loop_errors = 0  # unexpected exceptions swallowed by the loop
 
@@ -182,9 +187,24 @@ class Worker:
         self.request_stop(force=True)
 
     def startup(self) -> None:
-        """Join the group (waiting for Redis if need be) and start the keeper thread."""
+        """Join the group (waiting for Redis if need be), take the worker's name, and start the keeper
+        thread. A name a live worker has ends the worker (``exit_code`` :data:`EXIT_NAME_IN_USE`)."""
         if not self.link.join(self._stop.is_set):
             return
+        holder = self._live_holder_of_name()
+        if holder is not None:
+            self.log.error(
+                "worker.name_in_use",
+                hint="a live worker already has this name (its heartbeat keeps being refreshed): give this one "
+                "another --name, or leave it unset for a unique <host>-<pid>",
+                holder_host=holder.get("host"),
+                holder_pid=holder.get("pid"),
+                exit_code=EXIT_NAME_IN_USE,
+            )
+            self.exit_code = EXIT_NAME_IN_USE
+            self.request_stop(force=True)
+            return
+        self._name_taken = True
         self._update_status(force=True)
         self._keeper = Keeper(
             self.redis,
@@ -201,12 +221,43 @@ class Worker:
         self._keeper.start()
         self.log.info("worker.started", model=self.model_name, stream=self.keys.jobs)
 
+    def _live_holder_of_name(self) -> dict[str, Any] | None:
+        """The heartbeat of a live worker that has this worker's name, or None once the name is free.
+
+        A worker reads its own pending entries back as its own (so a restart after a crash finishes them),
+        so two live workers with one name would each run the other's jobs again. A heartbeat is refreshed
+        every ``heartbeat_interval_s`` and expires after 3 of them: one left by a dead worker (this one's
+        previous run, restarted within that TTL) is waited out, up to its remaining TTL; one that changes
+        meanwhile belongs to a live worker."""
+        key = self.keys.heartbeat(self.name)
+        try:
+            seen = self.redis.get(key)
+            if seen is None:
+                return None
+            deadline = time.monotonic() + max(int(self.redis.pttl(key)), 0) / 1000.0 + 1.0
+            self.log.info("worker.name_heartbeat_found", waiting_s=round(deadline - time.monotonic(), 1))
+            while time.monotonic() < deadline and not self._stop.wait(NAME_POLL_S):
+                self.last_progress = time.monotonic()  # waiting on purpose, not wedged (the watchdog reads it)
+                current = self.redis.get(key)
+                if current is None:
+                    return None
+                if current != seen:
+                    try:
+                        holder = json.loads(current)
+                    except ValueError:
+                        holder = {}
+                    return holder if isinstance(holder, dict) else {}
+        except REDIS_DOWN as exc:  # the loop waits out the outage; the check is a guard, not a lock
+            self.log.warning("worker.name_check_skipped", error=str(exc))
+        return None  # not refreshed within its TTL (or stopping): its writer is gone
+
     def shutdown(self) -> None:
         if self._keeper is not None:
             self._keeper.stop()
             self._keeper = None
-        with contextlib.suppress(*REDIS_DOWN, redis.RedisError):
-            self.redis.delete(self.keys.heartbeat(self.name))
+        if self._name_taken:  # never another live worker's heartbeat
+            with contextlib.suppress(*REDIS_DOWN, redis.RedisError):
+                self.redis.delete(self.keys.heartbeat(self.name))
         self.redis.close()
         self.log.info("worker.stopped", **{k: v for k, v in self._counters().items() if v})
 
@@ -239,10 +290,11 @@ class Worker:
             t = time.perf_counter()
             with self.link.phase():
                 self.sender.send()
-                if self._rewind_pending and not self.outbox:
-                    self._rewind_pending = False
-                    if self.reclaimer.rewind_future_ids(FUTURE_ENTRY_TOLERANCE_S):
-                        self.log.warning("stream.ids_rewound", reason="entries with future ids were dead-lettered")
+                if self.intake.ahead_of_clock:
+                    self.intake.ahead_of_clock = False
+                    self._rewind_at = now if self._rewind_at is None else self._rewind_at
+                if self._rewind_at is not None and now >= self._rewind_at and not self.outbox:
+                    self._rewind_ids(now)
                 if now >= self._next_cancel_poll:
                     self._poll_cancels(now)
                 if not self._draining:
@@ -352,7 +404,6 @@ class Worker:
         self.outbox.acks.extend(d.entry_id for d in gone)
         for bad in unusable:
             self.held_jobs.reject(bad.delivery.entry_id, bad.delivery.attempt, bad.raw, bad.error)
-            self._rewind_pending |= bad.error.code == "entry_id_in_future"
         if not parsed:
             return
         max_attempts = self.settings.max_attempts
@@ -412,6 +463,16 @@ class Worker:
     def cancel(self, job_id: str) -> bool:
         """Cancel a job held by this worker (from a notice or the cancel key); False if not held."""
         return self.held_jobs.cancel(job_id)
+
+    def _rewind_ids(self, now: float) -> None:
+        """Move the streams' automatic ids back to the clock after entries ahead of it (``Intake.take``).
+        Only once every such entry is gone (answered and deleted, here or by another worker), so until then
+        it tries again every :data:`REWIND_RETRY_S`: the jobs Redis numbered after a chosen future id are
+        served meanwhile, and a stream that keeps getting jobs stays ahead until a quiet moment."""
+        rewound, entries_ahead = self.reclaimer.rewind_future_ids(FUTURE_ENTRY_TOLERANCE_S)
+        if rewound:
+            self.log.warning("stream.ids_rewound", reason="entries with ids ahead of the clock were answered")
+        self._rewind_at = now + REWIND_RETRY_S if entries_ahead else None
 
     def _drain_keeper_queues(self) -> None:
         if self._keeper is None:

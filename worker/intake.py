@@ -45,13 +45,22 @@ class Unusable:
 
 FUTURE_ENTRY_TOLERANCE_S = 60.0
 """How far ahead of the Redis clock an entry id may be: Redis' own ids are never ahead (up to clock steps
-between a primary and its promoted replica, well under a minute); further ahead, a producer chose it."""
+between a primary and its promoted replica, well under a minute) unless a producer chose an id further
+ahead, and Redis then numbers every later automatic id after it (``Intake.take``)."""
 
 V1_LOOK_S = 1.0
 """How often a worker looks for jobs a protocol v1 producer queued (one EXISTS when there are none)."""
 
 MAX_SUBMITTED_AGE_S = 30 * 86_400.0
 """A ``submitted_at`` older than this is not believed (a producer's clock off by more than a month)."""
+
+
+def entry_sequence(entry_id: str) -> int:
+    """The sequence part of a stream entry id (``<ms>-<seq>``); 0 when it is not one."""
+    try:
+        return int(entry_id.split("-", 1)[1])
+    except (IndexError, ValueError):
+        return 0
 
 
 def entry_time(entry_id: str) -> float:
@@ -68,8 +77,8 @@ def job_clock(submitted_at: float | None, entry_id: str, now: float) -> float:
 
     * ``submitted_at`` (the producer's clock) when given and sane: not ahead of ``now`` by more than
       :data:`FUTURE_ENTRY_TOLERANCE_S` (then clamped to ``now``), not older than a month;
-    * else the entry id's time, which Redis chose (a producer can only pick ids above every existing one,
-      i.e. in the future, and those never get here: ``take`` refuses them), so it survives redeliveries;
+    * else the entry id's time when it is not ahead of ``now`` either: then Redis chose it (a producer can
+      only pick ids above every existing one, i.e. in the future), so it survives redeliveries;
     * else ``now``.
     """
     if submitted_at is not None and now - MAX_SUBMITTED_AGE_S <= submitted_at <= now + FUTURE_ENTRY_TOLERANCE_S:
@@ -90,7 +99,8 @@ class Intake:
         self.settings = settings
         self.log = log
         self.inbox: list[Delivery] = []
-        self.future_entries = 0  # entries refused for an id ahead of the clock (the loop repairs the stream)
+        self.future_entries = 0  # entries refused for an id a producer chose ahead of the clock
+        self.ahead_of_clock = False  # an entry read was ahead of the clock: the loop moves the stream's ids back
         self.blocked = False  # the last read waited for work (the loop counts that time as idle)
         self._history: str | None = "0"  # cursor in our own PEL; None once walked
         self._next_poll = 0.0
@@ -192,8 +202,17 @@ class Intake:
 
     def take(self, now: float) -> tuple[list[Parsed], list[Unusable], list[Delivery]]:
         """Empty the inbox into valid jobs, unusable payloads, and deliveries whose entry is gone (only an
-        ack is owed for those). ``now`` is the Redis server's time: an entry id further ahead of it than
-        :data:`FUTURE_ENTRY_TOLERANCE_S` was chosen by a producer, not by Redis, and is unusable."""
+        ack is owed for those). ``now`` is the Redis server's time.
+
+        An entry id further ahead of it than :data:`FUTURE_ENTRY_TOLERANCE_S` is either one a producer chose
+        or one Redis gave after it: while a stream's last id lies in the future, Redis numbers every
+        ``XADD *`` in that same millisecond, counting up the sequence. So an id ahead of the clock with
+        sequence 0 (a millisecond's first: what ``<ms>-0`` or ``<ms>-*`` gives) is the producer's choice and
+        unusable, and one with a later sequence is served: it is most likely an honest producer's job queued
+        behind the bad one, and a producer who picked it gains nothing, since a job's clock never comes
+        from an id ahead of the clock (:func:`job_clock`). The one automatic id this refuses is the next
+        millisecond's first after a chosen ``<ms>-18446744073709551615``. Either way the loop moves the
+        stream's ids back to the clock once every such entry has gone (``ahead_of_clock``)."""
         batch, self.inbox = self.inbox, []
         parsed: list[Parsed] = []
         unusable: list[Unusable] = []
@@ -209,13 +228,15 @@ class Intake:
                 continue
             ahead_s = entry_time(d.entry_id) - now
             if ahead_s > FUTURE_ENTRY_TOLERANCE_S:
-                self.future_entries += 1
-                message = (
-                    f"stream entry id {d.entry_id} is {ahead_s:.0f} s ahead of the Redis clock; add jobs with "
-                    "an automatic id (XADD ... *) and resubmit"
-                )
-                unusable.append(Unusable(d, raw, InvalidJob(message, "entry_id_in_future")))
-                continue
+                self.ahead_of_clock = True
+                if entry_sequence(d.entry_id) == 0:
+                    self.future_entries += 1
+                    message = (
+                        f"stream entry id {d.entry_id} is {ahead_s:.0f} s ahead of the Redis clock; add jobs with "
+                        "an automatic id (XADD ... *) and resubmit"
+                    )
+                    unusable.append(Unusable(d, raw, InvalidJob(message, "entry_id_in_future")))
+                    continue
             try:
                 parsed.append(Parsed(d, raw, parse_job(raw, self.settings.max_payload_bytes)))
             except InvalidJob as exc:

@@ -71,8 +71,9 @@ REWIND_LUA = """
 -- KEYS[1] jobs stream; ARGV[1] tolerance (ms) an entry id may be ahead of the Redis clock.
 -- After a producer added an entry with an id far in the future, every later automatic id comes after it,
 -- so every later job would look like it came from the future too. Once no such entry is left in the stream
--- (they were dead-lettered), move the stream's last id, and each group's last-delivered id that is past
--- it, back to the newest entry (or now): automatic ids follow the clock again. Returns 1 if it rewound.
+-- (they were answered and deleted), move the stream's last id, and each group's last-delivered id that is
+-- past it, back to the newest entry (or now): automatic ids follow the clock again. Returns 1 if it
+-- rewound, 0 if the stream's ids were not ahead, -1 if an entry ahead of the clock is still there.
 local function parse(id)
   local dash = string.find(id, '-', 1, true)
   return tonumber(string.sub(id, 1, dash - 1)), tonumber(string.sub(id, dash + 1))
@@ -100,7 +101,7 @@ local target = now_id
 local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if #top > 0 then
   if after(top[1][1], limit) then
-    return 0  -- an entry from the future is still there: not yet
+    return -1  -- an entry from the future is still there: not yet
   end
   if after(top[1][1], target) then
     target = top[1][1]
@@ -329,13 +330,13 @@ class Reclaimer:
             released += int(self._release(keys=[self.keys.jobs_shard(shard)], args=args))
         return released
 
-    def rewind_future_ids(self, tolerance_s: float) -> bool:
-        """Bring each shard's automatic ids back to the clock after entries with future ids were answered
-        (see :data:`REWIND_LUA`); True if it did for any."""
-        rewound = [
-            bool(self._rewind(keys=[stream], args=[int(tolerance_s * 1000)])) for stream in self.keys.job_streams
+    def rewind_future_ids(self, tolerance_s: float) -> tuple[bool, bool]:
+        """Bring each shard's automatic ids back to the clock once the entries ahead of it are gone (see
+        :data:`REWIND_LUA`): (rewound any, some shard still has an entry ahead of the clock)."""
+        outcomes = [
+            int(self._rewind(keys=[stream], args=[int(tolerance_s * 1000)])) for stream in self.keys.job_streams
         ]
-        return any(rewound)
+        return 1 in outcomes, -1 in outcomes
 
     def forget_dead_consumers(self, live: set[str]) -> list[str]:
         """Delete consumers with no pending entries and no heartbeat (``live``), keeping the group tidy."""

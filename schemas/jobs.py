@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -29,6 +30,10 @@ MAX_CHOICES = 256
 SALVAGE_MAX_BYTES = 64 << 20
 """Largest payload whose id a worker still reads to answer it (an error event), however far over the job size
 limit: parsing costs about as much memory again as the entry a worker already read. Beyond, dead letter only."""
+SALVAGE_SCAN_STEPS = 100_000
+"""Most tokens the salvage scanner (JSON nested past what ``json`` decodes) reads before giving up: a few
+tens of milliseconds, and far more than a job needs (its fields, plus bracket runs and keys of a nesting of
+tens of thousands of levels). A payload needing more gets a dead letter only, like an oversized one."""
 
 DEFAULT_MAX_TOKENS = 16  # SamplingParams' default
 TOKEN_JSON_BYTES = 24  # a token's text (a few characters, escaped) and id, in the final and its token event
@@ -284,6 +289,17 @@ def loads_strict(raw: str | bytes) -> Any:
     return json.loads(raw, parse_constant=_reject_constant)
 
 
+_INT_DIGITS = re.compile(r"integer string conversion: value has (\d+) digits")
+
+
+def _json_error(exc: ValueError) -> str:
+    """``json``'s message, unless it is Python's integer-length guard: that one points the producer at
+    ``sys.set_int_max_str_digits()``, a setting of the worker's interpreter; say what is wrong instead."""
+    if match := _INT_DIGITS.search(str(exc)):
+        return f"an integer of {match.group(1)} digits is out of range for every field"
+    return str(exc)
+
+
 def _utf8(raw: str | bytes) -> bytes:
     """The payload's bytes; a worker decodes with ``surrogateescape`` so invalid UTF-8 survives to here."""
     return raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw
@@ -303,7 +319,7 @@ def parse_job(raw: str | bytes, max_bytes: int) -> JobRequest:
     try:
         data = loads_strict(text)
     except ValueError as exc:
-        raise InvalidJob(f"job is not valid JSON: {exc}") from exc
+        raise InvalidJob(f"job is not valid JSON: {_json_error(exc)}") from exc
     except RecursionError as exc:
         raise InvalidJob("job JSON is nested too deeply") from exc
     if not isinstance(data, dict):
@@ -330,22 +346,138 @@ def salvage_reply_target(raw: str | bytes, max_bytes: int) -> tuple[str, str | N
     Lets the worker send an ``error`` event to a producer whose job had, say, a bad ``temperature`` or a
     malformed ``reply_to``; returns None when no id can be trusted (the job then only goes to the
     dead-letter stream).
+
+    The payload is read leniently (:func:`_salvage_members`): a job refused for ``NaN``, an integer too long
+    for Python, or nesting too deep for ``json`` still has an id its producer waits on.
     """
     data_bytes = _utf8(raw)
     if len(data_bytes) > max(8 * max_bytes, SALVAGE_MAX_BYTES):  # an oversized job is still answered, within reason
-        data: Any = None
-    else:
-        try:
-            data = loads_strict(data_bytes.decode("utf-8", "replace"))
-        except (ValueError, RecursionError):
-            data = None
-    if not isinstance(data, dict):
         return None
-    job_id = data.get("id")
+    members = _salvage_members(data_bytes.decode("utf-8", "replace"))
+    if members is None:
+        return None
+    job_id = members.get("id")
     if not _valid(_JOB_ID, job_id):
         return None
-    reply_to = data.get("reply_to")
+    reply_to = members.get("reply_to")
     return str(job_id), str(reply_to) if _valid(_REPLY_TO, reply_to) else None
+
+
+_SALVAGED = ("id", "reply_to")
+# Lenient where the strict loader refuses what a producer's JSON library may well write. json's defaults
+# already decode NaN and (-)Infinity (as floats); _LENIENT also decodes integers as floats, so a 5000-digit
+# one costs a float() instead of tripping Python's int-string limit (ValueError). Neither field salvage
+# reads is a number. It is the second try only: a Python call per integer makes it ~4x slower than json's
+# defaults on a payload of token ids.
+_DEFAULT = json.JSONDecoder()
+_LENIENT = json.JSONDecoder(parse_int=float)
+_WHITESPACE = re.compile(r"[ \t\n\r]*")  # json's
+_NESTED_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]+|[\]}]+|[^"\[\]{}]+', re.DOTALL)
+"""A token of a value the scanner skips: a whole string (brackets in it do not count), a run of openers,
+a run of closers (a run is one step, so ``[[[[...`` costs nothing per level), or anything else."""
+_CLOSER = bytes.maketrans(b"[{", b"]}")
+
+
+def _salvage_members(text: str) -> dict[str, Any] | None:
+    """The ``id`` and ``reply_to`` members (those present) of the JSON object ``text``, or None when it is
+    not one, even read leniently.
+
+    ``json`` reads it first (C speed, linear; twice at most). Only when it gives up on depth
+    (``RecursionError``: metadata nested past the interpreter's limit) does an iterative scan of the
+    top-level object take over (:func:`_scan_top_level`). Not a regular expression for ``"id"`` over the
+    whole payload: that would find ids inside strings and nested objects too, and the last ``"id"``
+    member wins, as in ``json``, so the scan must know where each top-level member starts and ends.
+    """
+    for decoder in (_DEFAULT, _LENIENT):
+        try:
+            data = decoder.decode(text)
+        except ValueError:
+            continue  # maybe an integer too long for int(): the next decoder reads it as a float
+        except RecursionError:
+            return _scan_top_level(text)
+        if not isinstance(data, dict):
+            return None
+        return {key: data[key] for key in _SALVAGED if key in data}
+    return None
+
+
+def _scan_top_level(text: str) -> dict[str, Any] | None:
+    """:func:`_salvage_members` for JSON too deep for ``json``, without recursion and in at most
+    :data:`SALVAGE_SCAN_STEPS` steps: the top-level object is walked member by member, each value decoded
+    by ``json`` (C), and a value too deep for it skipped by matching its brackets (:func:`_skip_nested`).
+    A skipped value's scalars are not checked: it is never used, and its brackets and strings must still
+    balance, so where each top-level member starts is read right."""
+    steps = SALVAGE_SCAN_STEPS
+    found: dict[str, Any] = {}
+    i = _skip_ws(text, 0)
+    if text[i : i + 1] != "{":
+        return None
+    i = _skip_ws(text, i + 1)
+    if text[i : i + 1] == "}":
+        i += 1
+    else:
+        while True:
+            steps -= 1
+            if steps < 0 or text[i : i + 1] != '"':
+                return None
+            try:
+                key, i = _LENIENT.raw_decode(text, i)  # a string: the opening quote is checked above
+            except ValueError:
+                return None
+            i = _skip_ws(text, i)
+            if text[i : i + 1] != ":":
+                return None
+            i = _skip_ws(text, i + 1)
+            try:
+                value, i = _LENIENT.raw_decode(text, i)
+            except ValueError:
+                return None
+            except RecursionError:
+                value = None
+                end = _skip_nested(text, i, steps)
+                if end is None:
+                    return None
+                i, steps = end
+            if key in _SALVAGED:
+                found[key] = value  # the last of duplicate members wins, as in json
+            i = _skip_ws(text, i)
+            sep = text[i : i + 1]
+            i = _skip_ws(text, i + 1)
+            if sep == "}":
+                break
+            if sep != ",":
+                return None
+    return found if _skip_ws(text, i) == len(text) else None
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    match = _WHITESPACE.match(text, pos)
+    return pos if match is None else match.end()  # never None: the pattern matches the empty string
+
+
+def _skip_nested(text: str, start: int, steps: int) -> tuple[int, int] | None:
+    """(end of the array or object at ``start``, steps left), or None when its brackets or strings do not
+    balance before the text, or ``steps``, run out. Openers not yet closed are kept in a bytearray (one
+    byte a level, at most the payload's size), never on the call stack."""
+    opened = bytearray()
+    pos = start
+    while steps > 0:
+        steps -= 1
+        match = _NESTED_TOKEN.match(text, pos)
+        if match is None:  # an unterminated string
+            return None
+        token = match.group()
+        if token[0] in "[{":
+            opened += token.encode()
+        elif token[0] in "]}":
+            n = min(len(token), len(opened))
+            if opened[len(opened) - n :].translate(_CLOSER)[::-1] != token[:n].encode():
+                return None  # a ] closing a {, or the reverse
+            del opened[len(opened) - n :]
+            if not opened:
+                return match.start() + n, steps
+        pos = match.end()
+    return None
 
 
 _JOB_ID: TypeAdapter[str] = TypeAdapter(JobId)

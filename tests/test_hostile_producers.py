@@ -284,6 +284,34 @@ def test_poison_payloads_fail_alone_and_the_worker_goes_on(ctx: Ctx, engine: Eng
         assert worker.errors == 0
 
 
+def test_jobs_only_a_lenient_parser_reads_are_answered(ctx: Ctx, engine: EngineLike) -> None:
+    """A job that Python's json.dumps wrote with a NaN (its default), an integer past Python's 4300-digit
+    limit, or metadata nested past json's recursion limit got no error event and no result (its dead
+    letter had job_id ''): salvage used the strict parser. Each is refused, and answered, now."""
+    deep = '{"k":' * 5000 + "1" + "}" * 5000  # written by hand: json.dumps cannot nest that deep either
+    prefix = f"{ctx.ns}-replies:"
+    payloads = {
+        "nan": json.dumps({"id": "nan", "prompt": "x", "temperature": float("nan")}),
+        "inf": json.dumps({"id": "inf", "prompt": "x", "timeout_s": float("inf"), "reply_to": prefix + "inf"}),
+        "digits": '{"id": "digits", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}",
+        "deep": '{"id": "deep", "prompt": "x", "metadata": ' + deep + "}",
+    }
+    reasons = {"nan": "NaN", "inf": "Infinity", "digits": "5000 digits", "deep": "nested too deeply"}
+    with inprocess_worker(ctx, engine, reply_prefixes=[prefix]) as worker:
+        for payload in payloads.values():
+            ctx.redis.xadd(ctx.keys.jobs, {JOB_FIELD: payload})
+        innocent = ctx.client.submit("innocent", max_tokens=2, temperature=0)
+        for job_id, reason in reasons.items():
+            event = _await_result(ctx, job_id)
+            assert isinstance(event, ErrorEvent) and event.code == "invalid_request", event
+            assert reason in event.message, event.message
+            reply = prefix + "inf" if job_id == "inf" else ctx.keys.reply(job_id)  # a granted reply_to is kept
+            assert [parse_event(f[EVENT_FIELD]) for _, f in ctx.redis.xrange(reply)] == [event]
+        assert isinstance(ctx.client.result(innocent, timeout=60), FinalEvent)
+        assert worker.errors == 0
+    assert sorted(d.job_id for d in _dead_letters(ctx)) == sorted(payloads)
+
+
 def test_an_unusable_payload_reusing_a_finished_id_is_still_dead_lettered(ctx: Ctx, engine: EngineLike) -> None:
     """Found by the fuzz campaign in CI: ``min_tokens`` over ``max_tokens`` was caught only when the job
     started, after the duplicate-id check, so such a payload reusing a finished job's id was acked as a

@@ -132,6 +132,99 @@ def test_salvage_reply_target() -> None:
     assert salvage_reply_target("{", LIMIT) is None
 
 
+def _nested(depth: int, inner: str = "1") -> str:
+    return '{"k":' * depth + inner + "}" * depth
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        # Python's json.dumps writes NaN and Infinity by default; the strict parser refuses them.
+        json.dumps({"id": "j1", "prompt": "x", "temperature": float("nan"), "reply_to": "r:1"}),
+        '{"id": "j1", "prompt": "x", "top_p": Infinity, "min_p": -Infinity, "reply_to": "r:1"}',
+        # Past Python's int-string limit (4300 digits): json raises ValueError.
+        '{"id": "j1", "prompt": "x", "max_tokens": ' + "9" * 5000 + ', "reply_to": "r:1"}',
+        '{"id": "j1", "prompt": "x", "seed": -' + "9" * 100_000 + ', "reply_to": "r:1"}',
+        # Nested past json's recursion limit: RecursionError; the id and reply_to before and after it.
+        '{"id": "j1", "prompt": "x", "metadata": ' + _nested(5000) + ', "reply_to": "r:1"}',
+        '{"metadata": ' + "[" * 100_000 + "]" * 100_000 + ', "id": "j1", "reply_to": "r:1"}',
+        '{"m": [' + _nested(3000, json.dumps(']}]}"\\')) + ', "{"], "id": "j1", "n": NaN, "reply_to": "r:1"}',
+    ],
+    ids=["nan", "infinity", "long-int", "longer-int", "deep-metadata", "deep-first", "brackets-in-strings"],
+)
+def test_salvage_reads_payloads_only_the_strict_parser_refuses(payload: str) -> None:
+    """A job refused as not strict JSON still has an id its producer waits on: salvage reads it leniently
+    (and boundedly), while parse_job still refuses the job, with a message that says why."""
+    assert salvage_reply_target(payload, LIMIT) == ("j1", "r:1")
+    with pytest.raises(InvalidJob) as err:
+        parse_job(payload, LIMIT)
+    assert err.value.code == "invalid_request"
+    assert any(word in err.value.message for word in ("NaN", "Infinity", "digits", "nested")), err.value.message
+
+
+def test_refusal_of_a_long_integer_says_what_is_wrong() -> None:
+    with pytest.raises(InvalidJob) as err:
+        parse_job('{"id": "a", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}", LIMIT)
+    assert "integer of 5000 digits" in err.value.message and "set_int_max_str_digits" not in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        # The last of duplicate members wins, as in json, on every path.
+        ('{"id": "a", "x": NaN, "id": "b"}', ("b", None)),
+        ('{"id": "a", "x": ' + _nested(5000) + ', "id": "b"}', ("b", None)),
+        ('{"id": "a", "x": ' + _nested(5000) + ', "id": 5}', None),
+        # Only a top-level id counts, never one inside a nested value or a string.
+        ('{"x": ' + _nested(5000, '{"id": "inner"}') + "}", None),
+        ('{"x": ' + _nested(5000, '"\\"id\\": \\"inner\\""') + "}", None),
+        ('{"id": 7, "x": NaN}', None),
+        ('{"id": "a", "reply_to": "a b", "x": ' + _nested(5000) + "}", ("a", None)),
+        # Not JSON however leniently read: unbalanced, mismatched, unterminated, trailing garbage.
+        ('{"id": "a", "x": ' + '{"k":' * 5000 + "1" + "}" * 4999, None),
+        ('{"id": "a", "x": ' + "[" * 5000 + "}" * 5000 + "}", None),
+        ('{"id": "a", "x": ' + "[" * 5000 + '"' + "]" * 5000 + "}", None),
+        ('{"id": "a", "x": ' + _nested(5000) + "} trailing", None),
+        ('{"id": "a", "x": ' + _nested(5000) + ",}", None),
+        ('{"id": "a", "x": NaN', None),
+        ("[NaN, " + _nested(5000) + "]", None),
+    ],
+    ids=[
+        "duplicate-lenient",
+        "duplicate-deep",
+        "duplicate-deep-invalid",
+        "id-in-nested-object",
+        "id-in-string",
+        "number-id",
+        "bad-reply-to-deep",
+        "unbalanced",
+        "mismatched",
+        "unterminated-string",
+        "trailing-garbage",
+        "trailing-comma",
+        "truncated",
+        "not-an-object",
+    ],
+)
+def test_lenient_salvage_trusts_only_a_top_level_id(payload: str, expected: tuple[str, str | None] | None) -> None:
+    assert salvage_reply_target(payload, LIMIT) == expected
+
+
+def test_lenient_salvage_is_bounded() -> None:
+    """A payload that would keep the scan busy (each level costs a step) is given up on after
+    SALVAGE_SCAN_STEPS steps: a dead letter only, as for one over the size bound, never an unbounded CPU bill
+    (no recursion: a million levels raise no RecursionError)."""
+    from schemas.jobs import SALVAGE_SCAN_STEPS
+
+    within = SALVAGE_SCAN_STEPS // 4  # three tokens a level: '{', '"k":', then the closers in one run
+    assert salvage_reply_target('{"x": ' + _nested(within) + ', "id": "a"}', 64 << 20) == ("a", None)
+    assert salvage_reply_target('{"x": ' + _nested(SALVAGE_SCAN_STEPS) + ', "id": "a"}', 64 << 20) is None
+    assert salvage_reply_target('{"x": ' + "[" * 1_000_000 + "]" * 1_000_000 + ', "id": "a"}', 64 << 20) == (
+        "a",
+        None,
+    )
+
+
 def _final(text: str, attempt: int = 1) -> FinalEvent:
     return FinalEvent(
         id="j",
@@ -249,11 +342,12 @@ def test_settings_errors_name_the_setting(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(SettingsError, match=r"max_num_seqs \(PAGEDQ_MAX_NUM_SEQS\)"):
         load_settings()
     monkeypatch.delenv("PAGEDQ_MAX_NUM_SEQS")
-    with pytest.raises(SettingsError, match="PAGEDQ_REDIS_URL"):
+    # Overrides are flags (load_settings' contract): the error names the flag, not a variable that is unset.
+    with pytest.raises(SettingsError, match=r"redis_url \(--redis-url\)"):
         load_settings(redis_url="http://localhost")
-    with pytest.raises(SettingsError, match="PAGEDQ_REDIS_URL"):
+    with pytest.raises(SettingsError, match=r"redis_url \(--redis-url\)"):
         load_settings(redis_url="redis://localhost:notaport")
-    with pytest.raises(SettingsError, match="PAGEDQ_RECLAIM_IDLE_S"):
+    with pytest.raises(SettingsError, match=r"reclaim_idle_s \(--reclaim-idle-s\)"):
         load_settings(reclaim_idle_s=0)
     with pytest.raises(SettingsError, match="unknown setting"):
         load_settings(bogus=1)

@@ -4,15 +4,21 @@ secrets. Runs the real ``python -m worker`` entry point (no model is loaded: val
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.worker_harness import REPO
-from worker.settings import load_settings, mask_url
+from schemas.keys import Keys
+from tests.redis_servers import RedisServer, redis_server, unique_namespace  # noqa: F401
+from tests.worker_harness import REPO, wait_for
+from worker.keeper import Keeper, OwnedEntries
+from worker.reclaimer import Reclaimer
+from worker.settings import Settings, load_settings, mask_url
 
 
 def _worker(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -93,3 +99,210 @@ def test_config_file_sits_below_env_and_flags(tmp_path: Path, monkeypatch: pytes
         load_settings(str(tmp_path / "missing.toml"))
     with pytest.raises(SettingsError, match="prompt_lookup_min"):  # caught here, not at engine start
         load_settings(prompt_lookup_min=5, prompt_lookup_max=3)
+
+
+# -------------------------------------------------------------------------- list settings from the env
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("app:,b:", ["app:", "b:"]),  # the form --help documents
+        ("app:", ["app:"]),
+        (" app: , b: ,", ["app:", "b:"]),
+        ('["app:", "b:"]', ["app:", "b:"]),  # a JSON list is still accepted
+        ("", []),
+    ],
+)
+def test_reply_prefixes_env_var_takes_the_documented_comma_separated_form(
+    value: str, expected: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pydantic-settings JSON-decoded a list setting's variable before the splitting validator ran, so
+    ``PAGEDQ_REPLY_PREFIXES=app:,b:`` died with a SettingsError traceback while the flag worked."""
+    monkeypatch.setenv("PAGEDQ_REPLY_PREFIXES", value)
+    assert load_settings().reply_prefixes == expected
+    assert load_settings(reply_prefixes=value).reply_prefixes == expected  # the flag, same form
+
+
+def test_every_list_setting_is_split_by_its_validator_not_json_decoded() -> None:
+    """Any list (or other container) setting added later must carry NoDecode too, or its env var breaks."""
+    import typing
+
+    from pydantic_settings import NoDecode
+
+    for name, info in Settings.model_fields.items():
+        args = typing.get_args(info.annotation) or (info.annotation,)
+        if any(typing.get_origin(a) in (list, dict, set, tuple) or a in (list, dict, set, tuple) for a in args):
+            assert NoDecode in info.metadata, f"{name} is JSON-decoded from its env var"
+
+
+def test_an_undecodable_env_var_is_one_settings_error_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pydantic-settings' own SettingsError (no ValueError) is turned into the package's, which every
+    entry point catches; it names the variable, never its value."""
+    from pydantic import Field
+    from pydantic_settings import SettingsConfigDict
+
+    import worker.settings as ws
+
+    class Decoded(ws.Settings):  # a list setting without NoDecode: the env source decodes it as JSON
+        model_config = SettingsConfigDict(env_prefix="PAGEDQ_", extra="forbid")
+        decoded_list: list[str] = Field(default_factory=list)
+
+    monkeypatch.setattr(ws, "Settings", Decoded)
+    monkeypatch.setenv("PAGEDQ_DECODED_LIST", "s3cr3t,b")
+    with pytest.raises(ws.SettingsError) as err:
+        ws.load_settings()
+    message = str(err.value)
+    assert "decoded_list (PAGEDQ_DECODED_LIST)" in message and "s3cr3t" not in message and "\n" not in message
+
+
+# ------------------------------------------------------------- non-finite, huge and inconsistent values
+
+FLOAT_SETTINGS = [name for name, info in Settings.model_fields.items() if info.annotation is float]
+
+
+@pytest.mark.parametrize("name", FLOAT_SETTINGS)
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "Infinity", "1e308"])
+def test_float_settings_refuse_non_finite_and_huge_values(name: str, value: str) -> None:
+    """``inf`` printed as ``Infinity`` in --print-config (not JSON), and a heartbeat interval of inf or
+    1e308 crash-looped the keeper (``int(inf * 1000)``): the worker had no heartbeat."""
+    from worker.settings import SettingsError
+
+    with pytest.raises(SettingsError, match=rf"invalid setting {name} \(--{name.replace('_', '-')}\)"):
+        load_settings(**{name: value})
+
+
+def test_durations_up_to_the_bound_are_accepted() -> None:
+    from worker.settings import MAX_DURATION_S, MAX_TTL_S
+
+    s = load_settings(heartbeat_interval_s=MAX_DURATION_S, shutdown_grace_s=MAX_DURATION_S, result_ttl_s=MAX_TTL_S)
+    assert s.heartbeat_interval_s == MAX_DURATION_S and s.result_ttl_s == MAX_TTL_S
+
+
+def test_result_ttl_shorter_than_reply_ttl_is_refused_or_followed() -> None:
+    """The client believes a reply stream's terminal event only once the result key confirms it (anyone
+    can write a reply stream), so a result key expiring first left readers waiting on a stream that still
+    held the answer ("no terminal event within 5s")."""
+    from worker.settings import SettingsError
+
+    with pytest.raises(SettingsError, match=r"result_ttl_s \(5\) must be at least reply_ttl_s \(3600\)") as err:
+        load_settings(result_ttl_s=5, reply_ttl_s=3600)
+    assert "result_ttl_s from --result-ttl-s" in str(err.value)
+    assert load_settings(result_ttl_s=60, reply_ttl_s=60).result_ttl_s == 60
+    alone = load_settings(result_ttl_s=5)  # the reply streams' default lifetime follows it down
+    assert (alone.result_ttl_s, alone.reply_ttl_s) == (5, 5)
+
+
+# ------------------------------------------------------------------- errors name where a value came from
+
+
+def test_errors_name_the_source_of_the_value(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad value in a --config file was blamed on its (unset) environment variable."""
+    from worker.settings import SettingsError
+
+    cfg = tmp_path / "pagedq.toml"
+    cfg.write_text("max_num_seqs = -1\nbogus = 1\n")
+    with pytest.raises(SettingsError) as err:
+        load_settings(str(cfg), bogus=None)
+    assert f"max_num_seqs (config file {cfg})" in str(err.value), err.value
+    assert "PAGEDQ_MAX_NUM_SEQS" not in str(err.value)
+    cfg.write_text("bogus = 1\n")
+    with pytest.raises(SettingsError, match=rf"unknown setting bogus \(config file {cfg}\)"):
+        load_settings(str(cfg))
+    cfg.write_text("result_ttl_s = 10\n")
+    monkeypatch.setenv("PAGEDQ_REPLY_TTL_S", "20")
+    with pytest.raises(SettingsError) as err:
+        load_settings(str(cfg))
+    assert f"result_ttl_s from config file {cfg}; reply_ttl_s from PAGEDQ_REPLY_TTL_S" in str(err.value)
+    monkeypatch.delenv("PAGEDQ_REPLY_TTL_S")
+    cfg.write_text("max_num_seqs = 8\n")
+    monkeypatch.setenv("PAGEDQ_MAX_NUM_SEQS", "-1")  # the env var beats the file, and is the one named
+    with pytest.raises(SettingsError, match=r"max_num_seqs \(PAGEDQ_MAX_NUM_SEQS\)"):
+        load_settings(str(cfg))
+    with pytest.raises(SettingsError, match=r"max_num_seqs \(--max-num-seqs\)"):
+        load_settings(str(cfg), max_num_seqs="0")
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        ((), {"PAGEDQ_REPLY_PREFIXES": "app:,b:"}, None),
+        ((), {"PAGEDQ_REPLY_PREFIXES": '["a b:"]'}, "reply_prefixes (PAGEDQ_REPLY_PREFIXES)"),
+        ((), {"PAGEDQ_REPLY_PREFIXES": "[app:"}, "reply_prefixes (PAGEDQ_REPLY_PREFIXES)"),
+        ((), {"PAGEDQ_SHUTDOWN_GRACE_S": "inf"}, "shutdown_grace_s (PAGEDQ_SHUTDOWN_GRACE_S)"),
+        (("--heartbeat-interval-s", "1e308"), {}, "heartbeat_interval_s (--heartbeat-interval-s)"),
+        (("--heartbeat-interval-s", "nan"), {}, "heartbeat_interval_s (--heartbeat-interval-s)"),
+        (("--result-ttl-s", "5", "--reply-ttl-s", "3600"), {}, "result_ttl_s (5) must be at least reply_ttl_s (3600)"),
+        (("--config", "{cfg}"), {}, "max_num_seqs (config file {cfg})"),
+    ],
+    ids=["prefixes-ok", "prefixes-bad", "prefixes-bad-json", "inf", "huge", "nan", "ttls", "config"],
+)
+def test_the_cli_exits_2_with_one_line(
+    args: tuple[str, ...], env: dict[str, str], expected: str | None, tmp_path: Path
+) -> None:
+    """The real entry point: a bad value anywhere is one line on stderr and exit code 2, never a traceback;
+    --print-config is strict JSON (no Infinity)."""
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("max_num_seqs = -1\n")
+    proc = _worker("--print-config", *(a.format(cfg=cfg) for a in args), PAGEDQ_MODEL=str(tmp_path), **env)
+    if expected is None:
+        assert proc.returncode == 0, proc.stderr
+        config = json.loads(proc.stdout, parse_constant=lambda c: pytest.fail(f"{c} in --print-config"))
+        assert config["reply_prefixes"] == ["app:", "b:"]
+        return
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected.format(cfg=cfg) in lines[0], proc.stderr
+
+
+# ---------------------------------------------------------------------------------- the keeper's TTL
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    def exception(self, event: str, **_kw: object) -> None:
+        self.failures.append(event)
+
+
+def _keeper(redis_server: RedisServer, heartbeat_ttl_s: float, beats: list[int]) -> tuple[Keeper, Keys, Any]:  # noqa: F811
+    keys = Keys(unique_namespace())
+    client = redis_server.client()
+
+    def status() -> dict[str, Any]:
+        beats.append(1)  # a beat calls it once, just before it writes the heartbeat
+        return {"beats": len(beats)}
+
+    reclaimer = Reclaimer(client, keys, "w", reclaim_idle_s=30)
+    keeper = Keeper(
+        client, keys, "w", reclaimer, OwnedEntries(), status,
+        period_s=0.01, heartbeat_ttl_s=heartbeat_ttl_s, backoff_max_s=0.1, log=_Log(),
+    )  # fmt: skip
+    return keeper, keys, client
+
+
+def test_keeper_beats_with_a_sub_millisecond_or_a_week_long_ttl(redis_server: RedisServer) -> None:  # noqa: F811
+    """A TTL under a millisecond made ``PX 0``, which Redis refuses: every beat failed (keeper.failed)."""
+    from worker.settings import MAX_DURATION_S
+
+    for ttl_s in (3e-4, 3 * MAX_DURATION_S):
+        beats: list[int] = []
+        keeper, keys, client = _keeper(redis_server, ttl_s, beats)
+        keeper.start()
+        try:
+            wait_for(lambda: len(beats) >= 3, what="three beats")  # noqa: B023
+        finally:
+            keeper.stop()
+        assert keeper.log.failures == [], ttl_s
+        if ttl_s > 1:
+            assert 0.99 * ttl_s * 1000 < client.pttl(keys.heartbeat("w")) <= ttl_s * 1000
+        client.close()
+
+
+@pytest.mark.parametrize("ttl_s", [math.inf, math.nan, 1e308])
+def test_keeper_refuses_a_ttl_redis_cannot_take_before_it_starts(ttl_s: float, redis_server: RedisServer) -> None:  # noqa: F811
+    """Settings bound the interval; a Keeper given such a TTL anyway fails at once instead of crash-looping
+    in its thread with no heartbeat."""
+    with pytest.raises((OverflowError, ValueError)):
+        _keeper(redis_server, ttl_s, [])

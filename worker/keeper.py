@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
 import time
 from collections import deque
@@ -70,6 +71,13 @@ class Keeper(threading.Thread):
         self.status = status
         self.period_s = period_s
         self.heartbeat_ttl_s = heartbeat_ttl_s
+        # PX in whole milliseconds, computed here so that a TTL Redis cannot take fails the worker's start
+        # (inf raises OverflowError, NaN ValueError, 1e308 is refused below) instead of every beat in the
+        # thread, which only logs and retries: a worker without a heartbeat. Redis refuses PX 0, and a PX
+        # that overflows 64 bits once added to its clock; 2^53 ms (285,000 years) is far from either.
+        self.heartbeat_ttl_ms = max(1, math.ceil(heartbeat_ttl_s * 1000))
+        if self.heartbeat_ttl_ms >= 2**53:
+            raise ValueError(f"heartbeat TTL of {heartbeat_ttl_s} s is too long")
         self.backoff = Backoff(0.1, backoff_max_s, jitter=False)
         self.log = log
         self.cancel_notices: deque[str] = deque()  # job ids (keeper -> loop)
@@ -92,9 +100,7 @@ class Keeper(threading.Thread):
                 if now >= next_beat:
                     self.lost_entries.extend(self.reclaimer.keep_fresh(self.owned.snapshot()))
                     heartbeat = json.dumps(self.status())
-                    self.client.set(
-                        self.keys.heartbeat(self.worker_name), heartbeat, px=int(self.heartbeat_ttl_s * 1000)
-                    )
+                    self.client.set(self.keys.heartbeat(self.worker_name), heartbeat, px=self.heartbeat_ttl_ms)
                     next_beat = now + self.period_s
                 msg = pubsub.get_message(timeout=max(0.0, min(0.2, next_beat - time.monotonic())))
                 while msg is not None:

@@ -1,7 +1,8 @@
 """All of pagedq's worker settings in one validated model: env vars ``PAGEDQ_*``, overridden by CLI flags.
 
 Validation happens once, at start, so a typo in a deployment fails loudly before a model is loaded, with a
-one-line message that names the setting (and its environment variable).
+one-line message that names the setting and where its value came from (flag, config file or environment
+variable).
 """
 
 from __future__ import annotations
@@ -10,16 +11,25 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import unquote_plus
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import SettingsError as SourceError
 
 from schemas.keys import MAX_QUEUE_SHARDS, check_name
 from worker.redis_url import parse_redis_url
 
 ENV_PREFIX = "PAGEDQ_"
+MAX_DURATION_S = 7 * 86_400.0
+"""Upper bound of every duration setting (a week). Far above any sane period or timeout, and far below
+where the arithmetic done with them breaks: Redis ``PX``/``EX`` want integer milliseconds under 2^63
+(``int(inf * 1000)`` raises, 1e308 overflows Redis), ``threading`` waits refuse timeouts past
+``threading.TIMEOUT_MAX`` and ``timedelta`` past 10^9 days."""
+MAX_TTL_S = 10 * 365 * 86_400
+"""Upper bound of the key lifetimes (``result_ttl_s``, ``reply_ttl_s``): ten years. Redis refuses an
+``EX`` whose milliseconds, added to the clock, overflow 64 bits, which would fail every terminal write."""
 
 
 def default_worker_name() -> str:
@@ -40,7 +50,9 @@ class SettingsError(ValueError):
 class Settings(BaseSettings):
     """Worker configuration. Every field is also the env var ``PAGEDQ_<FIELD>`` (case-insensitive)."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+    # allow_inf_nan=False: "inf" and "nan" parse as floats, but no setting means anything by them, and
+    # they break what is computed from a duration (int(inf * 1000)) and --print-config's JSON.
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, allow_inf_nan=False)
 
     # --- Redis and wire protocol
     redis_url: str | None = Field(
@@ -63,6 +75,7 @@ class Settings(BaseSettings):
     steal_after_s: float = Field(
         2.0,
         ge=0,
+        le=MAX_DURATION_S,
         description="a worker with free capacity takes jobs from a shard that is not one of its homes only once "
         "that shard's oldest unread job has waited this long (prefix affinity: homes keep their prefixes warm)",
     )
@@ -104,19 +117,30 @@ class Settings(BaseSettings):
         1, ge=1, le=64, description="split the model over this many ranks (processes; one GPU each on CUDA)"
     )
     distributed_timeout_s: float = Field(
-        60.0, gt=0, description="tensor parallelism: a collective waiting longer has lost a rank (the worker exits)"
+        60.0,
+        gt=0,
+        le=MAX_DURATION_S,
+        description="tensor parallelism: a collective waiting longer has lost a rank (the worker exits)",
     )
 
     # --- admission and reliability
     prefetch: int = Field(2, ge=0, le=1024, description="unstarted jobs held beyond free engine slots")
-    reclaim_idle_s: float = Field(30.0, gt=0, description="idle time after which others' jobs are taken over")
+    reclaim_idle_s: float = Field(
+        30.0, gt=0, le=MAX_DURATION_S, description="idle time after which others' jobs are taken over"
+    )
     max_attempts: int = Field(3, ge=1, le=100, description="deliveries of a job before it is dead-lettered")
-    shutdown_grace_s: float = Field(30.0, ge=0, description="time to finish running jobs on SIGTERM")
-    result_ttl_s: int = Field(86_400, gt=0, description="lifetime of <namespace>:result:<id>")
-    reply_ttl_s: int = Field(3_600, gt=0, description="lifetime of a reply stream after its terminal event")
+    shutdown_grace_s: float = Field(30.0, ge=0, le=MAX_DURATION_S, description="time to finish running jobs on SIGTERM")
+    result_ttl_s: int = Field(
+        86_400, gt=0, le=MAX_TTL_S, description="lifetime of <namespace>:result:<id>; at least reply_ttl_s"
+    )
+    reply_ttl_s: int = Field(
+        3_600, gt=0, le=MAX_TTL_S, description="lifetime of a reply stream after its terminal event"
+    )
     reply_maxlen: int = Field(10_000, gt=0, description="approximate cap (MAXLEN ~) of a reply stream")
     max_payload_bytes: int = Field(1 << 20, gt=0, le=512 << 20, description="largest accepted job JSON")
-    reply_prefixes: list[str] = Field(
+    # NoDecode: pydantic-settings would JSON-decode a list's env var before _split_prefixes sees it, so the
+    # documented comma-separated form (app:,b:) failed. Every list setting must carry it (a test checks).
+    reply_prefixes: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="key prefixes a job's reply_to may name (comma-separated); a job may always use its own "
         "<namespace>:reply:<id>, never another pagedq key",
@@ -129,14 +153,23 @@ class Settings(BaseSettings):
         64 << 10, ge=256, description="a dead letter keeps this much of the raw job (with its length and hash)"
     )
     stall_timeout_s: float = Field(
-        120.0, gt=0, description="a loop tick or a failing publish taking longer makes the worker unhealthy and exit"
+        120.0,
+        gt=0,
+        le=MAX_DURATION_S,
+        description="a loop tick or a failing publish taking longer makes the worker unhealthy and exit",
     )
-    stream_interval_s: float = Field(0.0, ge=0, description="minimum time between token events of a job")
-    heartbeat_interval_s: float = Field(2.0, gt=0, description="heartbeat period (its TTL is 3x)")
-    poll_interval_s: float = Field(0.05, gt=0, description="how often a busy worker looks for new jobs")
+    stream_interval_s: float = Field(
+        0.0, ge=0, le=MAX_DURATION_S, description="minimum time between token events of a job"
+    )
+    heartbeat_interval_s: float = Field(2.0, gt=0, le=MAX_DURATION_S, description="heartbeat period (its TTL is 3x)")
+    poll_interval_s: float = Field(
+        0.05, gt=0, le=MAX_DURATION_S, description="how often a busy worker looks for new jobs"
+    )
     block_s: float = Field(1.0, ge=0, le=30, description="longest blocking read of an idle worker; 0 polls")
-    cancel_poll_s: float = Field(0.5, gt=0, description="cancel-key poll period, behind the pub/sub notice")
-    redis_backoff_max_s: float = Field(5.0, gt=0, description="cap of the reconnect backoff")
+    cancel_poll_s: float = Field(
+        0.5, gt=0, le=MAX_DURATION_S, description="cancel-key poll period, behind the pub/sub notice"
+    )
+    redis_backoff_max_s: float = Field(5.0, gt=0, le=MAX_DURATION_S, description="cap of the reconnect backoff")
 
     # --- logging
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -157,6 +190,13 @@ class Settings(BaseSettings):
         description="Celery result backend URL, the one the producers' Celery apps name (another Redis "
         "database included); unset: redis_url",
     )
+    celery_visibility_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        le=MAX_DURATION_S,
+        description="Celery broker visibility_timeout: a task its worker has not acked this long after receiving "
+        "it (the worker was killed) is delivered again; keep it above the longest generation",
+    )
 
     # --- extension
     engine_factory: str | None = Field(
@@ -176,7 +216,10 @@ class Settings(BaseSettings):
             if text.startswith("["):
                 import json
 
-                return json.loads(text)
+                try:
+                    return json.loads(text)
+                except ValueError as exc:
+                    raise ValueError(f"starts with '[' but is not a JSON list ({exc}); or give app:,b:") from None
             return [p.strip() for p in text.split(",") if p.strip()]
         return value
 
@@ -241,6 +284,19 @@ class Settings(BaseSettings):
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be at most prompt_lookup_max")
+        if self.result_ttl_s < self.reply_ttl_s:
+            # Readers trust a terminal event in a reply stream only while the result key confirms it (a
+            # reply stream is writable by anyone: worker/client.py), and the result key is what makes an id
+            # run once. A reply stream outliving it holds an answer no reader may believe. A shorter result
+            # lifetime alone (reply_ttl_s left at its default) shortens the reply streams' with it; both
+            # given, and inconsistent, is a mistake worth a refusal.
+            if "reply_ttl_s" not in self.model_fields_set:
+                self.reply_ttl_s = self.result_ttl_s
+            else:
+                raise ValueError(
+                    f"result_ttl_s ({self.result_ttl_s}) must be at least reply_ttl_s ({self.reply_ttl_s}): "
+                    "readers believe a reply stream's terminal event only while the result key confirms it"
+                )
         return self
 
     @property
@@ -380,31 +436,52 @@ def load_settings(config: str | None = None, **overrides: Any) -> Settings:
     """Build :class:`Settings` from defaults < a config file (``config`` or ``PAGEDQ_CONFIG``) < the
     environment < ``overrides`` (CLI flags; None means unset).
 
-    Raises :class:`SettingsError` whose message names the first bad setting and its env var, e.g.
-    ``invalid setting max_num_seqs (PAGEDQ_MAX_NUM_SEQS): Input should be greater than 0, got -1``.
+    Raises :class:`SettingsError` whose message names the first bad setting and where its value came from,
+    e.g. ``invalid setting max_num_seqs (PAGEDQ_MAX_NUM_SEQS): Input should be greater than 0, got -1``, or
+    ``(--max-num-seqs)`` for a flag, ``(config file pagedq.toml)`` for a file: an operator told to fix an
+    environment variable that is not set, because the value was in a file, is sent the wrong way.
     """
     given = {k: v for k, v in overrides.items() if v is not None}
+    sources = {key: "--" + key.replace("_", "-") for key in given}
+    env = {k.upper() for k in os.environ}
     path = config or os.environ.get(CONFIG_ENV)
     if path:
         from_file = read_config_file(path)
-        env = {k.upper() for k in os.environ}
         for key, value in from_file.items():
-            if f"{ENV_PREFIX}{key}".upper() not in env:
-                given.setdefault(key, value)
+            if f"{ENV_PREFIX}{key}".upper() not in env and key not in given:
+                given[key] = value
+                sources[key] = f"config file {path}"
+    for name in Settings.model_fields:
+        if name not in sources and (var := f"{ENV_PREFIX}{name.upper()}") in env:
+            sources[name] = var
     try:
         return Settings(**given)
     except ValidationError as exc:
-        raise SettingsError(_describe(exc)) from None
+        raise SettingsError(_describe(exc, sources)) from None
+    except SourceError as exc:
+        # pydantic-settings' own error (an env var it could not decode, before any validator ran) is no
+        # ValueError, so callers' `except SettingsError` would let it out as a traceback: one line instead.
+        # Its message names the field but never the value (which may be a secret).
+        match = re.search(r'field "(\w+)"', str(exc))
+        field = match.group(1) if match else ""
+        where = f"{field} ({ENV_PREFIX}{field.upper()})" if field else "from the environment"
+        raise SettingsError(f"invalid setting {where}: cannot read its value: {exc}") from None
 
 
-def _describe(exc: ValidationError) -> str:
+def _describe(exc: ValidationError, sources: dict[str, str] | None = None) -> str:
+    """One line for the first error of ``exc``, naming the setting and where its value came from:
+    ``sources[field]`` (a flag, a config file), else its environment variable (where a value that is
+    neither comes from, or where to set one)."""
+    sources = sources or {}
     err = exc.errors()[0]
     field = str(err["loc"][0]) if err.get("loc") else ""
     msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
     if not field:
-        return f"invalid settings: {msg}"
+        # A rule between settings: name where those of them that were given came from.
+        named = [f"{name} from {where}" for name, where in sources.items() if re.search(rf"\b{name}\b", msg)]
+        return f"invalid settings: {msg}" + (f" ({'; '.join(named)})" if named else "")
     if err.get("type") == "extra_forbidden":
-        return f"unknown setting {field}"
+        return f"unknown setting {field}" + (f" ({sources[field]})" if field in sources else "")
     got = err.get("input")
     if isinstance(got, str) and (masked := mask_url(got)) != got:
         # Never echo a credential, even of a malformed URL: the input is shown masked, and the message
@@ -413,4 +490,5 @@ def _describe(exc: ValidationError) -> str:
         got = masked
         msg = re.sub(r"'[^']*'", f"'{MASK}'", msg)
     shown = "" if isinstance(got, dict) or got is None or ", got " in msg else f", got {got!r}"
-    return f"invalid setting {field} ({ENV_PREFIX}{field.upper()}): {msg}{shown}"
+    where = sources.get(field, f"{ENV_PREFIX}{field.upper()}")
+    return f"invalid setting {field} ({where}): {msg}{shown}"

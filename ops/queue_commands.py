@@ -18,10 +18,13 @@ killed by SIGPIPE would report, without a traceback.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
+import re
 import signal
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -138,7 +141,18 @@ def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--n", type=int, default=None, help="number of choices (only choice 0 is streamed)")
-    parser.add_argument("--priority", type=int, default=None, help="higher is served first")
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        # Not "higher is served first": workers read the stream first in, first out (worker/intake.py) and
+        # priority only orders the jobs one worker already holds (engine/scheduler.py, worker/held_jobs.py).
+        help="order among the jobs one worker holds (its running and waiting jobs, at most max_num_seqs + "
+        "prefetch): higher gets the next free slot and the step's token budget first, and is preempted last. "
+        "It does not overtake a backlog: workers read the stream first in, first out, so a job queued behind "
+        "others is read after them and overtakes only those its worker still holds unstarted. For strict "
+        "priority use a separate --queue with workers of its own (default 0)",
+    )
     parser.add_argument("--timeout-s", type=float, default=None, help="job deadline, enforced by the worker")
     parser.add_argument("--id", default=None, help="job id (idempotency key; default: a fresh UUID)")
     parser.add_argument(
@@ -314,12 +328,35 @@ def queue_names(r: redis.Redis, namespace: str) -> list[str]:
     return sorted(found)
 
 
+def existing_shards(r: redis.Redis, keys: Keys, kind: str) -> set[int]:
+    """Shard numbers ``k`` of every ``<ns>:<kind>:{<queue>:<k>}`` key (``kind``: jobs or dead) that exists,
+    whatever ``keys.shards`` says: a producer with more shards than the workers leaves jobs beyond them."""
+    prefix = f"{keys.namespace}:{kind}:{{{keys.queue}:"
+    found: set[int] = set()
+    for key in r.scan_iter(match=prefix + "*}", count=1000):
+        digits = key[len(prefix) : -1]
+        # Exactly what Keys.jobs_shard writes (no sign, no leading zero): anything else is not a shard.
+        if digits.isascii() and digits.isdigit() and digits == str(int(digits)):
+            found.add(int(digits))
+    return found
+
+
 def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
-    """One queue's numbers, straight from Redis (works whether or not any worker is alive)."""
+    """One queue's numbers, straight from Redis (works whether or not any worker is alive).
+
+    Counts every shard stream that exists, not only the ``keys.shards`` this command was configured with:
+    jobs on a shard at or above the workers' ``queue_shards`` are never read, and hiding them would hide
+    the misconfiguration. ``shard_streams`` has each shard's numbers, ``unserved`` sums the shards at or
+    above ``keys.shards``, and ``warnings`` says in words what looks wrong and how to fix it.
+    """
     now_ms = time.time() * 1000
+    job_shards = existing_shards(r, keys, "jobs")
+    dead_shards = existing_shards(r, keys, "dead")
+    counted = sorted(set(range(keys.shards)) | job_shards)
     status: dict[str, Any] = {
         "queue": keys.queue,
         "stream": keys.jobs,
+        "streams": [keys.jobs_shard(k) for k in counted],
         "backlog": 0,
         "pending": 0,
         "lag": None,
@@ -327,18 +364,35 @@ def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
         "dead_letters": 0,
         "workers": [],
     }
+    shards: dict[int, dict[str, Any]] = {
+        k: {
+            "shard": k,
+            "stream": keys.jobs_shard(k),
+            "dead_stream": keys.dead_shard(k),
+            "served": k < keys.shards,
+            "backlog": 0,
+            "pending": 0,
+            "dead_letters": 0,
+            "group": False,
+            "consumers": [],
+        }
+        for k in sorted(job_shards | dead_shards)
+    }
     consumers: dict[str, dict[str, Any]] = {}
-    for stream in keys.job_streams:
-        if not r.exists(stream):
-            continue
-        status["backlog"] += int(r.xlen(stream))
+    for k in sorted(job_shards):
+        stream, row = keys.jobs_shard(k), shards[k]
+        row["backlog"] = int(r.xlen(stream))
+        status["backlog"] += row["backlog"]
         try:
-            status["pending"] += int(r.xpending(stream, GROUP)["pending"])
+            row["pending"] = int(r.xpending(stream, GROUP)["pending"])
+            status["pending"] += row["pending"]
             groups = {g["name"]: g for g in r.xinfo_groups(stream)}
+            row["group"] = GROUP in groups
             lag = groups.get(GROUP, {}).get("lag")  # Redis >= 7: entries never delivered to the group
             if lag is not None:
                 status["lag"] = (status["lag"] or 0) + int(lag)
             for c in r.xinfo_consumers(stream, GROUP):
+                row["consumers"].append(c["name"])
                 inactive = None if c.get("inactive") in (None, -1) else int(c["inactive"])
                 seen = consumers.get(c["name"])
                 if seen is None:
@@ -356,9 +410,12 @@ def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):  # no worker ever joined: everything is backlog
                 raise
+    for k in sorted(dead_shards):
+        shards[k]["dead_letters"] = int(r.xlen(keys.dead_shard(k)))
+        status["dead_letters"] += shards[k]["dead_letters"]
     status["consumers"] = list(consumers.values())
     status["shards"] = keys.shards
-    status["dead_letters"] = sum(int(r.xlen(dead)) for dead in keys.dead_streams if r.exists(dead))
+    status["shard_streams"] = list(shards.values())
     workers = []
     for key in sorted(r.scan_iter(match=keys.heartbeat_pattern, count=1000)):
         raw = r.get(key)
@@ -395,7 +452,95 @@ def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     for consumer in status["consumers"]:
         # A consumer outlives its worker in the group; only the heartbeat says whether one is still there.
         consumer["live"] = consumer["name"] in live
+    status["unserved"], status["warnings"] = _shard_findings(keys, status["shard_streams"], live)
     return status
+
+
+def _shard_list(shards: Sequence[int]) -> str:
+    """``1-3, 5``: shard numbers as an operator would write them."""
+    runs: list[list[int]] = []
+    for k in sorted(shards):
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+
+
+def jobs_streams_label(keys: Keys, shards: Sequence[int]) -> str:
+    """Job streams for a line of text: ``ns:jobs:{q:0..3}`` for consecutive shards from 0, else each named."""
+    if len(shards) > 1 and list(shards) == list(range(len(shards))):
+        return f"{keys.namespace}:jobs:{{{keys.queue}:0..{len(shards) - 1}}}"
+    return ", ".join(keys.jobs_shard(k) for k in shards)
+
+
+def _shard_findings(
+    keys: Keys, shard_streams: list[dict[str, Any]], live: set[str]
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """What ``status`` says about the shards: the summary of those at or above ``keys.shards`` (None when
+    there are none), and warnings in plain words, each with what to do.
+
+    Producers and workers must agree on ``queue_shards`` (README, "Wire protocol v2"): a worker reads shards
+    0 to ``queue_shards - 1`` only, so a job a producer with more shards put beyond them waits forever. Which
+    side is wrong cannot be read from Redis, so the words give the fix for each case: no live worker reads
+    those shards (start workers with more shards), or live ones do (this command has too few).
+    """
+    n = keys.shards
+    warnings: list[str] = []
+    beyond = [row for row in shard_streams if not row["served"]]
+    unserved: dict[str, Any] | None = None
+    if beyond:
+        readers = sorted({c for row in beyond for c in row["consumers"] if c in live})
+        unserved = {
+            "shards": [row["shard"] for row in beyond],
+            "streams": [row["stream"] for row in beyond],
+            "backlog": sum(row["backlog"] for row in beyond),
+            "dead_letters": sum(row["dead_letters"] for row in beyond),
+            "live_readers": readers,
+            "queue_shards_needed": beyond[-1]["shard"] + 1,
+        }
+        stranded = [row for row in beyond if row["backlog"]]
+        if stranded:
+            needed = stranded[-1]["shard"] + 1
+            counts = ", ".join(f"{row['stream']}: {row['backlog']}" for row in stranded)
+            text = (
+                f"{unserved['backlog']} job(s) on shard(s) {_shard_list([row['shard'] for row in stranded])} "
+                f"({counts}) are not served by workers with queue_shards={n}: a worker reads shards 0 to "
+                f"queue_shards-1 only, and a producer with queue_shards={needed} or more put these there. "
+            )
+            if readers:
+                text += (
+                    f"Live worker(s) {', '.join(readers)} do read these shards, so the workers run with more "
+                    f"shards than this command: run it with PAGEDQ_QUEUE_SHARDS set as theirs."
+                )
+            else:
+                text += (
+                    f"No live worker reads them. To serve them, run the workers with queue_shards={needed} or "
+                    f"more (PAGEDQ_QUEUE_SHARDS={needed}); producers and workers must use the same queue_shards."
+                )
+            warnings.append(text)
+        dead = [row for row in beyond if row["dead_letters"]]
+        if dead:
+            warnings.append(
+                f"{unserved['dead_letters']} dead letter(s) in {', '.join(row['dead_stream'] for row in dead)} "
+                f"are not shown by `pagedq dead list` with queue_shards={n}: run it with "
+                f"PAGEDQ_QUEUE_SHARDS={dead[-1]['shard'] + 1}."
+            )
+    # The other way round: this command counts shards the workers do not read. Workers create the `workers`
+    # group on every shard they read when they start, so a shard holding jobs without it, next to one with
+    # it, has never been looked at by any of them.
+    grouped = [row["shard"] for row in shard_streams if row["group"]]
+    never = [row for row in shard_streams if row["served"] and row["backlog"] and not row["group"]]
+    if grouped and never:
+        counts = ", ".join(f"{row['stream']}: {row['backlog']}" for row in never)
+        warnings.append(
+            f"{sum(row['backlog'] for row in never)} job(s) on shard(s) "
+            f"{_shard_list([row['shard'] for row in never])} ({counts}) have never been read by any worker: no "
+            f"`{GROUP}` consumer group there, while shard(s) {_shard_list(grouped)} have one (a worker creates it "
+            f"on every shard it reads when it starts). The workers probably run with queue_shards below {n}, "
+            f"this command's setting: producers and workers must use the same queue_shards."
+        )
+    return unserved, warnings
 
 
 _PRUNE = """
@@ -463,11 +608,23 @@ def run_status(args: argparse.Namespace) -> int:
 
 def _format_status(namespace: str, st: dict[str, Any]) -> list[str]:
     lag = "" if st["lag"] is None else f", {st['lag']} not yet delivered"
+    keys = Keys(namespace, st["queue"])
+    streams = jobs_streams_label(keys, [keys.shard_of_stream(stream) for stream in st["streams"]])
     lines = [
         f"queue {st['queue']} ({namespace})",
-        f"  backlog       {st['backlog']} job(s) in {st['stream']} ({st['pending']} pending in workers{lag})",
-        f"  dead letters  {st['dead_letters']}",
+        f"  backlog       {st['backlog']} job(s) in {streams} ({st['pending']} pending in workers{lag})",
     ]
+    for warning in st["warnings"]:
+        # Right under the backlog they are about; stream names are never broken across lines.
+        lines += textwrap.wrap(
+            warning,
+            width=110,
+            initial_indent="  warning       ",
+            subsequent_indent=" " * 16,
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+    lines.append(f"  dead letters  {st['dead_letters']}")
     if st["consumers"]:
         lines.append(f"  consumers     {len(st['consumers'])}")
         rows = [["NAME", "WORKER", "PENDING", "IDLE", "INACTIVE"]]
@@ -584,12 +741,37 @@ def dead_streams_label(keys: Keys) -> str:
     return keys.dead if keys.shards == 1 else f"{keys.namespace}:dead:{{{keys.queue}:0..{keys.shards - 1}}}"
 
 
+def _valid_text(value: str, errors: str) -> str:
+    """A string read with ``surrogateescape`` as valid Unicode: each byte that was not UTF-8 becomes U+FFFD
+    (``errors="replace"``) or ``\\xNN`` (``"backslashreplace"``). Printed as is, such a byte goes out raw
+    (or, with a strict stdout, raises), and nothing downstream can read the line as UTF-8."""
+    return value.encode("utf-8", "surrogateescape").decode("utf-8", errors)
+
+
+def dead_letter_json(entry_id: str, d: DeadLetter) -> dict[str, Any]:
+    """One dead letter as a JSON-ready object: every string valid Unicode, and ``job_base64`` the payload's
+    exact bytes when ``job`` cannot hold them (null otherwise).
+
+    Why base64 and not the escaped bytes: a lone surrogate escape (``"\\udcc3"``) is valid JSON grammar but
+    not a character, and strict readers (Rust's serde_json, Go's encoding/json turns it into U+FFFD) refuse
+    or alter it, so the bytes would not survive a round trip; base64 does in every language, and ``job``
+    stays readable text (U+FFFD where a byte was invalid) for people and ``jq``.
+    """
+    row: dict[str, Any] = {"entry": _valid_text(entry_id, "replace")}
+    for name, value in d.model_dump().items():
+        row[name] = _valid_text(value, "replace") if isinstance(value, str) else value
+    raw = d.job.encode("utf-8", "surrogateescape")
+    row["job_base64"] = None if row["job"] == d.job else base64.b64encode(raw).decode("ascii")
+    return row
+
+
 def _dead_list(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
     total = sum(int(r.xlen(dead)) for dead in keys.dead_streams)
     letters = _letters(r, keys, args.count or None)
     if args.json:
         for entry_id, d in letters:
-            print(json.dumps({"entry": entry_id, **d.model_dump()}, ensure_ascii=False))
+            # ASCII (\u escapes) whatever the terminal's locale: every line is UTF-8 and JSON anywhere.
+            print(json.dumps(dead_letter_json(entry_id, d)))
         return 0
     shown = f" (showing the first {len(letters)})" if len(letters) < total else ""
     print(f"{total} dead letter(s) in {dead_streams_label(keys)}{shown}")
@@ -598,8 +780,11 @@ def _dead_list(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
     rows = [["ENTRY", "TIME (UTC)", "JOB ID", "CODE", "ATTEMPTS", "REASON"]]
     for entry_id, d in letters:
         when = datetime.fromtimestamp(d.ts_ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
-        reason = d.reason if len(d.reason) <= 70 else d.reason[:67] + "..."
-        rows.append([entry_id, when, d.job_id or "-", d.code, str(d.attempts), reason])
+        # Anyone can write a dead-letter stream: show its bytes that are not UTF-8 as \xNN, never raw.
+        reason = _valid_text(d.reason, "backslashreplace")
+        reason = reason if len(reason) <= 70 else reason[:67] + "..."
+        cells = [entry_id, when, d.job_id or "-", d.code, str(d.attempts)]
+        rows.append([*(_valid_text(c, "backslashreplace") for c in cells), reason])
     print("\n".join(_table(rows, indent="")))
     return 0
 
@@ -636,9 +821,30 @@ def replay_dead_letter(r: redis.Redis, keys: Keys, entry_id: str, d: DeadLetter,
     return str(pipe.execute()[-2 if not keep else -1])
 
 
+_DEAD_REF = re.compile(r"([0-9]+)-([0-9]+)(?:@([0-9]+))?")  # not \d: it matches any script's digits
+"""A dead letter's name as ``dead list`` shows it: ``<ms>-<seq>``, with ``@<shard>`` on shards above 0."""
+
+
+def bad_dead_ref(ref: str) -> str | None:
+    """Why ``ref`` cannot name a dead letter (a usage error, said before anything is replayed), or None."""
+    m = _DEAD_REF.fullmatch(ref)
+    if m is None or max(int(m[1]), int(m[2])) >= 1 << 64:  # Redis stream ids are two unsigned 64-bit numbers
+        return (
+            f"bad entry id {ref!r}: expected <ms>-<seq> as `pagedq dead list` shows it, with @<shard> on "
+            f"shards above 0 (e.g. 1712345678901-0 or 1712345678901-0@2)"
+        )
+    return None
+
+
 def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
     if bool(args.entries) == bool(args.all):
         return _fail("dead replay", "name dead-letter entry ids, or pass --all", 2)
+    for entry_id in args.entries:
+        # Before any lookup: Redis would answer a malformed id with a protocol error ("Redis error", exit 1),
+        # and a bad shard suffix (`1-0@x`) would end in a traceback.
+        bad = bad_dead_ref(entry_id)
+        if bad is not None:
+            return _fail("dead replay", bad, 2)
     if args.all:
         letters = _letters(r, keys, None)
     else:
@@ -646,14 +852,21 @@ def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
         for entry_id in args.entries:
             letter = find_dead_letter(r, keys, entry_id)
             if letter is None:
-                return _fail("dead replay", f"no dead letter {entry_id} in {dead_streams_label(keys)}", 1)
+                shard = split_entry_ref(entry_id)[0]
+                beyond = (
+                    f" (shard {shard} is beyond queue_shards={keys.shards}: set PAGEDQ_QUEUE_SHARDS as the "
+                    f"workers have it)"
+                    if shard >= keys.shards
+                    else ""
+                )
+                return _fail("dead replay", f"no dead letter {entry_id} in {dead_streams_label(keys)}{beyond}", 1)
             letters.append((entry_id, letter))
     replayed = 0
     for entry_id, d in letters:
         if d.truncated:
             print(
-                f"warning: {entry_id} keeps only {len(d.job.encode())} of the job's {d.job_bytes} bytes "
-                f"(sha256 {d.job_sha256}); not replayed",
+                f"warning: {entry_id} keeps only {len(d.job.encode('utf-8', 'surrogateescape'))} of the job's "
+                f"{d.job_bytes} bytes (sha256 {d.job_sha256}); not replayed",
                 file=sys.stderr,
             )
             continue

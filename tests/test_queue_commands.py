@@ -7,6 +7,9 @@ worker is paused mid-generation and the terminal must already show the text prod
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import io
 import json
 import os
 import pty
@@ -14,11 +17,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from ops import queue_commands
 from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, parse_event
@@ -26,6 +31,7 @@ from schemas.keys import EVENT_FIELD, GROUP, JOB_FIELD, Keys
 from tests.redis_servers import RedisServer, redis_server  # noqa: F401
 from tests.worker_harness import REPO, Ctx, inprocess_worker, wait_for
 from worker.consumer import Worker
+from worker.reclaimer import ensure_group
 
 # One server kind is enough here: these commands are plain Redis clients (the worker tests cover both).
 DEBIAN = pytest.mark.parametrize("redis_server", ["debian"], indirect=True)
@@ -61,6 +67,26 @@ def json_lines(out: str) -> list[Any]:
 
 def reply_events(ctx: Ctx, job_id: str) -> list[Any]:
     return [parse_event(f[EVENT_FIELD]) for _, f in ctx.redis.xrange(ctx.keys.reply(job_id))]
+
+
+def words(text: str) -> str:
+    """Text with every run of whitespace as one space: warnings are wrapped to the terminal's width."""
+    return " ".join(text.split())
+
+
+@contextlib.contextmanager
+def stdout_bytes() -> Iterator[io.BytesIO]:
+    """``sys.stdout`` as the bytes a terminal or pipe gets. ``surrogateescape`` is what Python gives stdout in
+    a C/POSIX or UTF-8-mode locale: a string holding undecodable bytes goes out raw there (elsewhere
+    printing it raises), which is how ``dead list --json`` wrote a bare 0xC3."""
+    buffer = io.BytesIO()
+    out = io.TextIOWrapper(buffer, encoding="utf-8", errors="surrogateescape", newline="\n", write_through=True)
+    saved, sys.stdout = sys.stdout, out
+    try:
+        yield buffer
+    finally:
+        sys.stdout = saved
+        out.detach()  # else collecting the wrapper closes the buffer before the test reads it
 
 
 # ------------------------------------------------------------------------------------------ status
@@ -108,6 +134,81 @@ def test_status_of_an_empty_namespace(ctx: Ctx, capsys: pytest.CaptureFixture[st
     assert q["backlog"] == 0 and q["dead_letters"] == 0
 
 
+@DEBIAN
+def test_status_reports_jobs_on_shards_beyond_queue_shards(
+    ctx: Ctx, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer with queue_shards=4 next to workers (and ``status``) at 1: its jobs on shards 1-3 are never
+    read, and ``status`` showed only shard 0's. Now it counts every shard stream there is, names them, and
+    says which jobs workers with its queue_shards do not serve and what to do."""
+    monkeypatch.delenv("PAGEDQ_QUEUE_SHARDS", raising=False)
+    four = Keys(ctx.ns, "mism", 4)
+    for shard, count in ((0, 1), (1, 2), (3, 2)):  # shard 2 got nothing: its stream does not exist
+        for i in range(count):
+            ctx.redis.xadd(four.jobs_shard(shard), {JOB_FIELD: json.dumps({"id": f"m{shard}-{i}", "prompt": "hi"})})
+    s0, s1, s3 = four.jobs_shard(0), four.jobs_shard(1), four.jobs_shard(3)
+
+    assert queue_commands.main(cli(ctx, "status", "--json")) == 0
+    (q,) = json_in(capsys.readouterr().out)["queues"]
+    assert q["queue"] == "mism" and q["shards"] == 1
+    assert q["backlog"] == 5 and q["streams"] == [s0, s1, s3]
+    assert [(row["shard"], row["backlog"], row["served"]) for row in q["shard_streams"]] == [
+        (0, 1, True),
+        (1, 2, False),
+        (3, 2, False),
+    ]
+    assert q["unserved"] == {
+        "shards": [1, 3],
+        "streams": [s1, s3],
+        "backlog": 4,
+        "dead_letters": 0,
+        "live_readers": [],
+        "queue_shards_needed": 4,
+    }
+    (warning,) = q["warnings"]
+    assert f"4 job(s) on shard(s) 1, 3 ({s1}: 2, {s3}: 2) are not served by workers with queue_shards=1" in warning
+    assert "No live worker reads them" in warning and "PAGEDQ_QUEUE_SHARDS=4" in warning
+
+    for argv in (cli(ctx, "status"), cli(ctx, "status", "--queue", "mism")):
+        assert queue_commands.main(argv) == 0
+        text = capsys.readouterr().out
+        assert f"backlog       5 job(s) in {s0}, {s1}, {s3} (0 pending in workers)" in text
+        assert f"warning {warning}" in words(text)
+
+    # This command at 4 shards, the workers at 1 (one started: it made its group on shard 0 only): the backlog
+    # line names the four streams, and the shards no worker ever read are pointed out.
+    ensure_group(ctx.redis, Keys(ctx.ns, "mism", 1))
+    monkeypatch.setenv("PAGEDQ_QUEUE_SHARDS", "4")
+    assert queue_commands.main(cli(ctx, "status")) == 0
+    text = words(capsys.readouterr().out)
+    assert f"backlog 5 job(s) in {ctx.ns}:jobs:{{mism:0..3}} (0 pending in workers, 1 not yet delivered)" in text
+    assert "not served" not in text
+    assert (
+        f"warning 4 job(s) on shard(s) 1, 3 ({s1}: 2, {s3}: 2) have never been read by any worker: no `workers` "
+        "consumer group there, while shard(s) 0 have one" in text
+    )
+    assert "The workers probably run with queue_shards below 4" in text
+
+    # The workers do run with 4 shards (one is reading shard 3) and left a dead letter on shard 2; this command
+    # is the one at 1: it must say so rather than send the operator off to reconfigure the workers.
+    monkeypatch.delenv("PAGEDQ_QUEUE_SHARDS")
+    ensure_group(ctx.redis, four)
+    assert ctx.redis.xreadgroup(GROUP, "w4", {s3: ">"}, count=1)
+    ctx.redis.set(four.heartbeat("w4"), json.dumps({"name": "w4", "state": "ready", "ts": time.time()}), ex=600)
+    letter = DeadLetter(job="{oops", reason="job is not valid JSON", code="invalid_request", attempts=1, worker="w4")
+    ctx.redis.xadd(four.dead_shard(2), letter.to_fields())
+    assert queue_commands.main(cli(ctx, "status", "--json")) == 0
+    (q,) = json_in(capsys.readouterr().out)["queues"]
+    assert q["dead_letters"] == 1 and q["unserved"]["live_readers"] == ["w4"]
+    assert q["unserved"]["shards"] == [1, 2, 3] and q["unserved"]["backlog"] == 4
+    jobs_warning, dead_warning = q["warnings"]
+    assert "Live worker(s) w4 do read these shards" in jobs_warning and "No live worker" not in jobs_warning
+    assert dead_warning == (
+        f"1 dead letter(s) in {four.dead_shard(2)} are not shown by `pagedq dead list` with queue_shards=1: "
+        "run it with PAGEDQ_QUEUE_SHARDS=3."
+    )
+
+
 # -------------------------------------------------------------------------------------------- dead
 
 
@@ -151,6 +252,95 @@ def test_dead_list_and_replay(ctx: Ctx, engine: Any, capsys: pytest.CaptureFixtu
     assert isinstance(final, FinalEvent) and final.usage.completion_tokens == 4
     assert ctx.redis.xlen(ctx.keys.dead) == 1  # the invalid one is still there
     assert [e.type for e in reply_events(ctx, "tired-1") if e.type != "token"] == ["final"]  # old error gone
+
+
+@DEBIAN
+def test_dead_list_of_a_payload_that_is_not_utf8(ctx: Ctx, engine: Any) -> None:
+    """``dead list --json`` wrote the payload's invalid byte raw (``ensure_ascii=False`` over surrogateescape
+    text), so its line was neither UTF-8 nor JSON. Every line is both now, ``job`` has U+FFFD for the bad
+    byte and ``job_base64`` the exact bytes; the text table shows such bytes as ``\\xNN``; ``dead replay``
+    re-queues the payload byte for byte."""
+    payload = b'{"id":"u8-1","prompt":"hi \xc3( there"}'
+    raw_redis: Any = redis.Redis.from_url(ctx.server.url)  # bytes in and out
+    escaped = ctx.server.client(encoding_errors="surrogateescape")  # str holding those bytes, as the worker's
+    with inprocess_worker(ctx, engine, name="w-u8"):
+        raw_redis.xadd(ctx.keys.jobs.encode(), {JOB_FIELD.encode(): payload})
+        wait_for(lambda: ctx.redis.xlen(ctx.keys.dead) == 1, what="the payload's dead letter")
+    # A valid non-ASCII payload (kept as text, no base64) and a reason with a byte that is not UTF-8 (anyone can
+    # write the stream; the table must not print it raw).
+    fine = DeadLetter(
+        job='{"prompt": "café ☕"}', reason="bad \udcff byte", code="invalid_request", attempts=1, worker="w"
+    )
+    fine_entry = escaped.xadd(ctx.keys.dead, fine.to_fields())
+
+    with stdout_bytes() as out:
+        assert queue_commands.main(cli(ctx, "dead", "list", "--json")) == 0
+    lines = out.getvalue().decode("utf-8").splitlines()  # strict: raises on any byte that is not UTF-8
+    (bad, good) = [json.loads(line) for line in lines]
+    assert bad["code"] == "invalid_request" and "not valid UTF-8" in bad["reason"] and bad["job_id"] == "u8-1"
+    assert bad["job"] == payload.decode("utf-8", "replace") and base64.b64decode(bad["job_base64"]) == payload
+    assert good["entry"] == fine_entry and good["job"] == fine.job and good["job_base64"] is None
+    assert good["reason"] == "bad \ufffd byte"
+
+    with stdout_bytes() as out:
+        assert queue_commands.main(cli(ctx, "dead", "list")) == 0
+    text = out.getvalue().decode("utf-8")
+    assert "2 dead letter(s)" in text and "u8-1" in text and "bad \\xff byte" in text
+
+    entry = bad["entry"]
+    with stdout_bytes() as out:
+        assert queue_commands.main(cli(ctx, "dead", "replay", entry)) == 0
+    assert f"{entry} -> {ctx.keys.jobs}" in out.getvalue().decode("utf-8")
+    ((_, fields),) = raw_redis.xrange(ctx.keys.jobs.encode())
+    assert fields[JOB_FIELD.encode()] == payload
+    assert ctx.redis.xlen(ctx.keys.dead) == 1  # only the hand-made one is left
+    raw_redis.close()
+    escaped.close()
+
+
+@DEBIAN
+def test_dead_replay_of_a_truncated_payload_cut_inside_a_character(
+    ctx: Ctx, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A payload cut at ``dead_payload_bytes`` can end inside a multi-byte character, which the worker keeps as
+    surrogateescape text: the "not replayed" warning counted its bytes with a strict ``encode()`` and died
+    with a traceback."""
+    data = '{"id":"cut-1","prompt":"é"}'.encode()
+    kept = data[: data.index(b"\xc3") + 1]  # the first byte of "é" only
+    letter = DeadLetter(
+        job=kept.decode("utf-8", "surrogateescape"),
+        job_bytes=len(data),
+        reason="delivered 4 times, more than max_attempts=3",
+        code="dead_lettered",
+        attempts=4,
+        worker="w-old",
+        job_id="cut-1",
+    )
+    assert letter.truncated
+    escaped = ctx.server.client(encoding_errors="surrogateescape")
+    escaped.xadd(ctx.keys.dead, letter.to_fields())
+    escaped.close()
+    assert queue_commands.main(cli(ctx, "dead", "replay", "--all")) == 0
+    err = capsys.readouterr().err
+    assert f"keeps only {len(kept)} of the job's {len(data)} bytes" in err and "replayed 0 dead letter(s)" in err
+    assert ctx.redis.xlen(ctx.keys.dead) == 1 and not ctx.redis.exists(ctx.keys.jobs)
+
+
+@DEBIAN
+def test_dead_replay_of_a_malformed_entry_id_is_a_usage_error(ctx: Ctx, capsys: pytest.CaptureFixture[str]) -> None:
+    """``dead replay nonsense`` was reported as a Redis error (exit 1), ``1-0@x`` as a traceback: both are usage
+    errors (exit 2) naming the id and the form expected, found before anything is replayed."""
+    letter = DeadLetter(job="{oops", reason="job is not valid JSON", code="invalid_request", attempts=1, worker="w")
+    entry = ctx.redis.xadd(ctx.keys.dead, letter.to_fields())
+    for bad in ("nonsense", "1-0@x", "1-0@-1", "1-x", "1-0@", "18446744073709551616-0", f"{entry} "):
+        assert queue_commands.main(cli(ctx, "dead", "replay", entry, bad)) == 2, bad
+        err = capsys.readouterr().err
+        assert f"bad entry id {bad!r}: expected <ms>-<seq>" in err and "@<shard>" in err, err
+        assert "Redis error" not in err
+    assert ctx.redis.xlen(ctx.keys.dead) == 1 and not ctx.redis.exists(ctx.keys.jobs)  # nothing replayed
+    # Well formed but absent stays "not found" (exit 1); on a shard this command does not read, it says why.
+    assert queue_commands.main(cli(ctx, "dead", "replay", "1-0@3")) == 1
+    assert "shard 3 is beyond queue_shards=1" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------ submit
@@ -322,6 +512,21 @@ def test_ctrl_c_in_submit_cancels_the_job(ctx: Ctx) -> None:
             proc.kill()
     assert proc.returncode == 130 and "cancelled job ctrl-c" in err
     assert ctx.redis.exists(ctx.keys.cancel("ctrl-c"))
+
+
+def test_priority_is_described_as_what_it_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """``submit --help`` said "higher is served first" (and README "higher first, for admission and
+    scheduling"), while workers read the stream first in, first out and priority only orders the jobs one
+    worker holds: a priority-100 job behind 12 others started after 11 of them."""
+    with pytest.raises(SystemExit) as exit_:
+        queue_commands.main(["submit", "--help"])
+    assert exit_.value.code == 0
+    help_text = words(capsys.readouterr().out)
+    (row,) = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| `priority` |")]
+    for doc in (help_text, row):
+        assert "served first" not in doc and "higher first, for admission" not in doc
+        assert "the jobs one worker holds" in doc and "max_num_seqs + prefetch" in doc
+        assert "first in, first out" in doc and "separate" in doc and "workers of its own" in doc
 
 
 # --------------------------------------------------------------------------- first-run rough edges

@@ -58,8 +58,9 @@ def chat_messages(raw: Any, where: str = "messages") -> list[dict[str, str]]:
         at = f"{where}[{i}]"
         if not isinstance(message, dict):
             raise RequestFieldError(f"{at}: must be an object", at)
-        for key in message:
-            if key not in MESSAGE_FIELDS:
+        for key, value in message.items():
+            # null means "not given" (an assistant message echoed back by an SDK has tool_calls: null...)
+            if key not in MESSAGE_FIELDS and value is not None:
                 raise RequestFieldError(f"pagedq does not support the field {key!r} in messages", f"{at}.{key}")
         role = message.get("role")
         if role not in CHAT_ROLES:

@@ -9,6 +9,7 @@ worker that reads no new job).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -16,14 +17,16 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from schemas.jobs import ErrorEvent, FinalEvent
+from schemas.jobs import Choice, ErrorEvent, FinalEvent, Timings, Usage
 from tests.redis_servers import ClusterServers, RedisServer, free_port, make_server
 from tests.worker_harness import REPO, Ctx, WorkerProcess, wait_for
 
@@ -383,6 +386,10 @@ def test_dashboard_in_a_real_browser(fleet: Fleet, tmp_path: Path) -> None:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.goto(fleet.gateway.url + "/dashboard")
+            # The data name jobs and their failures: with keys set, the page shows none until it has one.
+            page.locator("#error", has_text="401").wait_for(timeout=30_000)
+            assert page.locator("#workers tbody tr").count() == 0
+            page.fill("#key", API_KEY)
             row = page.locator(f"#workers tbody tr[data-worker='{fleet.worker.name}']")
             row.wait_for(timeout=30_000)
             assert page.locator("#n-workers").inner_text() == "1"
@@ -405,6 +412,7 @@ def test_dashboard_in_a_real_browser(fleet: Fleet, tmp_path: Path) -> None:
             # Replay needs the key: without it the gateway refuses (401), with it the letter is re-queued.
             dead_row = page.locator(f"#dead tbody tr[data-entry='{dead_entry}']")
             dead_row.wait_for(timeout=30_000)
+            page.fill("#key", "")  # the table stays as it was while the data is refused
             dead_row.locator("button").click()
             page.locator("#replay-status", has_text="401").wait_for(timeout=30_000)
             page.fill("#key", API_KEY)
@@ -476,6 +484,307 @@ def test_worker_sigkilled_mid_stream_the_client_gets_one_coherent_completion(
         ctx.close()
 
 
+@dataclass
+class Answer:
+    status: int
+    content_type: str
+    body: Any  # the JSON, or the text when it is not JSON
+
+
+def http(
+    gateway: GatewayProcess, method: str, path: str, body: bytes | None = None, key: str | None = API_KEY
+) -> Answer:
+    """A raw request: what the SDK would never send (bad JSON, lone surrogates), or a route it has no call for."""
+    headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(gateway.url + path, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            status, ctype, raw = response.status, response.headers.get("content-type", ""), response.read()
+    except urllib.error.HTTPError as err:
+        status, ctype, raw = err.code, err.headers.get("content-type", ""), err.read()
+    return Answer(status, ctype, json.loads(raw) if ctype.startswith("application/json") else raw.decode())
+
+
+def test_bad_bodies_are_400s_in_openai_shape(fleet: Fleet) -> None:
+    head = '{"model":' + json.dumps(fleet.model) + ',"max_tokens":2,'
+    msgs = '"messages":[{"role":"user","content":"hi"}]'
+    cases = [  # (body, param, words in the message)
+        (head + '"messages":[{"role":"user","content":"\\ud800 hi"}]}', "messages[0].content", "surrogate"),
+        (head + msgs + ',"stop":["\\udc00"]}', "stop[0]", "surrogate"),
+        ('{"model":"\\ud800",' + msgs + "}", "model", "surrogate"),
+        (head + msgs + ',"foo\\ud800":1}', "foo\\ud800", "surrogate"),  # the name, escaped: never echoed raw
+        (head + msgs + ',"x":' + "[" * 100_000 + "]" * 100_000 + "}", None, "nested too deeply"),
+        (head.replace('"max_tokens":2', '"max_tokens":1' + "0" * 5000) + msgs + "}", None, "5001 digits"),
+    ]
+    for body, param, words in cases:
+        answer = http(fleet.gateway, "POST", "/v1/chat/completions", body.encode())
+        assert answer.status == 400 and answer.content_type == "application/json", (body[:80], answer)
+        error = answer.body["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param and words in error["message"], error
+
+
+def test_unknown_routes_and_methods_answer_in_openai_shape(fleet: Fleet) -> None:
+    missing = http(fleet.gateway, "GET", "/v1/no-such-endpoint")
+    assert missing.status == 404 and missing.body["error"]["code"] == "not_found", missing
+    wrong = http(fleet.gateway, "GET", "/v1/chat/completions")
+    assert wrong.status == 405 and wrong.body["error"]["code"] == "method_not_allowed", wrong
+
+
+def test_models_retrieve(fleet: Fleet) -> None:
+    model = fleet.client.models.retrieve(fleet.model)
+    assert model.id == fleet.model and model.owned_by == "pagedq"
+    with pytest.raises(openai.NotFoundError) as missing:
+        fleet.client.models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found"
+
+
+def test_dashboard_data_needs_the_key_when_keys_are_set(fleet: Fleet) -> None:
+    refused = http(fleet.gateway, "GET", "/dashboard/data", key=None)
+    assert refused.status == 401 and refused.body["error"]["code"] == "invalid_api_key"
+    data = http(fleet.gateway, "GET", "/dashboard/data")
+    assert data.status == 200 and data.body["namespace"] == fleet.ctx.ns
+    assert http(fleet.gateway, "GET", "/dashboard", key=None).status == 200  # the page itself has no data
+
+
+def test_null_fields_are_not_given(fleet: Fleet) -> None:
+    # The SDK sends an explicit None as null: max_tokens stays in charge.
+    out = fleet.client.chat.completions.create(
+        model=fleet.model,
+        messages=chat("Tell me a story"),
+        max_tokens=2,
+        max_completion_tokens=None,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 2
+
+
+def test_continuous_usage_stats_is_refused_by_name(fleet: Fleet) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        fleet.client.chat.completions.create(
+            model=fleet.model,
+            messages=chat("hi"),
+            stream=True,
+            extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        )
+    assert refused.value.body["param"] == "stream_options"  # type: ignore[index]
+    assert "continuous_usage_stats" in refused.value.message
+
+
+def test_streamed_logprobs_come_with_their_tokens(fleet: Fleet) -> None:
+    kw: dict[str, Any] = {
+        "model": fleet.model,
+        "messages": chat("Count to five."),
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = fleet.client.chat.completions.create(**kw)
+    expected = whole.choices[0].logprobs.content
+    assert expected is not None and len(expected) == 8
+    streamed: list[Any] = []
+    carriers = 0
+    for c in fleet.client.chat.completions.create(stream=True, **kw):
+        for choice in c.choices:
+            entries = choice.logprobs.content if choice.logprobs and choice.logprobs.content else []
+            if choice.delta.content:
+                assert entries, c  # text never comes without the logprobs of the tokens it came with
+            carriers += bool(entries)
+            streamed += entries
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in expected]
+    assert carriers > 1  # spread over the chunks, not all in the last one
+
+    # Completions: text_offset places each token where the text of the engine step that produced it starts.
+    ckw: dict[str, Any] = {
+        "model": fleet.model,
+        "prompt": "1, 2, 3,",
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 1,
+        "extra_body": {"ignore_eos": True},
+    }
+    out = fleet.client.completions.create(**ckw)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and len(lp.tokens) == 6
+    steps = [e for e in fleet.ctx.events(out.id) if e.type == "token"]
+    assert "".join(e.text for e in steps) == out.choices[0].text
+    offsets, at = [], 0
+    for e in steps:
+        offsets += [at] * len(e.token_ids)
+        at += len(e.text)
+    assert lp.text_offset == offsets
+    text = ""
+    for c in fleet.client.completions.create(stream=True, **ckw):
+        for choice in c.choices:
+            if choice.logprobs is not None:
+                assert choice.logprobs.text_offset == [len(text)] * len(choice.logprobs.tokens or [])
+            text += choice.text
+    assert text == out.choices[0].text
+
+
+def test_job_endings_without_an_openai_finish_reason_are_errors() -> None:
+    from ops.gateway.openai_api import error_for_event, final_error
+
+    def final(*reasons: str) -> FinalEvent:
+        choices = [Choice(index=i, text="a", token_ids=[1], finish_reason=r) for i, r in enumerate(reasons)]  # type: ignore[arg-type]
+        return FinalEvent(
+            id="j", attempt=1, choices=choices, usage=Usage(prompt_tokens=1, completion_tokens=len(reasons)),
+            timings=Timings(queued_s=0, total_s=1), worker="w",
+        )  # fmt: skip
+
+    assert final_error(final("stop", "length"), 7) is None
+    late = final_error(final("length", "deadline"), 7)  # the job's deadline: what the gateway's own timeout gives
+    assert late is not None and (late.status, late.code) == (504, "timeout")
+    gone = final_error(final("cancelled"), 7)
+    assert gone is not None and (gone.status, gone.code) == (503, "cancelled")
+    unstarted = error_for_event(ErrorEvent(id="j", attempt=1, code="deadline_exceeded", message="m"), "chat", 7)
+    assert (unstarted.status, unstarted.code) == (504, "timeout")
+
+
+def test_a_request_past_its_timeout_is_a_504_streamed_or_not(fleet: Fleet, tmp_path: Path) -> None:
+    ctx = fleet.ctx
+    hasty = GatewayProcess(ctx.server, ctx.ns, tmp_path, "hasty", request_timeout_s=1)
+    kw: dict[str, Any] = {
+        "model": fleet.model,
+        "prompt": "A long story",
+        "max_tokens": 600,
+        "temperature": 1.0,
+        "seed": 9,
+        "extra_body": {"ignore_eos": True},
+    }
+    job_ids = []
+    try:
+        with pytest.raises(openai.APIStatusError) as late:
+            hasty.client().completions.create(**kw)
+        assert late.value.status_code == 504 and late.value.code == "timeout"
+        job_ids.append(late.value.response.headers["x-request-id"])
+        # Streamed: an error chunk once the stream has started (the SDK raises it), the same 504 before that.
+        with pytest.raises(openai.APIError) as late_stream:
+            for c in hasty.client().completions.create(stream=True, **kw):
+                job_ids.append(c.id)
+        assert late_stream.value.code == "timeout"
+        if isinstance(late_stream.value, openai.APIStatusError):
+            job_ids.append(late_stream.value.response.headers["x-request-id"])
+    finally:
+        hasty.close()
+    # Whichever deadline passed first (the worker's or the gateway's, which then cancels), the job ended early.
+    for job_id in set(job_ids):
+        event = wait_for(partial(ctx.result, job_id), 30, what="the late job's end")
+        if isinstance(event, FinalEvent):
+            assert event.choices[0].finish_reason in ("deadline", "cancelled") and event.usage.completion_tokens < 600
+        else:
+            assert event.code in ("deadline_exceeded", "cancelled")
+
+
+def test_more_requests_in_flight_than_the_redis_pool_default(fleet: Fleet) -> None:
+    from ops.gateway.settings import GatewaySettings
+
+    ctx = fleet.ctx
+    n = 110  # more than the 100 connections of the gateway's pool by default (also redis-py's default)
+    # A worker with no room (as in the queue timeout test): every request stays in flight, each following its
+    # silent job with a blocking read, until the busy jobs are cancelled.
+    busy = ctx.client.submit_many(["busy"] * 6, max_tokens=600, ignore_eos=True, temperature=1.0, seed=2)
+    client = openai.AsyncOpenAI(base_url=fleet.gateway.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    async def main() -> list[Any]:
+        await asyncio.to_thread(wait_for, lambda: ctx.pending() == 6, 30, 0.02, "the worker holding six jobs")
+        tasks = [
+            asyncio.create_task(client.chat.completions.create(model=fleet.model, messages=chat(f"{i}?"), max_tokens=1))
+            for i in range(n)
+        ]
+        queued = lambda: ctx.backlog() == 6 + n or any(t.done() for t in tasks)  # a failure ends the wait
+        await asyncio.to_thread(wait_for, queued, 60, 0.05, "every request's job queued")
+        assert ctx.backlog() == 6 + n
+        for job_id in busy:
+            await asyncio.to_thread(ctx.client.cancel, job_id)
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        for job_id in busy:
+            ctx.client.cancel(job_id)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, failed[:3]
+    assert all(r.usage.completion_tokens == 1 for r in results)
+    wait_for(lambda: all(ctx.result(job_id) for job_id in busy), 30, what="the busy jobs to end")
+    assert GatewaySettings.model_fields["redis_max_connections"].default < n
+
+
+def test_a_request_that_gets_no_redis_connection_in_time_is_503(fleet: Fleet, tmp_path: Path) -> None:
+    ctx = fleet.ctx
+    narrow = GatewayProcess(ctx.server, ctx.ns, tmp_path, "narrow", redis_max_connections=1, redis_pool_timeout_s=0.2)
+    client = narrow.client()
+
+    def ask(i: int) -> Any:
+        try:
+            return client.chat.completions.create(model=fleet.model, messages=chat(f"hi {i}"), max_tokens=2)
+        except openai.APIStatusError as exc:
+            return exc
+
+    # Redis holds every write back: the first request's XADD keeps the gateway's only connection until the
+    # pause ends, and the other request waits for it in vain.
+    ctx.redis.execute_command("CLIENT", "PAUSE", "30000", "WRITE")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(ask, i) for i in range(2)]
+            try:
+                first = next(as_completed(futures, timeout=30)).result()
+            finally:
+                ctx.redis.execute_command("CLIENT", "UNPAUSE")
+            results = [f.result(timeout=60) for f in futures]
+    finally:
+        narrow.close()
+    assert isinstance(first, openai.InternalServerError), first
+    assert first.status_code == 503 and first.code == "overloaded"
+    assert "x-request-id" not in first.response.headers  # refused before its job was queued: nothing to lose
+    (other,) = [r for r in results if r is not first]
+    assert other.usage.completion_tokens > 0  # the other one got the connection, and its answer
+
+
+def test_redis_down_is_503(tmp_path: Path) -> None:
+    server = make_server("debian", tmp_path / "redis")
+    gateway = GatewayProcess(server, "down", tmp_path, "down")
+    try:
+        server.stop()
+
+        def refused() -> openai.APIStatusError | None:
+            try:
+                gateway.client().models.list()  # served from the fleet cache for up to a second
+            except openai.APIStatusError as exc:
+                return exc
+            return None
+
+        down = wait_for(refused, 30, 0.05, "the gateway noticing Redis is down")
+        assert down.status_code == 503 and down.code == "redis_unavailable"
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            gateway.client().chat.completions.create(model="m", messages=chat("hi"))
+        assert unavailable.value.status_code == 503 and unavailable.value.code == "redis_unavailable"
+    finally:
+        gateway.close()
+        server.stop()
+
+
+def test_an_unexpected_error_is_a_500_in_openai_shape(redis_srv: RedisServer) -> None:
+    from starlette.testclient import TestClient
+
+    from ops.gateway.app import create_app
+    from ops.gateway.settings import load_gateway_settings
+
+    app = create_app(load_gateway_settings(redis_url=redis_srv.url), redis_srv.url)
+
+    @app.get("/v1/bug")
+    async def bug() -> None:
+        raise RuntimeError("a bug, with the request's text in it")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        answer = client.get("/v1/bug")
+    assert answer.status_code == 500 and answer.headers["content-type"] == "application/json"
+    assert answer.json()["error"]["code"] == "internal" and "request's text" not in answer.text
+
+
 # ------------------------------------------------------------------- request mapping (pure, no server)
 
 
@@ -504,3 +813,27 @@ def test_request_mapping_refuses_by_name_and_accepts_neutral_values() -> None:
         with pytest.raises(ApiError) as err:
             parse(**body)
         assert err.value.status == 400 and err.value.param == param, (body, err.value.body())
+
+
+def test_request_mapping_messages_name_the_field_and_the_rule() -> None:
+    from ops.gateway.openai_api import ApiError, parse_request
+
+    def parse(**body: Any) -> dict[str, Any]:
+        base = {"model": "m", "messages": chat("hi")}
+        return parse_request("chat", {**base, **body}, default_max_tokens=32, timeout_s=60).fields
+
+    def refused(**body: Any) -> tuple[str | None, str]:
+        with pytest.raises(ApiError) as err:
+            parse(**body)
+        return err.value.param, err.value.message
+
+    assert refused(stop=[str(i) for i in range(17)]) == ("stop", "stop: at most 16 strings, got 17")
+    assert refused(stop=["a", None]) == ("stop", "stop[1]: must be a string, got null")
+    assert refused(min_tokens=9, max_tokens=5) == ("min_tokens", "min_tokens: must be at most max_tokens (5), got 9")
+    assert refused(min_tokens=9, max_completion_tokens=5)[1].endswith("max_completion_tokens (5), got 9")
+    assert refused(stream=True, stream_options={"continuous_usage_stats": True})[0] == "stream_options"
+    assert refused(messages=[{"role": "user", "content": 5}])[0] == "messages[0].content"
+    # null is "not given", wherever it is; an empty stop string is ignored alone as in a list
+    fields = parse(stop="", max_tokens=3, max_completion_tokens=None, stream=None, no_such_field=None)
+    assert "stop" not in fields and fields["max_tokens"] == 3 and fields["stream"] is False
+    assert parse(messages=[{"role": "assistant", "content": "a", "tool_calls": None}])["messages"][0]["content"] == "a"

@@ -14,12 +14,16 @@ repeating text. What the client does not know, this module checks while the repl
 A streaming response starts only once the job's first event has arrived, so that errors that come before
 any text (a prompt too long for the model, a queue nobody serves) get their own status code and not a 200
 followed by an error chunk.
+
+Every answer that is not a success is OpenAI's ``{"error": {...}}``, whatever failed: a bad body (400), Redis
+unreachable or the gateway's connection pool exhausted (503), an unknown route (404), a bug (500).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -32,32 +36,79 @@ import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from ops.gateway.fleet import Dashboard, Router
 from ops.gateway.openai_api import (
     ApiError,
     Kind,
+    Steps,
+    check_unicode,
     chunk,
     completion_body,
     delta_choice,
     error_for_event,
+    final_error,
     finish_choice,
+    json_problem,
+    logprob_chunks,
     parse_request,
+    shown,
+    timeout_error,
     usage,
 )
 from ops.gateway.openai_api import Request as JobSpec
+from ops.gateway.redis_pool import PoolExhausted, connect_gateway
 from ops.gateway.settings import GatewaySettings
 from ops.queue_commands import dead_streams_label, find_dead_letter, replay_dead_letter
 from schemas.affinity import shard_for_job
 from schemas.jobs import ErrorEvent, FinalEvent, TokenEvent
 from schemas.keys import GROUP, JOB_FIELD, Keys, split_entry_ref
 from worker.client import AsyncPagedqClient, JobFailed, Restart, StreamState, build_job
-from worker.redis_url import connect, connect_async
+from worker.redis_url import connect
 
 DASHBOARD_HTML = Path(__file__).with_name("dashboard.html")
 POLL_MS = 250
 """Longest blocking read of a reply stream: how often a silent job's pickup and its client are checked."""
+
+log = logging.getLogger("uvicorn.error")  # uvicorn's own logger: its handler and format, at --log-level
+
+
+class JSONBody(JSONResponse):
+    """JSON written so that it always encodes: a lone surrogate in a string (text the gateway did not make,
+    such as a worker's message) becomes its ``\\udXXX`` escape, still valid JSON, where Starlette's
+    ``encode("utf-8")`` would raise and turn the answer into a plain-text 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(
+            "utf-8", "backslashreplace"
+        )
+
+
+def error_response(exc: ApiError, headers: dict[str, str] | None = None) -> JSONBody:
+    out = dict(headers or {})
+    if exc.status == 401:
+        out["WWW-Authenticate"] = "Bearer"
+    if exc.job_id:
+        out["x-request-id"] = exc.job_id
+    return JSONBody(exc.body(), status_code=exc.status, headers=out)
+
+
+def redis_error(exc: redis.RedisError) -> ApiError:
+    """503 for a Redis command that failed: the gateway's pool had no free connection in time (it is at its
+    limit of requests in flight: ``redis_max_connections``), or Redis did not answer."""
+    if isinstance(exc, redis.MaxConnectionsError | PoolExhausted):
+        return ApiError(503, f"the gateway is overloaded: {exc} (retry later)", type="server_error", code="overloaded")
+    return ApiError(
+        503, f"Redis is unavailable ({type(exc).__name__}): retry later", type="server_error", code="redis_unavailable"
+    )
+
+
+def internal_error() -> ApiError:
+    return ApiError(
+        500, "internal error in the gateway (its log has the details)", type="server_error", code="internal"
+    )
 
 
 class QueueTimeout(Exception):
@@ -80,8 +131,13 @@ class Gateway:
     dashboard: Dashboard = field(init=False)
 
     def __post_init__(self) -> None:
-        self.redis = connect_async(self.redis_url, decode_responses=True)
         s = self.settings
+        self.redis = connect_gateway(
+            self.redis_url,
+            max_connections=s.redis_max_connections,
+            timeout_s=s.redis_pool_timeout_s,
+            decode_responses=True,
+        )
         self.client = AsyncPagedqClient(self.redis, namespace=s.namespace, queue=s.queue, block_ms=POLL_MS)
         self.router = Router(self.redis, s.namespace, s.queue)
         sync = connect(self.redis_url, decode_responses=True, encoding_errors="surrogateescape")
@@ -144,12 +200,17 @@ class Job:
         )
 
     async def cancel(self) -> None:
-        """Cancel the job unless it ended; shielded, so it also runs while the request's task is cancelled."""
+        """Cancel the job unless it ended; shielded, so it also runs while the request's task is cancelled.
+        Best effort: with Redis down (or no connection free) the job still ends at its deadline (timeout_s),
+        and the request's own error, not this one, is what its client must get."""
         if self.ended:
             return
         self.ended = True
         with anyio.CancelScope(shield=True):
-            await self.gw.client.cancel(self.spec.job_id)
+            try:
+                await self.gw.client.cancel(self.spec.job_id)
+            except redis.RedisError as exc:
+                log.warning("could not cancel job %s: %r", self.spec.job_id, exc)
 
     async def first_event(self, events: AsyncIterator[Any]) -> Any:
         """The job's first event; every way of never getting one becomes its HTTP error (and a cancel)."""
@@ -165,16 +226,18 @@ class Job:
             ) from None
         except TimeoutError:
             await self.cancel()
-            raise ApiError(504, "the request timed out", type="server_error", code="timeout") from None
+            raise timeout_error(self.gw.settings.request_timeout_s) from None
         except BaseException:
             await self.cancel()
             raise
         self.picked_up = True
         if isinstance(event, ErrorEvent):
             self.ended = True
-            raise error_for_event(event, self.spec.kind)
+            raise error_for_event(event, self.spec.kind, self.gw.settings.request_timeout_s)
         if isinstance(event, FinalEvent):
             self.ended = True
+            if (error := final_error(event, self.gw.settings.request_timeout_s)) is not None:
+                raise error
         return event
 
 
@@ -182,7 +245,7 @@ class JobStreamingResponse(StreamingResponse):
     """A streaming response that runs ``on_close`` however it ends: finished, failed, or cut off by the
     client (Starlette then cancels the stream's task, and only a finally of the response itself still runs)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.on_close = on_close
 
@@ -194,20 +257,25 @@ class JobStreamingResponse(StreamingResponse):
                 await self.on_close()
 
 
-def _sse(data: Any) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+def _sse(data: Any) -> bytes:
+    # backslashreplace: as JSONBody, so that a chunk always encodes (a lone surrogate becomes a JSON escape).
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {text}\n\n".encode("utf-8", "backslashreplace")
 
 
-async def _sse_stream(job: Job, first: Any, events: AsyncIterator[Any]) -> AsyncIterator[str]:
-    """SSE chunks: each choice's deltas (across redeliveries, never repeated), its finish, usage, ``[DONE]``."""
+async def _live_chunks(job: Job, first: Any, events: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
+    """Each choice's deltas as they come (across redeliveries, never repeated), then its finish; usage last."""
     spec = job.spec
     n = int(spec.fields.get("n") or 1)
     states = [StreamState(index=i, job_id=spec.job_id) for i in range(n)]
     started: set[int] = set()
-
-    def feed(event: Any) -> tuple[list[str], FinalEvent | None]:
-        out: list[str] = []
+    event = first
+    while True:
         final = event if isinstance(event, FinalEvent) else None
+        if final is not None:
+            job.ended = True
+            if (error := final_error(final, job.gw.settings.request_timeout_s)) is not None:
+                raise error  # the text sent so far is all there is: the client gets the error after it
         for i, state in enumerate(states):
             items = state.feed(event)  # JobFailed on an error event
             if any(isinstance(item, Restart) for item in items):
@@ -216,28 +284,54 @@ async def _sse_stream(job: Job, first: Any, events: AsyncIterator[Any]) -> Async
             if final is not None:
                 choice = next((c for c in final.choices if c.index == i), None)
                 if choice is not None:
-                    out.append(_sse(chunk(spec, [finish_choice(spec, choice, text, first=i not in started)])))
+                    yield chunk(spec, [finish_choice(spec, choice, text, first=i not in started)])
                     started.add(i)
             elif text:
-                out.append(_sse(chunk(spec, [delta_choice(spec, i, text, first=i not in started)])))
+                yield chunk(spec, [delta_choice(spec, i, text, first=i not in started)])
                 started.add(i)
-        return out, final
+        if final is not None:
+            if spec.include_usage:
+                yield chunk(spec, [], usage(final.usage))
+            return
+        event = await anext(events)
 
+
+async def _logprob_chunks(job: Job, first: Any, events: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
+    """With logprobs: the chunks, each with its tokens' logprobs, once the final event has brought them
+    (workers send logprobs there only; :func:`logprob_chunks`). Nothing was sent before, so a redelivered
+    job's attempts need no reconciling: the final attempt's steps are the ones used."""
+    spec = job.spec
+    steps = Steps()
+    event = first
+    while not isinstance(event, FinalEvent):
+        if isinstance(event, ErrorEvent):
+            raise JobFailed(event)
+        if isinstance(event, TokenEvent):
+            steps.add(event)
+        event = await anext(events)
+    job.ended = True
+    if (error := final_error(event, job.gw.settings.request_timeout_s)) is not None:
+        raise error
+    for body in logprob_chunks(spec, event, steps):
+        yield body
+    if spec.include_usage:
+        yield chunk(spec, [], usage(event.usage))
+
+
+async def _sse_stream(job: Job, first: Any, events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """SSE chunks, then ``[DONE]``. Once the response has started its status cannot change: whatever ends
+    the job badly becomes an error chunk in OpenAI's shape (the SDK raises it) before ``[DONE]``."""
+    spec = job.spec
+    timeout_s = job.gw.settings.request_timeout_s
+    chunks = _logprob_chunks(job, first, events) if spec.logprobs else _live_chunks(job, first, events)
     try:
-        event = first
-        while True:
-            lines, final = feed(event)
-            for line in lines:
-                yield line
-            if final is not None:
-                job.ended = True
-                if spec.include_usage:
-                    yield _sse(chunk(spec, [], usage(final.usage)))
-                break
-            event = await anext(events)
+        async for body in chunks:
+            yield _sse(body)
     except JobFailed as exc:
         job.ended = True
-        yield _sse(error_for_event(exc.event, spec.kind).body())
+        yield _sse(error_for_event(exc.event, spec.kind, timeout_s).body())
+    except ApiError as exc:
+        yield _sse(exc.body())
     except _Diverged:
         yield _sse(
             ApiError(
@@ -248,8 +342,14 @@ async def _sse_stream(job: Job, first: Any, events: AsyncIterator[Any]) -> Async
             ).body()
         )
     except TimeoutError:
-        yield _sse(ApiError(504, "the request timed out", type="server_error", code="timeout").body())
-    yield "data: [DONE]\n\n"
+        yield _sse(timeout_error(timeout_s).body())
+    except redis.RedisError as exc:
+        log.warning("job %s: Redis failed mid-stream: %r", spec.job_id, exc)
+        yield _sse(redis_error(exc).body())
+    except Exception:
+        log.exception("job %s: the stream failed", spec.job_id)
+        yield _sse(internal_error().body())
+    yield b"data: [DONE]\n\n"
 
 
 class _Diverged(Exception):
@@ -259,6 +359,7 @@ class _Diverged(Exception):
 def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
     """The app; ``redis_url`` is the resolved one (``settings.redis_url``, or the embedded Redis's socket)."""
     state: dict[str, Gateway] = {}
+    timeout_s = settings.request_timeout_s
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -268,14 +369,42 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
         finally:
             await state["gw"].close()
 
-    app = FastAPI(title="pagedq gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="pagedq gateway",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        default_response_class=JSONBody,
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
-        if exc.job_id:
-            headers["x-request-id"] = exc.job_id
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return error_response(exc)
+
+    @app.exception_handler(redis.RedisError)
+    async def redis_failed(request: Request, exc: redis.RedisError) -> JSONResponse:
+        log.warning("%s %s: Redis failed: %r", request.method, request.url.path, exc)
+        return error_response(redis_error(exc), {"Retry-After": "1"})
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own errors (an unknown route, a method a route does not take) in OpenAI's shape."""
+        if exc.status_code == 404:
+            error = ApiError(404, f"no such endpoint: {request.method} {shown(request.url.path)}", code="not_found")
+        elif exc.status_code == 405:
+            error = ApiError(
+                405, f"{request.method} is not allowed on {shown(request.url.path)}", code="method_not_allowed"
+            )
+        else:
+            error = ApiError(exc.status_code, shown(str(exc.detail)))
+        return error_response(error, dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # No log here: Starlette re-raises the exception after this answer, and uvicorn logs it with its
+        # traceback. The answer says nothing of it: its text may hold the request's data.
+        return error_response(internal_error())
 
     def check_key(request: Request) -> None:
         if not settings.api_keys:
@@ -286,9 +415,13 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
 
     async def body_of(request: Request) -> Any:
         try:
-            return json.loads(await request.body())
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON") from None
+            body = json.loads(await request.body())
+        except RecursionError:  # json's C decoder gives up past the interpreter's recursion limit
+            raise ApiError(400, "the request body is nested too deeply") from None
+        except ValueError as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {json_problem(exc)}") from None
+        check_unicode(body)
+        return body
 
     async def complete(request: Request, kind: Kind) -> Response:
         check_key(request)
@@ -297,17 +430,23 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
             kind,
             await body_of(request),
             default_max_tokens=settings.default_max_tokens if kind == "chat" else 16,
-            timeout_s=settings.request_timeout_s,
+            timeout_s=timeout_s,
         )
         try:
             queue = await gw.router.route(spec.model)
         except LookupError:
             raise ApiError(
-                404, f"the model {spec.model!r} does not exist (GET /v1/models)", param="model", code="model_not_found"
+                404,
+                f"the model {shown(spec.model)!r} does not exist (GET /v1/models)",
+                param="model",
+                code="model_not_found",
             ) from None
         if queue is None:
             raise ApiError(
-                503, f"no live worker serves the model {spec.model!r}", type="server_error", code="no_live_worker"
+                503,
+                f"no live worker serves the model {shown(spec.model)!r}",
+                type="server_error",
+                code="no_live_worker",
             )
         job = Job(gw, spec, queue, request)
         try:
@@ -315,6 +454,11 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
         except ApiError as exc:
             exc.job_id = spec.job_id
             raise
+        except redis.RedisError as exc:
+            error = redis_error(exc)
+            error.job_id = spec.job_id if job.entry_id else None
+            log.warning("job %s: Redis failed: %r", spec.job_id, exc)
+            raise error from None
 
     async def run_job(job: Job) -> Response:
         spec, kind = job.spec, job.spec.kind
@@ -325,21 +469,28 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
         except ClientGone:
             return Response(status_code=499)
         if not spec.stream:
+            steps = Steps()  # completions' text_offset (openai_api.completion_body)
             try:
                 event = first
-                while not isinstance(event, FinalEvent):  # token events only if a worker sent them anyway
+                while not isinstance(event, FinalEvent):  # token events: for logprobs, or a worker's anyway
+                    steps.add(event)
                     event = await anext(events)
                     if isinstance(event, ErrorEvent):
                         job.ended = True
-                        raise error_for_event(event, kind)
+                        raise error_for_event(event, kind, timeout_s)
             except ClientGone:
                 await job.cancel()
                 return Response(status_code=499)
             except (QueueTimeout, TimeoutError):
                 await job.cancel()
-                raise ApiError(504, "the request timed out", type="server_error", code="timeout") from None
+                raise timeout_error(timeout_s) from None
+            except redis.RedisError:
+                await job.cancel()
+                raise
             job.ended = True
-            return JSONResponse(completion_body(spec, event), headers={"x-request-id": spec.job_id})
+            if (error := final_error(event, timeout_s)) is not None:
+                raise error
+            return JSONBody(completion_body(spec, event, steps), headers={"x-request-id": spec.job_id})
         job.watch_client = False
 
         async def on_close() -> None:
@@ -358,17 +509,27 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await complete(request, "completion")
 
+    def model_object(mid: str, created: float) -> dict[str, Any]:
+        return {"id": mid, "object": "model", "created": int(created), "owned_by": "pagedq"}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         check_key(request)
         found = await state["gw"].router.models()
-        return {
-            "object": "list",
-            "data": [
-                {"id": mid, "object": "model", "created": int(created), "owned_by": "pagedq"}
-                for mid, created in sorted(found.items())
-            ],
-        }
+        return {"object": "list", "data": [model_object(mid, created) for mid, created in sorted(found.items())]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> dict[str, Any]:
+        check_key(request)
+        found = await state["gw"].router.models()
+        if model not in found:
+            raise ApiError(
+                404,
+                f"the model {shown(model)!r} does not exist (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+        return model_object(model, found[model])
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
@@ -386,7 +547,9 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
         return HTMLResponse(html)
 
     @app.get("/dashboard/data")
-    async def dashboard_data() -> dict[str, Any]:
+    async def dashboard_data(request: Request) -> dict[str, Any]:
+        # Behind the key: job ids and failure reasons are the clients' business (the page itself is not).
+        check_key(request)
         return await asyncio.to_thread(state["gw"].dashboard.snapshot)
 
     @app.post("/dashboard/replay/{queue}/{entry_id}")

@@ -5,12 +5,18 @@ pagedq does not support must be refused by name (400, ``param`` = the field), ne
 client asking for tools or logit biases would get an answer that ignored what it asked for. Fields OpenAI's
 SDKs may send with a neutral value (``logit_bias: {}``, ``store: false``...) pass when neutral.
 
-Every response's ``id`` is the job id, so a request can be looked up in Redis (``<ns>:result:<id>``) and in
-the workers' ``job.finished`` lines.
+Every response's ``id`` is the job id, so a request can be looked up in Redis (``<ns>:{<id>}:result``) and
+in the workers' ``job.finished`` lines.
+
+Responses speak OpenAI's vocabulary only: a job's own endings that OpenAI has no ``finish_reason`` for
+(``deadline``, ``cancelled``) become the errors the gateway gives for the same situations
+(:func:`final_error`), so a request near its timeout gets the same 504 whichever deadline, the worker's or
+the gateway's, passes first.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 import uuid
@@ -27,7 +33,8 @@ from ops.openai_request import (
     completion_prompt,
     passthrough_fields,
 )
-from schemas.jobs import Choice, ErrorEvent, FinalEvent, JobRequest, Logprob, Usage
+from schemas.jobs import Choice, ErrorEvent, FinalEvent, JobRequest, Logprob, TokenEvent, Usage
+from schemas.sampling import SamplingParams
 
 Kind = Literal["chat", "completion"]
 T = TypeVar("T")
@@ -92,6 +99,82 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return ApiError(400, message, param=param, code=code)
 
 
+def timeout_error(timeout_s: float) -> ApiError:
+    """The answer to a request that did not finish in time: the gateway's own deadline or the job's (the
+    worker's ``deadline`` ending, or ``deadline_exceeded`` before it started), whichever passed first."""
+    return ApiError(
+        504,
+        f"the request did not finish within {timeout_s:g} s (request_timeout_s)",
+        type="server_error",
+        code="timeout",
+    )
+
+
+# ------------------------------------------------------------------------------------------ the body
+
+MAX_STOP = 16  # as OpenAI (and schemas.jobs.JobRequest)
+_INT_DIGITS = re.compile(r"value has (\d+) digits")
+
+
+def json_problem(exc: ValueError) -> str:
+    """Why ``json.loads`` refused a body, in words that never quote it. Python's guard against integers of
+    over 4300 digits raises a ValueError that names an interpreter setting: say what is wrong instead."""
+    if match := _INT_DIGITS.search(str(exc)):
+        return f"an integer of {match.group(1)} digits is out of range for every field"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"it is not UTF-8 (byte {exc.start})"
+    msg, line, col = getattr(exc, "msg", None), getattr(exc, "lineno", None), getattr(exc, "colno", None)
+    return f"{msg} (line {line}, column {col})" if msg else "it is not JSON"
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """``text`` fit to quote in a message: cut to ``limit`` characters, and lone surrogates (which no UTF-8
+    response can carry) written as their ``\\udXXX`` escapes."""
+    cut = text if len(text) <= limit else text[:limit] + "..."
+    return cut.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _is_text(value: str) -> bool:
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: "\\ud800" is valid JSON, but no Unicode text
+        return False
+    return True
+
+
+def _not_text(where: str, what: str = "a lone UTF-16 surrogate is not text (send text as valid UTF-8)") -> ApiError:
+    return bad_request(f"{shown(where)}: {what}", shown(where))
+
+
+def _child(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def check_unicode(body: Any) -> None:
+    """Refuse a body with a lone UTF-16 surrogate in any string, member names included (400, ``param`` the
+    path to it). JSON's ``\\ud800`` escape decodes to one; it is not text: the job's JSON could not be
+    written, nor a response quoting it. Iterative (the body may be as deep as ``json`` reads), and paths are
+    made for containers only: a prompt of 100k token ids costs one pass over them, no strings."""
+    if isinstance(body, str) and not _is_text(body):
+        raise _not_text("body")
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            if isinstance(key, str) and not _is_text(key):
+                raise _not_text(_child(path, key), "a member name with a lone UTF-16 surrogate")
+            if isinstance(item, str):
+                if not _is_text(item):
+                    raise _not_text(_child(path, key))
+            elif isinstance(item, dict | list):
+                stack.append((item, _child(path, key)))
+
+
 @dataclass
 class Request:
     """An OpenAI request turned into a job's fields, with what the response needs to know."""
@@ -108,6 +191,11 @@ class Request:
     def job_id(self) -> str:
         return str(self.fields["id"])
 
+    @property
+    def logprobs(self) -> bool:
+        """Logprobs asked, in either API's way."""
+        return self.fields.get("logprobs") is not None
+
 
 def _check_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
     for name, value in body.items():
@@ -116,7 +204,7 @@ def _check_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
         if name in NEUTRAL and value in NEUTRAL[name]:
             continue
         raise bad_request(
-            f"pagedq does not support the field {name!r} (or this value of it)", name, "unsupported_field"
+            f"pagedq does not support the field {shown(name)!r} (or this value of it)", shown(name), "unsupported_field"
         )
 
 
@@ -128,21 +216,55 @@ def _field(parse: Callable[[Any, str], T], raw: Any, where: str) -> T:
         raise bad_request(exc.message, exc.param) from None
 
 
+def _stop(raw: Any) -> list[str] | None:
+    """``stop``: a string or a list of up to 16 strings. Empty strings are dropped (OpenAI ignores them; one
+    would match at once and end every answer before its first token), a lone one as in a list."""
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list):
+        raise bad_request(f"stop: must be a string or a list of at most {MAX_STOP} strings", "stop")
+    for i, item in enumerate(raw):
+        if not isinstance(item, str):
+            raise bad_request(f"stop[{i}]: must be a string, got {_json_type(item)}", "stop")
+    if len(raw) > MAX_STOP:
+        raise bad_request(f"stop: at most {MAX_STOP} strings, got {len(raw)}", "stop")
+    return [s for s in raw if s] or None
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
+
+
 def parse_request(
     kind: Kind, body: Any, *, default_max_tokens: int, timeout_s: float, random_seed: int | None = None
 ) -> Request:
     """Check an OpenAI request body and build its job's fields; :class:`ApiError` (400) names what is wrong."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    # JSON null means "not given", as in OpenAI's API, for every field: the SDK sends an explicit None as
+    # null (max_completion_tokens=None must leave max_tokens in charge), and an unknown field set to null
+    # asks for nothing that could be dropped.
+    body = {name: value for name, value in body.items() if value is not None}
     _check_fields(body, CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model: a model name is required (GET /v1/models lists them)", "model")
     fields: dict[str, Any] = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"}
     chat_logprobs = False
+    names = {"max_tokens": "max_tokens"}  # job field -> the request's name for it, in messages and param
     if kind == "chat":
         fields["messages"] = _field(chat_messages, body.get("messages"), "messages")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if "max_completion_tokens" in body:  # OpenAI's newer name wins over the deprecated max_tokens
+            names["max_tokens"] = "max_completion_tokens"
+        max_tokens = body.get(names["max_tokens"])
         logprobs, top = body.get("logprobs"), body.get("top_logprobs")
         if logprobs not in (None, True, False):
             raise bad_request("logprobs: must be a boolean", "logprobs")
@@ -151,6 +273,7 @@ def parse_request(
         if logprobs:
             chat_logprobs = True
             fields["logprobs"] = 0 if top is None else top
+            names["logprobs"] = "top_logprobs"
     else:
         if "prompt" not in body:
             raise bad_request("prompt: required", "prompt")
@@ -160,10 +283,10 @@ def parse_request(
             fields["logprobs"] = body["logprobs"]
     fields["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
     fields.update(passthrough_fields(body))
-    if isinstance(fields.get("stop"), list):
-        fields["stop"] = [s for s in fields["stop"] if s != ""] or None  # OpenAI ignores empty stop strings
-        if fields["stop"] is None:
-            del fields["stop"]
+    if "stop" in fields:
+        stop = _stop(fields.pop("stop"))
+        if stop is not None:
+            fields["stop"] = stop
     if "seed" not in fields:
         fields["seed"] = secrets.randbelow(RANDOM_SEED_BOUND) if random_seed is None else random_seed
     user = body.get("user")
@@ -174,37 +297,77 @@ def parse_request(
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("stream: must be a boolean", "stream")
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise bad_request("stream_options: only allowed with stream set to true", "stream_options")
-        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-            raise bad_request("stream_options: pagedq supports include_usage only", "stream_options")
-        include_usage = bool(options.get("include_usage"))
-    fields["stream"] = stream  # a non-streaming request reads only the final event: no token events sent
+    include_usage = _stream_options(body.get("stream_options"), stream)
+    # A non-streaming request reads only the final event: no token events sent, except with completions'
+    # logprobs, whose text_offset needs the text of the steps that produced the tokens (completion_body).
+    fields["stream"] = stream or (kind == "completion" and "logprobs" in fields)
     fields["timeout_s"] = timeout_s
+    low, high = fields.get("min_tokens"), fields["max_tokens"]
+    if type(low) is int and type(high) is int and low > high:  # the engine's rule, in the request's names
+        raise bad_request(f"min_tokens: must be at most {names['max_tokens']} ({high}), got {low}", "min_tokens")
+    constraints = [f for f in ("response_format", "guided_regex", "guided_choice") if f in fields]
+    if fields.get("response_format") == {"type": "text"}:
+        constraints.remove("response_format")
+    if len(constraints) > 1:
+        raise bad_request(f"{constraints[1]}: at most one of {', '.join(constraints)} may be set", constraints[1])
     try:
-        JobRequest.model_validate({**fields, "submitted_at": time.time()})
+        job = JobRequest.model_validate({**fields, "submitted_at": time.time()})
+        # The engine's own rules (min_tokens <= max_tokens...), checked by the worker when it reads the job:
+        # checked here too, so that a 400 names the field instead of coming back from the worker without one.
+        SamplingParams.model_validate(job.sampling_kwargs())
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = [str(p) for p in err.get("loc", ())]
-        param = _openai_name(kind, loc[0]) if loc else None
-        message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        raise bad_request(f"{'.'.join([param or 'request', *loc[1:]])}: {message}", param) from None
+        raise _validation_error(exc, names) from None
     return Request(kind, model, fields, stream, include_usage, chat_logprobs)
 
 
-def _openai_name(kind: Kind, job_field: str) -> str:
-    if job_field == "logprobs" and kind == "chat":
-        return "top_logprobs"
-    return job_field
+def _stream_options(options: Any, stream: bool) -> bool:
+    """``stream_options``: whether usage is sent in a last chunk. ``continuous_usage_stats`` (vLLM: usage in
+    every chunk) is refused by name: a worker reports the prompt's token count only when the job ends."""
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request("stream_options: only allowed with stream set to true", "stream_options")
+    if not isinstance(options, dict):
+        raise bad_request("stream_options: must be an object", "stream_options")
+    unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+    if unknown:
+        raise bad_request(
+            f"stream_options: pagedq supports include_usage only, not {shown(sorted(unknown)[0])!r}", "stream_options"
+        )
+    for name, value in options.items():
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(f"stream_options.{name}: must be a boolean", "stream_options")
+    if options.get("continuous_usage_stats"):
+        raise bad_request(
+            "stream_options.continuous_usage_stats: pagedq does not support usage in every chunk (a worker knows "
+            "the prompt's token count only when the job ends); include_usage sends it in a last chunk",
+            "stream_options",
+            "unsupported_field",
+        )
+    return bool(options.get("include_usage"))
+
+
+# Job or SamplingParams field -> the request field it comes from, where the names differ.
+_REQUEST_NAMES = {"json_schema": "response_format", "regex": "guided_regex", "choice": "guided_choice"}
+
+
+def _validation_error(exc: ValidationError, names: dict[str, str]) -> ApiError:
+    """A 400 for the first field pydantic refused, named as the request names it (``messages[0].content``)."""
+    err = exc.errors()[0]
+    loc = list(err.get("loc", ()))
+    message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    if not loc:
+        return bad_request(message)
+    head = str(loc[0])
+    param = names.get(head) or _REQUEST_NAMES.get(head, head)
+    path = param + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+    return bad_request(f"{path}: {message}", param)
 
 
 # ------------------------------------------------------------------------------------------ errors
 
 
-def error_for_event(event: ErrorEvent, kind: Kind) -> ApiError:
+def error_for_event(event: ErrorEvent, kind: Kind, timeout_s: float) -> ApiError:
     """The HTTP error for a job that ended with an ``error`` event."""
     if event.code == "prompt_too_long":
         return ApiError(
@@ -212,9 +375,24 @@ def error_for_event(event: ErrorEvent, kind: Kind) -> ApiError:
         )
     if event.code == "invalid_request":
         return ApiError(400, event.message, code="invalid_value")
-    if event.code in ("deadline_exceeded", "cancelled"):
-        return ApiError(503, f"the job did not run: {event.message}", type="server_error", code=event.code)
+    if event.code == "deadline_exceeded":  # its deadline (request_timeout_s) passed before it started
+        return timeout_error(timeout_s)
+    if event.code == "cancelled":
+        return ApiError(503, f"the job was cancelled: {event.message}", type="server_error", code="cancelled")
     return ApiError(500, f"the job failed ({event.code}): {event.message}", type="server_error", code=event.code)
+
+
+def final_error(final: FinalEvent, timeout_s: float) -> ApiError | None:
+    """The error a final event means, if any: OpenAI has no ``finish_reason`` for a job that reached its
+    deadline or was cancelled, so a choice ended that way makes the request an error (its text is partial),
+    the one the gateway gives for the same situation itself: 504 past the deadline, 503 when cancelled (by
+    ``pagedq cancel``: a gateway cancels only jobs whose client has gone)."""
+    reasons = {c.finish_reason for c in final.choices}
+    if "deadline" in reasons:
+        return timeout_error(timeout_s)
+    if "cancelled" in reasons:
+        return ApiError(503, "the job was cancelled while it ran", type="server_error", code="cancelled")
+    return None
 
 
 # ------------------------------------------------------------------------------------------ responses
@@ -235,7 +413,49 @@ def _token(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-def logprobs_body(kind: Kind, logprobs: list[Logprob] | None, text_offset: int = 0) -> dict[str, Any] | None:
+@dataclass
+class Steps:
+    """The token events of a job, by attempt: what each engine step added to a choice (its text and how many
+    tokens), the only place the gateway learns which part of the text came with which tokens. Logprobs come
+    in the final event only, so these split them up again: per streamed chunk, and into ``text_offset``."""
+
+    by_attempt: dict[int, list[tuple[int, str, int]]] = field(default_factory=dict)  # (index, text, tokens)
+
+    def add(self, event: TokenEvent) -> None:
+        self.by_attempt.setdefault(event.attempt, []).append((event.index, event.text, len(event.token_ids)))
+
+    def split(self, final: FinalEvent) -> list[tuple[int, str, list[Logprob] | None, int]]:
+        """The final's choices cut at the steps of its attempt, in the order they came: (index, text, its
+        tokens' logprobs, offset of the text in the choice's). A choice's text and tokens after its last
+        step (held back for a stop string, or sent with the final only) make its last piece, even if
+        empty; the steps of a choice that do not add up to its final (a reply stream trimmed under a slow
+        reader) are not used past the first that does not fit."""
+        choices = {c.index: c for c in final.choices}
+        at = dict.fromkeys(choices, 0)  # characters of each choice covered so far
+        used = dict.fromkeys(choices, 0)  # tokens
+        broken: set[int] = set()
+        out: list[tuple[int, str, list[Logprob] | None, int]] = []
+        for index, text, count in self.by_attempt.get(final.attempt, []):
+            choice = choices.get(index)
+            if choice is None or index in broken:
+                continue
+            if not choice.text.startswith(text, at[index]) or used[index] + count > len(choice.token_ids):
+                broken.add(index)
+                continue
+            lps = None if choice.logprobs is None else choice.logprobs[used[index] : used[index] + count]
+            out.append((index, text, lps, at[index]))
+            at[index] += len(text)
+            used[index] += count
+        for index, choice in sorted(choices.items()):
+            lps = None if choice.logprobs is None else choice.logprobs[used[index] :]
+            out.append((index, choice.text[at[index] :], lps, at[index]))
+        return out
+
+
+def logprobs_body(kind: Kind, logprobs: list[Logprob] | None, text_offset: list[int] | None = None) -> Any:
+    """``logprobs`` of a choice or chunk. ``text_offset`` (completions): where each token's text starts in
+    the choice's text; without a tokenizer that is where the text of the engine step that produced it
+    starts (tokens of one step, accepted drafts, share it)."""
     if logprobs is None:
         return None
     if kind == "chat":
@@ -256,12 +476,21 @@ def logprobs_body(kind: Kind, logprobs: list[Logprob] | None, text_offset: int =
         "tokens": [_token(lp.token_id) for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
         "top_logprobs": [{_token(t.token_id): t.logprob for t in lp.top} for lp in logprobs],
-        "text_offset": [],
+        "text_offset": text_offset if text_offset is not None else [0] * len(logprobs),
     }
 
 
-def completion_body(req: Request, final: FinalEvent) -> dict[str, Any]:
-    """The non-streaming response."""
+def _offsets(steps: Steps, final: FinalEvent) -> dict[int, list[int]]:
+    """Per choice, the ``text_offset`` of each of its tokens (see :func:`logprobs_body`)."""
+    out: dict[int, list[int]] = {c.index: [] for c in final.choices}
+    for index, _text, lps, at in steps.split(final):
+        out[index] += [at] * len(lps or ())
+    return out
+
+
+def completion_body(req: Request, final: FinalEvent, steps: Steps | None = None) -> dict[str, Any]:
+    """The non-streaming response; ``steps``, the job's token events, place completions' ``text_offset``."""
+    offsets = _offsets(steps or Steps(), final) if req.kind == "completion" and req.logprobs else {}
     choices: list[dict[str, Any]] = []
     for c in sorted(final.choices, key=lambda c: c.index):
         if req.kind == "chat":
@@ -278,7 +507,7 @@ def completion_body(req: Request, final: FinalEvent) -> dict[str, Any]:
                 {
                     "index": c.index,
                     "text": c.text,
-                    "logprobs": logprobs_body("completion", c.logprobs),
+                    "logprobs": logprobs_body("completion", c.logprobs, offsets.get(c.index)),
                     "finish_reason": c.finish_reason,
                 }
             )
@@ -308,18 +537,38 @@ def chunk(req: Request, choices: list[dict[str, Any]], usage_body: dict[str, Any
     return body
 
 
-def delta_choice(req: Request, index: int, text: str, *, first: bool) -> dict[str, Any]:
+def delta_choice(req: Request, index: int, text: str, *, first: bool, logprobs: Any = None) -> dict[str, Any]:
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
 
-def finish_choice(req: Request, choice: Choice, text: str, *, first: bool) -> dict[str, Any]:
-    """A choice's last chunk: its remaining text, its logprobs (known only at the end) and finish reason."""
-    out = delta_choice(req, choice.index, text, first=first)
-    if req.kind == "chat" and not text and not first:
+def finish_choice(req: Request, choice: Choice, text: str, *, first: bool, logprobs: Any = None) -> dict[str, Any]:
+    """A choice's last chunk: its remaining text, the logprobs of the tokens that came with it, its finish."""
+    out = delta_choice(req, choice.index, text, first=first, logprobs=logprobs)
+    if req.kind == "chat" and not text and not first and logprobs is None:
         out["delta"] = {}
-    out["logprobs"] = logprobs_body(req.kind, choice.logprobs)
     out["finish_reason"] = choice.finish_reason
+    return out
+
+
+def logprob_chunks(req: Request, final: FinalEvent, steps: Steps) -> list[dict[str, Any]]:
+    """A streamed request's chunks when it asked for logprobs, built once its final event has come: one per
+    engine step, each with the logprobs of the tokens its text came with (as OpenAI and vLLM stream them),
+    then each choice's finish. Workers send logprobs in the final event only, so such a stream holds its
+    chunks back until the job ends."""
+    choices = {c.index: c for c in final.choices}
+    pieces = steps.split(final)
+    last = {index: i for i, (index, *_rest) in enumerate(pieces)}  # each choice's last piece carries its finish
+    started: set[int] = set()
+    out = []
+    for i, (index, text, lps, at) in enumerate(pieces):
+        body = logprobs_body(req.kind, lps, [at] * len(lps or ())) if lps else None
+        first = index not in started
+        started.add(index)
+        if i == last[index]:
+            out.append(chunk(req, [finish_choice(req, choices[index], text, first=first, logprobs=body)]))
+        elif text or lps:
+            out.append(chunk(req, [delta_choice(req, index, text, first=first, logprobs=body)]))
     return out

@@ -50,6 +50,15 @@ class GatewaySettings(BaseSettings):
         600.0, gt=0, description="longest a request may take in all; the job's deadline (timeout_s) too"
     )
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that sets none")
+    # Every request in flight holds a Redis connection while it waits on its reply stream (a blocking XREAD of
+    # up to 250 ms at a time), so the pool bounds how many requests a gateway follows at once without waiting.
+    # Beyond it requests queue for a connection instead of failing; one that waits past the timeout is 503.
+    redis_max_connections: int = Field(
+        100, ge=1, le=100_000, description="Redis connections of the gateway's pool (per node on a cluster)"
+    )
+    redis_pool_timeout_s: float = Field(
+        10.0, gt=0, le=3_600, description="longest a request waits for a free Redis connection before a 503"
+    )
     dashboard_refresh_s: float = Field(2.0, gt=0, description="how often the dashboard page refreshes itself")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

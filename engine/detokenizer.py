@@ -12,6 +12,10 @@ Two separate hold-backs make streamed text safe:
 2. Text level. A stop string may span several tokens, so the last ``max(len(stop)) - 1`` characters
    are held back: a prefix of a stop string is never streamed and then found to be part of one. Any
    stop-string occurrence starts inside this held-back tail, so only the tail is searched.
+
+``min_tokens`` (vLLM's v1 detokenizer): a stop string counts only once the output has more than
+``min_tokens`` tokens, and only where it ends in text that came after the ``min_tokens``-th token, so a
+stop string inside the first ``min_tokens`` tokens' text never ends the output.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ class IncrementalDetokenizer:
     Invariants: the concatenation of everything returned by ``add_tokens`` and ``flush`` equals
     ``text``; without a stop string hit, the final ``text`` equals ``tokenizer.decode(output_ids)``
     (for tokenizers whose decoding is context-free, such as byte-level BPE); with a hit, ``text`` ends
-    right before the earliest stop string and ``stopped`` is True. Tokenization-space clean-up is never
-    applied, because it is not incremental (it would rewrite text that was already streamed).
+    right before the earliest stop string (right after it with ``include_stop_str``) and ``stopped`` is
+    True. Tokenization-space clean-up is never applied, because it is not incremental (it would rewrite
+    text that was already streamed).
     """
 
     def __init__(
@@ -39,11 +44,22 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: list[str],
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
+        include_stop_str: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._stop = list(stop)
+        # Kept with include_stop_str too (vLLM streams it at once there): the search below reads only
+        # the held-back tail and the new text, and a stop string spanning tokens starts in that tail.
         self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._min_tokens = min_tokens
+        self._include_stop = include_stop_str
+        self._num_tokens = 0  # output tokens taken so far
+        self._released = 0  # len(text)
+        # Offset in the output text (released + pending) a stop string must end past to count: the
+        # text of the first min_tokens tokens is exempt.
+        self._check_from = 0
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         # A prompt ending mid-character would merge with the first output bytes; decode standalone then.
         if context and self._decode(context).endswith(_REPLACEMENT):
@@ -67,8 +83,23 @@ class IncrementalDetokenizer:
         """Take newly generated tokens; return the text that can be released now (maybe "")."""
         if self.stopped or not new_token_ids:
             return ""
+        # The tokens up to min_tokens and those after it are taken apart: only the latter's text is
+        # searched for stop strings (a chunk spanning the boundary comes from speculative decoding).
+        exempt = max(0, min(self._min_tokens - self._num_tokens, len(new_token_ids)))
+        out = ""
+        if exempt:
+            out = self._take(new_token_ids[:exempt])
+        if exempt < len(new_token_ids):
+            out += self._take(new_token_ids[exempt:])
+        return out
+
+    def _take(self, new_token_ids: list[int]) -> str:
         self._ids.extend(new_token_ids)
-        return self._release(self._decode_new(final=False), final=False)
+        self._num_tokens += len(new_token_ids)
+        out = self._release(self._decode_new(final=False), final=False)
+        if self._num_tokens <= self._min_tokens:
+            self._check_from = self._released + len(self._pending)
+        return out
 
     def flush(self) -> str:
         """Release everything still held back (the sequence ended for a reason other than a stop string).
@@ -100,7 +131,7 @@ class IncrementalDetokenizer:
     def _release(self, new_text: str, final: bool) -> str:
         """Append ``new_text`` to the held-back tail, cut at a stop string, release what is safe."""
         pending = self._pending + new_text
-        cut = min((i for i in (pending.find(s) for s in self._stop) if i >= 0), default=-1)
+        cut = self._find_stop(pending) if self._num_tokens > self._min_tokens else -1
         if cut >= 0:
             self.stopped = True
             out, self._pending = pending[:cut], ""
@@ -110,4 +141,18 @@ class IncrementalDetokenizer:
         if out:
             self._parts.append(out)
             self._text_cache = None
+            self._released += len(out)
         return out
+
+    def _find_stop(self, pending: str) -> int:
+        """Where the text ends at the earliest stop string in ``pending`` that ends past ``_check_from``
+        (its start, or its end with include_stop_str); -1 when there is none."""
+        exempt = self._check_from - self._released  # how much of pending belongs to the first min_tokens
+        best: tuple[int, int] | None = None
+        for stop in self._stop:
+            at = pending.find(stop, max(0, exempt - len(stop) + 1))
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, at + len(stop))
+        if best is None:
+            return -1
+        return best[1] if self._include_stop else best[0]

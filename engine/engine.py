@@ -15,7 +15,10 @@ on its rows) fails alone: ``step()`` ends it, frees its blocks and reports it in
 from __future__ import annotations
 
 import json
+import numbers
 import time
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -157,21 +160,28 @@ class Engine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             ids: list[int] = self.tokenizer(prompt)["input_ids"]
-        else:
-            ids = [int(t) for t in prompt]
+        elif isinstance(prompt, (list, tuple)):
+            ids = _token_ids(prompt)
             vocab = self.model_config.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        else:
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty")
         return ids
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Apply the model's chat template (already tokenised, so no second BOS is added)."""
+    def chat_prompt_ids(self, messages: Seq[Mapping[str, Any]]) -> list[int]:
+        """Apply the model's chat template (already tokenised, so no second BOS is added). A message's
+        content may be OpenAI's list of content parts: its text parts are joined (see ``chat_text``)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        flat = [
+            {**message, "content": chat_text(message.get("content"), f"messages[{i}].content")}
+            for i, message in enumerate(messages)
+        ]
+        text = self.tokenizer.apply_chat_template(flat, add_generation_prompt=True, tokenize=False)
         ids: list[int] = self.tokenizer(str(text), add_special_tokens=False)["input_ids"]
         return ids
 
@@ -185,16 +195,17 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         params = params or SamplingParams()
+        self.scheduler.check_n(params.n)  # before any work: n > max_num_seqs could never be scheduled
         ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(len(ids), self.max_model_len)
         grammar = self.grammars.compile(params) if params.structured else None  # ValueError: refused
         seq = self._new_sequence(request_id, 0, ids, len(ids), params, priority, grammar)
         seq.pending_fork = params.n > 1
+        self.scheduler.add(seq)  # raises before the request is recorded, so a refusal leaves nothing behind
         self.requests[request_id] = Request(
             request_id, prompt if isinstance(prompt, str) else None, ids, params, [seq], grammar=grammar
         )
-        self.scheduler.add(seq)
 
     @property
     def grammars(self) -> GrammarCache:
@@ -224,7 +235,12 @@ class Engine:
             params=params,
             priority=priority,
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, token_ids[:num_prompt], params.stop or [], params.skip_special_tokens
+                self.tokenizer,
+                token_ids[:num_prompt],
+                params.stop or [],
+                params.skip_special_tokens,
+                min_tokens=params.min_tokens,
+                include_stop_str=params.include_stop_str_in_output,
             ),
             generator=make_generator(params.seed, index),
             logprobs=[] if params.logprobs is not None else None,
@@ -327,7 +343,13 @@ class Engine:
             assert isinstance(logits, torch.Tensor)
             logits = logits[torch.tensor(logit_rows, device=logits.device)]
         rows = [
-            SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids + s.spec_token_ids[:j])
+            SamplingRow(
+                s.params,
+                s.generator,
+                s.prompt_token_ids,
+                s.output_token_ids + s.spec_token_ids[:j],
+                constrained=s.matcher is not None,
+            )
             for s, count in samplers
             for j in range(count)
         ]
@@ -514,20 +536,21 @@ class Engine:
         seq.new_token_ids.append(token)
         if seq.logprobs is not None and lp is not None:
             seq.logprobs.append(lp)
-        started = time.perf_counter()
-        seq.new_text += seq.detokenizer.add_tokens([token])
-        self.step_stats.phase_s["detokenize"] += time.perf_counter() - started
         params = seq.params
         n_out = seq.num_output_tokens
+        # A token that ends the output (EOS, a stop token, or the EOS that completes a grammar) stays in
+        # token_ids, but its text is left out of the text, as vLLM does unless include_stop_str_in_output:
+        # it is never detokenized, so no streamed delta can carry it.
+        stop_token = (seq.matcher is not None and seq.matcher.is_terminated()) or (
+            n_out >= params.min_tokens
+            and ((not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids)
+        )
+        if not stop_token or params.include_stop_str_in_output:
+            started = time.perf_counter()
+            seq.new_text += seq.detokenizer.add_tokens([token])
+            self.step_stats.phase_s["detokenize"] += time.perf_counter() - started
         reason = None
-        if (
-            seq.detokenizer.stopped
-            or (seq.matcher is not None and seq.matcher.is_terminated())
-            or (
-                n_out >= params.min_tokens
-                and ((not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids)
-            )
-        ):
+        if stop_token or seq.detokenizer.stopped:
             reason = "stop"
         elif n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
@@ -604,6 +627,33 @@ class Engine:
             kv_cache_bytes=sum(self.rank_kv_bytes),
             quantization=self.runner.quantization,
         )
+
+
+def _token_ids(prompt: list[int] | tuple[int, ...]) -> list[int]:
+    """Prompt token ids as ints, refusing anything that is not an integer: ``int(1.5)`` would quietly run
+    token 1, and ``True`` is an int to Python but no token id anyone meant."""
+    for i, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"prompt token ids must be integers; position {i} is {t!r} ({type(t).__name__})")
+    return [int(t) for t in prompt]
+
+
+def chat_text(content: object, where: str) -> str:
+    """A chat message's content as the chat template's string: a string as it is, or OpenAI's list of
+    content parts with the text of its text parts joined by newlines (what vLLM does for a text-only
+    model); other parts (images, audio) are refused, not dropped. The gateway flattens its requests the
+    same way (ops/openai_request.py, above the engine, so this is the engine's own copy)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"{where}: only text content parts are supported, got {kind!r}")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(f"{where}: must be a string or a list of text parts, got {type(content).__name__}")
 
 
 def _failure_reason(exc: Exception) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
-from typing import cast
+from typing import Any, cast
 
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -17,7 +17,8 @@ from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from schemas.sampling import SamplingParams
 
 Prompt = str | list[int]
-Messages = list[dict[str, str]]
+# A message's content: a string, or OpenAI's list of content parts (text parts only; Engine.chat_prompt_ids).
+Messages = list[dict[str, Any]]
 
 
 class LLM:
@@ -62,7 +63,9 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate replies to chat conversations through the model's chat template."""
+        """Generate replies to chat conversations through the model's chat template. A message's
+        ``content`` is a string or a list of OpenAI content parts, whose text parts are joined by
+        newlines (as vLLM does for text-only models); other parts are refused with a ValueError."""
         if conversations and isinstance(conversations[0], dict):
             convs = [cast(Messages, conversations)]
         else:
@@ -138,6 +141,8 @@ def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     items = list(prompts)
-    if items and isinstance(items[0], int):
+    # A flat list of anything but prompts is one prompt of token ids: Engine.tokenize then refuses the
+    # ones that are not integers by name, rather than each failing as "a prompt".
+    if items and not isinstance(items[0], (str, list, tuple)):
         return [cast(list[int], items)]
     return cast(list[Prompt], items)

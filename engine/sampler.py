@@ -44,6 +44,18 @@ NO_CANDIDATE = "no token left to choose: every logit is -inf after penalties and
 NONFINITE_PROBS = "sampling produced non-finite probabilities (check repetition_penalty / temperature)"
 
 
+def min_tokens_blocked(params: SamplingParams, num_output_tokens: int, constrained: bool) -> str:
+    """The reason of a row whose only possible tokens end the output (EOS or a stop token), which
+    ``min_tokens`` forbids yet: with a grammar, the grammar must end here (a ``choice`` already
+    complete); without one, the model gave every other token -inf."""
+    m = params.min_tokens
+    plural = "" if m == 1 else "s"
+    why = f"min_tokens={m} forbids ending the output short of {m} token{plural} (it has {num_output_tokens})"
+    if constrained:
+        return f"structured output: the grammar allows only ending here (EOS or a stop token), but {why}"
+    return f"no token left to choose: only EOS or stop tokens are possible, but {why}"
+
+
 @dataclass
 class SamplingRow:
     """One logits row's sampling context: its parameters, RNG and the tokens penalties look at."""
@@ -52,6 +64,8 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # Whether a structured-output bitmask was applied to this row (only failure messages read it).
+    constrained: bool = False
 
 
 @dataclass
@@ -246,6 +260,8 @@ class Sampler:
             x[rows_t, toks_t] = float("-inf")
 
         token_ids, failed = self._choose(x, rows)
+        if failed and ban_rows:
+            self._name_min_tokens_failures(logits, rows, ban_rows, ban_toks, failed)
         logprobs = self._logprobs(logits, rows, token_ids, failed)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, failed=failed)
 
@@ -279,6 +295,31 @@ class Sampler:
                 ban_rows.extend([i] * len(banned))
                 ban_toks.extend(banned)
         return ban_rows, ban_toks
+
+    @staticmethod
+    def _name_min_tokens_failures(
+        raw: torch.Tensor, rows: list[SamplingRow], ban_rows: list[int], ban_toks: list[int], failed: dict[int, str]
+    ) -> None:
+        """Give a failed row whose ``min_tokens`` bans removed its last candidates the reason that says so
+        (NO_CANDIDATE and NONFINITE_PROBS name penalties or nothing). That is the case when its logits as
+        given (a grammar's bitmask applied, nothing else) are free of NaN and every token above -inf is
+        banned: a ``choice`` that is already complete, with ``min_tokens`` still ahead. Runs only for
+        failed rows with bans, so the usual step pays nothing."""
+        banned: dict[int, list[int]] = {}
+        for i, t in zip(ban_rows, ban_toks, strict=True):
+            if i in failed:
+                banned.setdefault(i, []).append(t)
+        for i, toks in banned.items():
+            row = raw[i].float()
+            if bool(torch.isnan(row).any()):
+                continue  # NaN logits are their own reason
+            possible = row > NEG_INF
+            if not bool(possible.any()):
+                continue  # nothing was possible even before the bans
+            possible[torch.tensor(toks, dtype=torch.long, device=row.device)] = False
+            if not bool(possible.any()):
+                r = rows[i]
+                failed[i] = min_tokens_blocked(r.params, len(r.output_token_ids), r.constrained)
 
     def _choose(self, x: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], dict[int, str]]:
         """Greedy rows take the argmax; the others go through the filters and a multinomial draw.

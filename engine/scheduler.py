@@ -42,7 +42,20 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key
         self.num_preemptions = 0
 
+    def check_n(self, n: int) -> None:
+        """Refuse a request whose ``n`` samples could never run: they are admitted together (the prompt is
+        computed once, then forked), and ``schedule`` waits until ``len(running) + n`` fits ``max_num_seqs``,
+        which for n > max_num_seqs is never, so the request would stall every request queued behind it."""
+        if n > self.max_num_seqs:
+            raise ValueError(
+                f"n={n} is larger than max_num_seqs={self.max_num_seqs}: a request's samples run together, "
+                "so it could never be scheduled; lower n or raise max_num_seqs"
+            )
+
     def add(self, seq: Sequence) -> None:
+        # Every way into the waiting queue passes here (new requests, preempted and unforked samples), so
+        # this is the one guard against a sequence schedule() could never admit.
+        self.check_n(seq.params.n if seq.pending_fork else 1)
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 

@@ -51,7 +51,11 @@ class SamplingParams(BaseModel):
     n: int = Field(default=1, ge=1, description="Independent samples per prompt.")
     max_tokens: int = Field(default=16, ge=1, description="Most tokens generated per sample.")
     # Declared after max_tokens so its validator can compare against it.
-    min_tokens: int = Field(default=0, ge=0, description="EOS/stop tokens are masked until this many.")
+    min_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="EOS and stop tokens are masked, and stop strings not checked, until this many tokens.",
+    )
     temperature: float = Field(default=1.0, ge=0.0, description="0 means greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1, description="-1 or 0 disables top-k.")
@@ -63,6 +67,10 @@ class SamplingParams(BaseModel):
     # Accepts a single string or None on input; always a list afterwards (see _normalize_stop).
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    # vLLM's: keep the stop string, or the text of the stop token (EOS or one of stop_token_ids) that ended
+    # the output, in its text. Off by default: the text ends where the stop begins (the token stays in
+    # the output's token ids either way).
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool = True

@@ -215,3 +215,89 @@ def test_random_stop_strings(
     tok: PreTrainedTokenizerFast, pieces: list[str], stops: list[str], sizes: list[int]
 ) -> None:
     _check_stop(tok, "".join(pieces), stops, sizes)
+
+
+# ---------------------------------------------------------------- min_tokens and include_stop_str
+
+
+def _decode(tok: PreTrainedTokenizerFast, ids: list[int]) -> str:
+    text = tok.decode(ids)
+    assert isinstance(text, str)  # a flat id list decodes to one string
+    return text
+
+
+def _vllm_cut(tok: PreTrainedTokenizerFast, ids: list[int], stop: str, min_tokens: int, include: bool) -> str:
+    """vLLM's v1 detokenizer for one stop string: none counts until the output has more than
+    ``min_tokens`` tokens, and then only an occurrence ending in text after the ``min_tokens``-th token
+    (for ASCII text, whose decoding is context-free and never incomplete)."""
+    text = _decode(tok, ids)
+    if len(ids) <= min_tokens:
+        return text
+    exempt = len(_decode(tok, ids[:min_tokens]))
+    at = text.find(stop, max(0, exempt - len(stop) + 1))
+    if at < 0:
+        return text
+    return text[: at + len(stop)] if include else text[:at]
+
+
+def _stream_cut(
+    tok: PreTrainedTokenizerFast, ids: list[int], stop: str, min_tokens: int, include: bool, sizes: list[int]
+) -> tuple[IncrementalDetokenizer, str]:
+    detok = IncrementalDetokenizer(tok, [], [stop], min_tokens=min_tokens, include_stop_str=include)
+    released = ""
+    for chunk in _chunks(ids, sizes):
+        released += detok.add_tokens(chunk)
+    released += detok.flush()
+    assert released == detok.text
+    return detok, released
+
+
+@pytest.mark.parametrize("sizes", [[1], [3], [2, 5]])
+def test_min_tokens_exempts_the_first_tokens_text(tok: PreTrainedTokenizerFast, sizes: list[int]) -> None:
+    """vLLM's own case (tests/detokenizer/test_min_tokens.py): stop "e" with min_tokens=5 skips the e's of
+    the first 5 tokens and cuts at the next one; chunks spanning the 5th token (speculative runs) too."""
+    text = " is Lee, and I'm a student in the college of engineering"
+    ids = tok.encode(text, add_special_tokens=False)
+    exempt = _decode(tok, ids[:5])
+    assert "e" in exempt and len(ids) > 5  # the case under test: a stop inside the exempt text
+    for min_tokens in (0, 5, len(ids)):
+        expected = _vllm_cut(tok, ids, "e", min_tokens, include=False)
+        detok, released = _stream_cut(tok, ids, "e", min_tokens, include=False, sizes=sizes)
+        assert released == expected, min_tokens
+        assert detok.stopped == (expected != text)
+    assert _vllm_cut(tok, ids, "e", 0, include=False) == " is L"
+    assert len(_vllm_cut(tok, ids, "e", 5, include=False)) > len(exempt)
+
+
+def test_stop_string_spanning_the_min_tokens_boundary_counts(tok: PreTrainedTokenizerFast) -> None:
+    """An occurrence that starts in the exempt text but ends after it is a stop (vLLM searches from
+    ``len(stop) - 1`` characters before the new text)."""
+    ids = tok.encode("Hello world! How are you today?", add_special_tokens=False)
+    k = next(k for k in range(1, len(ids)) if _decode(tok, ids[:k]).endswith("world"))
+    _, released = _stream_cut(tok, ids, "world!", k, include=False, sizes=[1])
+    assert released == "Hello "
+
+
+def test_include_stop_str_keeps_the_stop_string(tok: PreTrainedTokenizerFast) -> None:
+    ids = tok.encode("Hello world! How are you today?", add_special_tokens=False)
+    detok, released = _stream_cut(tok, ids, "! How", 0, include=True, sizes=[1])
+    assert released == "Hello world! How" and detok.stopped
+
+
+_ASCII = st.lists(st.sampled_from([*"abc xyz,.!\n", "the", " world", "ab"]))
+
+
+@HYPOTHESIS
+@given(
+    pieces=_ASCII,
+    stop=st.text(alphabet="abc xyz", min_size=1, max_size=4),
+    min_tokens=st.integers(0, 8),
+    include=st.booleans(),
+    sizes=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+)
+def test_min_tokens_stop_strings_as_vllm(
+    tok: PreTrainedTokenizerFast, pieces: list[str], stop: str, min_tokens: int, include: bool, sizes: list[int]
+) -> None:
+    ids = tok.encode("".join(pieces), add_special_tokens=False)
+    _, released = _stream_cut(tok, ids, stop, min_tokens, include, sizes)
+    assert released == _vllm_cut(tok, ids, stop, min_tokens, include)

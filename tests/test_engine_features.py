@@ -178,3 +178,195 @@ def test_bad_prompts_are_rejected(llm: LLM) -> None:
     with pytest.raises(ValueError, match="empty"):
         llm.engine.add_request("empty", [], SamplingParams())
     assert not llm.engine.has_unfinished()
+
+
+# ---------------------------------------------------------------- found by exploratory testing
+
+
+def test_n_above_max_num_seqs_is_refused_not_wedged(tiny_model: Callable[[str], Path]) -> None:
+    """Its samples are admitted together, so n > max_num_seqs could never be scheduled: step() returned
+    [] forever and every request behind it waited too. Refused at add_request instead, leaving nothing
+    behind; the same LLM then serves the requests that fit."""
+    llm = LLM(str(tiny_model("llama_gqa")), max_num_seqs=2)
+    engine = llm.engine
+    with pytest.raises(ValueError, match=r"n=3 is larger than max_num_seqs=2"):
+        engine.add_request("wide", [1, 2, 3], SamplingParams(n=3, max_tokens=3))
+    assert not engine.has_unfinished() and engine.num_waiting() == 0
+    with pytest.raises(ValueError, match=r"n=3 is larger than max_num_seqs=2"):
+        llm.generate([[4, 5, 6], [1, 2, 3]], [SamplingParams(max_tokens=3), SamplingParams(n=3, max_tokens=3)])
+    assert_no_leak(llm)
+    out = llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(n=2, max_tokens=3, ignore_eos=True))
+    assert [[len(c.token_ids) for c in o.outputs] for o in out] == [[3, 3], [3, 3]]
+    assert_no_leak(llm)
+
+
+def test_scheduler_refuses_a_sequence_it_could_never_admit(llm: LLM) -> None:
+    """The guard sits in Scheduler.add, the one way into the waiting queue, whoever calls it."""
+    engine = llm.engine
+    params = SamplingParams(n=engine.config.max_num_seqs + 1)
+    seq = engine._new_sequence("direct", 0, [1, 2, 3], 3, params, 0)
+    seq.pending_fork = True
+    try:
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            engine.scheduler.add(seq)
+    finally:  # had it been queued, it would wedge every later test on this module's engine
+        if seq in engine.scheduler.waiting:
+            engine.scheduler.remove(seq)
+    assert engine.num_waiting() == 0
+
+
+def _decoder(llm: LLM) -> Callable[[list[int]], str]:
+    def decode(ids: list[int]) -> str:
+        text = llm.tokenizer.decode(ids)
+        assert isinstance(text, str)  # a flat id list decodes to one string
+        return text
+
+    return decode
+
+
+def _greedy(llm: LLM, prompt: list[int], **params: object) -> tuple[str, list[int], str | None]:
+    out = llm.generate([prompt], SamplingParams(temperature=0, **params))[0].outputs[0]  # type: ignore[arg-type]
+    return out.text, out.token_ids, out.finish_reason
+
+
+def test_min_tokens_holds_back_stop_strings(llm: LLM) -> None:
+    """vLLM checks stop strings only once the output has more than min_tokens tokens, and only where one
+    ends after the min_tokens-th token's text: a stop inside that text is no stop."""
+    decode = _decoder(llm)
+    m = 10
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(6)] for _ in range(16)]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # A random model's text is full of stray UTF-8 bytes; take an output whose first m tokens decode to
+    # whole characters, so that their text is exactly what the detokenizer had released at the m-th.
+    prompt, out = next(
+        (p, o.outputs[0])
+        for p, o in zip(prompts, llm.generate(prompts, greedy), strict=True)
+        if "\ufffd" not in decode(o.outputs[0].token_ids[: m + 1])
+    )
+    text, ids = out.text, out.token_ids
+    exempt = decode(ids[:m])
+    assert decode(ids) == text and len(ids) == 40
+    # The ASCII character that occurs most often both inside the exempt text and after it.
+    stop = max({c for c in exempt if c.isascii()} & set(text[len(exempt) :]), key=text.count)
+    assert text.index(stop) < len(exempt)
+    cut_text, cut_ids, reason = _greedy(llm, prompt, max_tokens=40, ignore_eos=True, min_tokens=m, stop=[stop])
+    assert cut_text == text[: text.index(stop, len(exempt))]
+    assert len(cut_ids) > m and cut_ids == ids[: len(cut_ids)] and reason == "stop"
+    # Without min_tokens the first occurrence stops it, as before.
+    assert _greedy(llm, prompt, max_tokens=40, ignore_eos=True, stop=[stop])[0] == text[: text.index(stop)]
+
+
+def test_min_tokens_holds_back_stop_tokens_and_eos(llm: LLM) -> None:
+    """Stop tokens and EOS are masked until min_tokens: a sampled output with half the vocabulary as stop
+    tokens has none of them before its min_tokens-th token, and stops on the first one after."""
+    eos = sorted(llm.engine.eos_token_ids)
+    stops = list(range(0, 512, 2))
+    for seed in range(4):
+        params = SamplingParams(temperature=1.5, seed=seed, max_tokens=30, min_tokens=6, stop_token_ids=stops)
+        out = llm.generate([[7, 8, 9]], params)[0].outputs[0]
+        ids = out.token_ids
+        assert len(ids) >= 6
+        assert not set(ids[:5]) & set(stops + eos), ids
+        if out.finish_reason == "stop":
+            assert ids[-1] in set(stops + eos) and not set(ids[:-1]) & set(stops + eos), ids
+
+
+def test_stop_token_text_is_left_out_of_the_text(llm: LLM) -> None:
+    """vLLM drops the text of the token that stopped the output (it stays in token_ids) unless
+    include_stop_str_in_output, and no streamed delta ever carried it."""
+    prompt = [11, 22, 33, 44]
+    text, ids, _ = _greedy(llm, prompt, max_tokens=20, ignore_eos=True)
+    decode = _decoder(llm)
+    assert text == decode(ids)
+    k = next(i for i in range(3, len(ids)) if decode(ids[i : i + 1]).strip() and ids[i] not in ids[:i])
+    stop = ids[k]
+    cut_text, cut_ids, reason = _greedy(llm, prompt, max_tokens=20, ignore_eos=True, stop_token_ids=[stop])
+    assert cut_ids == ids[: k + 1] and reason == "stop"
+    assert cut_text == decode(ids[:k]) != decode(ids[: k + 1])
+    kept = _greedy(llm, prompt, max_tokens=20, ignore_eos=True, stop_token_ids=[stop], include_stop_str_in_output=True)
+    assert kept[0] == decode(ids[: k + 1]) and kept[1] == cut_ids
+    # Streamed: the deltas join to the same text, the stop token's id arrives without its text.
+    engine = llm.engine
+    engine.add_request("streamed", prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop]))
+    parts: list[str] = []
+    streamed_ids: list[int] = []
+    while engine.has_unfinished():
+        for d in engine.step():
+            for o in d.outputs:
+                parts.append(o.text)
+                streamed_ids.extend(o.token_ids)
+    assert "".join(parts) == cut_text and streamed_ids == cut_ids
+    assert_no_leak(llm)
+
+
+def test_eos_text_is_left_out_like_a_stop_token(llm: LLM) -> None:
+    """EOS is a stop token too: with skip_special_tokens=False its text (<|im_end|>) is not in the output
+    unless include_stop_str_in_output. A one-answer choice makes the model end with EOS."""
+    params = {"temperature": 0, "max_tokens": 10, "choice": ["ab"], "skip_special_tokens": False}
+    out = llm.generate([[5, 6]], SamplingParams(**params))[0].outputs[0]  # type: ignore[arg-type]
+    assert out.token_ids[-1] in llm.engine.eos_token_ids and out.finish_reason == "stop"
+    assert out.text == "ab"
+    kept = llm.generate([[5, 6]], SamplingParams(**params, include_stop_str_in_output=True))[0].outputs[0]  # type: ignore[arg-type]
+    assert kept.text == "ab" + str(llm.tokenizer.decode(out.token_ids[-1:], skip_special_tokens=False))
+    assert kept.text == "ab<|im_end|>"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grammar_that_must_end_under_min_tokens_fails_alone(llm: LLM, temperature: float) -> None:
+    """choice=["yes", "no"] is complete after a few tokens and then allows only EOS, which min_tokens=5
+    forbids: the request fails with a message naming both causes (not "every logit is -inf after
+    penalties", nor "non-finite probabilities"), and the request beside it gets what it gets alone."""
+    bad = SamplingParams(temperature=temperature, seed=1, max_tokens=10, min_tokens=5, choice=["yes", "no"])
+    good = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([[9, 10, 11]], good)[0].outputs[0].token_ids
+    outs = llm.generate([[5, 6, 7], [9, 10, 11]], [bad, good])
+    failed = outs[0]
+    assert failed.error is not None
+    assert failed.error.startswith("structured output: the grammar allows only ending here"), failed.error
+    assert "min_tokens=5" in failed.error
+    assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].text in ("yes", "no")
+    assert outs[1].error is None and outs[1].outputs[0].token_ids == alone
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("prompt", [[1.5, 2], [True, 2], [2, "3"], [2, None]])
+def test_non_integer_token_ids_are_refused(llm: LLM, prompt: list[object]) -> None:
+    """int(1.5) would quietly have run token 1 (and True, token 1)."""
+    with pytest.raises(ValueError, match="prompt token ids must be integers; position"):
+        llm.generate([prompt])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="prompt token ids must be integers"):
+        llm.generate(prompt)  # type: ignore[arg-type]
+    assert_no_leak(llm)
+
+
+def test_numpy_integer_token_ids_are_token_ids(llm: LLM) -> None:
+    import numpy as np
+
+    params = SamplingParams(temperature=0, max_tokens=4)
+    ids = [3, 1, 4, 1, 5]
+    want = llm.generate([ids], params)[0].outputs[0].token_ids
+    assert llm.generate([[np.int64(t) for t in ids]], params)[0].outputs[0].token_ids == want  # type: ignore[arg-type]
+
+
+def test_chat_accepts_text_content_parts(llm: LLM) -> None:
+    """OpenAI's content parts: text parts joined by newlines (vLLM's rule for text-only models), the same
+    prompt as the joined string; other parts refused by name, not dropped."""
+    engine = llm.engine
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    as_parts = engine.chat_prompt_ids([{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}])
+    as_text = engine.chat_prompt_ids(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello\nthere"}]
+    )
+    assert as_parts == as_text
+    params = SamplingParams(temperature=0, max_tokens=4)
+    assert (
+        llm.chat([{"role": "user", "content": parts}], params)[0].outputs[0].token_ids
+        == llm.chat([{"role": "user", "content": "Hello\nthere"}], params)[0].outputs[0].token_ids
+    )
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content: only text content parts .*'image_url'"):
+        llm.chat([{"role": "user", "content": [parts[0], image]}])
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content: must be a string or a list of text parts"):
+        llm.chat([{"role": "user", "content": None}])
+    assert_no_leak(llm)

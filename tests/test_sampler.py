@@ -21,6 +21,7 @@ from engine.sampler import (
     SamplingRow,
     apply_penalties,
     make_generator,
+    min_tokens_blocked,
 )
 from schemas.sampling import SamplingParams
 
@@ -446,10 +447,45 @@ def test_all_greedy_batch_fails_only_its_nan_row() -> None:
 
 
 def test_min_tokens_masking_every_token_fails_the_row() -> None:
+    """The reason names min_tokens, not penalties: EOS and the stop tokens were all that was left."""
     logits = torch.tensor([[1.0, 2.0], [3.0, 1.0]])
-    out = Sampler({0, 1}).sample(logits, [_row(temperature=0, min_tokens=1), _row(temperature=0)])
-    assert out.failed == {0: NO_CANDIDATE}
+    rows = [_row(temperature=0, min_tokens=1), _row(temperature=0)]
+    out = Sampler({0, 1}).sample(logits, rows)
+    assert out.failed == {0: min_tokens_blocked(rows[0].params, 0, constrained=False)}
+    assert out.failed[0].startswith("no token left to choose: only EOS or stop tokens are possible, but min_tokens=1")
     assert out.token_ids == [FAILED_TOKEN, 0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_that_must_end_under_min_tokens_fails_alone_and_says_why(temperature: float) -> None:
+    """A structured-output row whose bitmask left only EOS (a complete ``choice``) while min_tokens bans
+    it: greedy and sampled rows get the same reason naming both causes (not "non-finite probabilities"),
+    and the other rows sample what they sample without it."""
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(24))
+    masked = logits.clone()
+    masked[1, 1:] = float("-inf")  # the grammar allows EOS (token 0) alone
+    rows = _mixed_rows()[:4]
+    rows[1] = SamplingRow(
+        SamplingParams(temperature=temperature, min_tokens=5, seed=3),
+        make_generator(3),
+        [7],
+        [11, 12],
+        constrained=True,
+    )
+    out = _sample(masked, rows)
+    reason = min_tokens_blocked(rows[1].params, 2, constrained=True)
+    assert reason.startswith("structured output: the grammar allows only ending here")
+    assert "min_tokens=5" in reason and "(it has 2)" in reason
+    clean_rows = _mixed_rows()[:4]
+    _assert_only_these_failed(_sample(logits, clean_rows), out, {1: reason})
+
+
+def test_rows_empty_before_the_bans_keep_their_reason() -> None:
+    """A row with nothing above -inf before min_tokens' bans, or NaN, was not emptied by them."""
+    logits = torch.full((2, V), float("-inf"))
+    logits[1, 3] = float("nan")
+    rows = [_row(temperature=0, min_tokens=2), _row(temperature=0, min_tokens=2)]
+    assert _sample(logits, rows).failed == {0: NO_CANDIDATE, 1: NAN_LOGITS}
 
 
 def test_infinite_logits_after_a_penalty_fail_sampled_rows() -> None:

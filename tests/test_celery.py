@@ -6,15 +6,19 @@ have run the concurrent tasks as one batch (its ``max_running`` counter, read th
 
 The broker and the result backend are two databases of one server (db 1 and db 2), as in a producer app
 configured ``Celery(broker=".../1", backend=".../2")``: results must be stored where the producer's backend
-reads them, not merely reach it by pub/sub (which ignores database numbers).
+reads them, not merely reach it by pub/sub (which ignores database numbers). Tests that start workers of their
+own (a model that cannot load, a worker killed mid-task) use other databases of the same server.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +29,17 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
+from engine.outputs import RequestDelta
 from schemas.jobs import JobRequest
+from tests.fault_injection import FACTORY as FAULT_FACTORY
+from tests.fault_injection import process_environment
 from tests.redis_servers import RedisServer, make_server
 from tests.worker_harness import ENGINE_KW, REPO, make_engine, wait_for
 from worker.engine_thread import EngineThread
+from worker.job_run import EngineLike
 
 BROKER_DB, BACKEND_DB = 1, 2
+MISSING_MODEL = "/nonexistent/pagedq-test-model"
 
 
 @dataclass
@@ -64,10 +73,25 @@ def model_dir(tiny_model: Any) -> Path:
 
 
 @pytest.fixture(scope="module")
-def celery_worker(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CeleryWorker]:
-    tmp = tmp_path_factory.mktemp("celery")
-    server: RedisServer = make_server("debian", tmp / "redis")
-    broker, backend = with_db(server.url, BROKER_DB), with_db(server.url, BACKEND_DB)
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server: RedisServer = make_server("debian", tmp_path_factory.mktemp("celery") / "redis")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def start_worker(
+    model_dir: Path | str,
+    broker: str,
+    backend: str,
+    log_path: Path,
+    *,
+    pool: str = "threads",
+    hostname: str = "pagedq-test",
+    **extra_env: str,
+) -> CeleryWorker:
+    """A real ``celery -A worker.celery_app worker`` process on ``broker``/``backend``; returns at once."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDQ_", "CELERY_"))}
     env.update({
         "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -77,8 +101,8 @@ def celery_worker(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "PAGEDQ_MAX_NUM_SEQS": str(ENGINE_KW["max_num_seqs"]),
         "PAGEDQ_MAX_NUM_BATCHED_TOKENS": str(ENGINE_KW["max_num_batched_tokens"]),
         "PAGEDQ_KV_CACHE_BYTES": str(ENGINE_KW["kv_cache_bytes"]),
+        **extra_env,
     })  # fmt: skip
-    log_path = tmp / "celery.log"
     cmd = [
         sys.executable,
         "-m",
@@ -87,36 +111,57 @@ def celery_worker(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "worker.celery_app",
         "worker",
         "--pool",
-        "threads",
+        pool,
         "--loglevel",
         "INFO",
         "--without-gossip",
         "--without-mingle",
         "--without-heartbeat",
         "--hostname",
-        "pagedq-test@%h",
+        f"{hostname}@%h",
     ]
+    if pool != "threads":
+        cmd += ["--concurrency", "1"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    worker = CeleryWorker(proc, log_path, client_app(broker, backend), broker, backend)
+    return CeleryWorker(proc, log_path, client_app(broker, backend), broker, backend)
+
+
+def wait_ready(worker: CeleryWorker) -> None:
+    def ready() -> bool:
+        assert worker.proc.poll() is None, f"celery worker exited early:\n{worker.log()[-5000:]}"
+        return " ready." in worker.log()
+
+    wait_for(ready, timeout=240, interval=0.2, what="the Celery worker")
+
+
+def stop_worker(worker: CeleryWorker) -> None:
+    """Warm shutdown (running tasks finish, the engine thread stops): exit code 0."""
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.proc.wait(60) == 0, worker.log()[-5000:]
+
+
+def reap(worker: CeleryWorker) -> None:
+    if worker.proc.poll() is None:
+        worker.proc.kill()
+        worker.proc.wait(30)
+    worker.client.close()
+    print(worker.log()[-8000:])  # shown when a test failed
+
+
+@pytest.fixture(scope="module")
+def celery_worker(
+    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CeleryWorker]:
+    broker, backend = with_db(redis_server.url, BROKER_DB), with_db(redis_server.url, BACKEND_DB)
+    worker = start_worker(model_dir, broker, backend, tmp_path_factory.mktemp("celery") / "celery.log")
     try:
-
-        def ready() -> bool:
-            assert proc.poll() is None, f"celery worker exited early:\n{worker.log()[-5000:]}"
-            return " ready." in worker.log()
-
-        wait_for(ready, timeout=240, interval=0.2, what="the Celery worker")
+        wait_ready(worker)
         yield worker
-        proc.send_signal(signal.SIGTERM)  # warm shutdown: running tasks finish, the engine thread stops
-        assert proc.wait(60) == 0, worker.log()[-5000:]
+        stop_worker(worker)
         assert '"engine_thread.stopped"' in worker.log()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        worker.client.close()
-        server.stop()
-        print(worker.log()[-8000:])  # shown when a test failed
+        reap(worker)
 
 
 PROMPTS: list[dict[str, Any]] = [
@@ -212,6 +257,11 @@ def test_revoke_cancels_a_running_generation(celery_worker: CeleryWorker) -> Non
     else:
         assert event["choices"][0]["finish_reason"] == "cancelled", event
         assert 0 < event["usage"]["completion_tokens"] < 1000
+    # The engine is empty now and takes no further step: pagedq.stats still read the snapshot of the last
+    # step, the cancelled job running and its KV blocks in use.
+    stats = app.send_task("pagedq.stats").get(timeout=60)
+    assert stats["running"] == 0 and stats["in_flight"] == 0, stats
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
 
 
 def test_results_are_stored_in_the_producers_result_backend(celery_worker: CeleryWorker) -> None:
@@ -239,3 +289,181 @@ def test_results_are_stored_in_the_producers_result_backend(celery_worker: Celer
     finally:
         broker_db.close()
         backend_db.close()
+
+
+# ------------------------------------------------------------------------------- bad call shapes
+
+
+def test_bad_call_shapes_come_back_as_error_events(celery_worker: CeleryWorker) -> None:
+    """Positional args, or a kwarg named like the task function's own parameter, made Python raise a
+    TypeError before the task's body ran: a Celery FAILURE instead of the promised error event."""
+    app = celery_worker.client
+    positional = app.send_task("pagedq.generate", args=["hello"])
+    both = app.send_task("pagedq.generate", args=[1, 2], kwargs={"prompt": "x", "metadata": {"k": 1}})
+    named_task = app.send_task("pagedq.generate", kwargs={"prompt": "hi", "task": 1})
+    named_self = app.send_task("pagedq.generate", kwargs={"prompt": "hi", "self": 1})
+    stats_args = app.send_task("pagedq.stats", args=["x"])
+    for result in (positional, both):
+        event = result.get(timeout=120)
+        assert result.state == "SUCCESS"
+        assert event["type"] == "error" and event["code"] == "invalid_request", event
+        assert "takes no positional arguments" in event["message"] and "kwargs" in event["message"], event
+        assert event["id"] == result.id
+    assert both.get(timeout=1)["metadata"] == {"k": 1}
+    for result, field in ((named_task, "task"), (named_self, "self")):
+        event = result.get(timeout=120)
+        assert event["type"] == "error" and event["code"] == "invalid_request", event
+        assert field in event["message"], event  # an unknown job field, named
+    event = stats_args.get(timeout=60)
+    assert event["type"] == "error" and event["code"] == "invalid_request" and "no arguments" in event["message"]
+    # The worker is unhurt: a good job right after.
+    good = app.send_task("pagedq.generate", kwargs={"prompt": "ok", "max_tokens": 2})
+    assert good.get(timeout=120)["type"] == "final"
+
+
+# ------------------------------------------------------------------------- a model that cannot load
+
+
+def test_a_worker_whose_model_cannot_load_exits_at_start(redis_server: RedisServer, tmp_path: Path) -> None:
+    """It said "ready", took tasks and failed each of them with a FileNotFoundError, loading the model again
+    for every one: Celery's signal dispatcher swallowed the exception of the worker_init receiver."""
+    url = with_db(redis_server.url, 3)
+    worker = start_worker(MISSING_MODEL, url, url, tmp_path / "celery.log", hostname="pagedq-bad")
+    try:
+        code = worker.proc.wait(240)
+        log = worker.log()
+        assert code == 1, log[-5000:]
+        assert " ready." not in log
+        failed = [json.loads(line) for line in log.splitlines() if '"celery.engine_failed"' in line]
+        assert len(failed) == 1 and failed[0]["level"] == "error", log[-5000:]
+        assert failed[0]["model"] == MISSING_MODEL and "FileNotFoundError" in failed[0]["error"]
+        assert '"celery.worker_exit"' in log
+    finally:
+        reap(worker)
+
+
+def test_tasks_reaching_an_engine_that_cannot_load_get_error_events(redis_server: RedisServer, tmp_path: Path) -> None:
+    """A pool that builds the engine in the task's process on first use (prefork) cannot stop the worker at
+    start: its tasks get error ``internal``, and the load is tried once, not once per task.
+
+    ``processes`` is prefork's other name: Celery's CLI takes ``--pool prefork`` for "no --pool given" and
+    replaces it with the app's configured pool (threads)."""
+    broker, backend = with_db(redis_server.url, 4), with_db(redis_server.url, 5)
+    worker = start_worker(MISSING_MODEL, broker, backend, tmp_path / "celery.log", pool="processes", hostname="pf")
+    try:
+        wait_ready(worker)
+        app = worker.client
+        for i in range(2):  # one after the other: the second finds the remembered failure
+            sent = app.send_task("pagedq.generate", kwargs={"prompt": f"p{i}", "max_tokens": 2, "metadata": {"i": i}})
+            event = sent.get(timeout=120)
+            assert sent.state == "SUCCESS"
+            assert event["type"] == "error" and event["code"] == "internal", event
+            assert "could not be loaded (FileNotFoundError)" in event["message"], event
+            assert MISSING_MODEL not in event["message"]  # paths stay in the worker's log
+            assert event["metadata"] == {"i": i} and event["id"] == sent.id
+        stats = app.send_task("pagedq.stats").get(timeout=60)
+        assert stats["type"] == "error" and stats["code"] == "internal", stats
+        assert worker.log().count('"celery.engine_failed"') == 1, worker.log()[-5000:]
+        stop_worker(worker)
+    finally:
+        reap(worker)
+
+
+# ------------------------------------------------------------------------------ a killed worker
+
+
+def test_a_killed_workers_task_is_redelivered_after_the_visibility_timeout(
+    model_dir: Path, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """kombu's Redis transport gives a dead worker's unacked message back once ``visibility_timeout`` has
+    passed since its delivery: 1 h, fixed, before ``celery_visibility_timeout_s``. The rerun's events said
+    attempt 1, as if nothing had happened."""
+    broker, backend = with_db(redis_server.url, 6), with_db(redis_server.url, 7)
+    timeout = {"PAGEDQ_CELERY_VISIBILITY_TIMEOUT_S": "3"}
+    # The first worker's engine hangs in its step while the job is in it: the task cannot end before the kill.
+    first = start_worker(
+        model_dir, broker, backend, tmp_path / "first.log", hostname="first",
+        PAGEDQ_ENGINE_FACTORY=FAULT_FACTORY, **process_environment(wedge_marker="WEDGE"), **timeout,
+    )  # fmt: skip
+    second: CeleryWorker | None = None
+    try:
+        wait_ready(first)
+        sent = first.client.send_task(
+            "pagedq.generate", kwargs={"prompt": "WEDGE the sea", "max_tokens": 3, "temperature": 0}
+        )
+        wait_for(lambda: sent.state == "STARTED", timeout=120, what="the task to start")
+        first.proc.kill()
+        first.proc.wait(30)
+        second = start_worker(model_dir, broker, backend, tmp_path / "second.log", hostname="second", **timeout)
+        event = sent.get(timeout=240)
+        assert event["type"] == "final", event
+        assert event["attempt"] == 2, event
+        assert event["usage"]["completion_tokens"] == 3 and event["id"] == sent.id
+        stop_worker(second)
+    finally:
+        reap(first)
+        if second is not None:
+            reap(second)
+
+
+def test_the_visibility_timeout_is_a_setting() -> None:
+    from worker.celery_app import make_app
+    from worker.settings import load_settings
+
+    conf = make_app(load_settings(redis_url="redis://127.0.0.1:1/0", celery_visibility_timeout_s=600)).conf
+    assert conf.broker_transport_options["visibility_timeout"] == 600
+    # One restore sweep per tenth of the timeout (10 s at most): the sweep, not the timeout, set the delay.
+    assert conf.broker_transport_options["unacked_restore_interval"] == 10
+    assert conf.broker_transport_options["unacked_restore_throttle"] == 1
+    default = make_app(load_settings(redis_url="redis://127.0.0.1:1/0")).conf
+    assert default.broker_transport_options["visibility_timeout"] == 3600
+
+
+# ------------------------------------------------------------------------------ stats after a stop
+
+
+class GatedEngine:
+    """A real engine whose ``step()`` waits for a permit: the test decides how many steps a job gets, so a
+    job can neither finish on its own nor outrun a cancel or a deadline."""
+
+    def __init__(self, engine: EngineLike) -> None:
+        self.inner = engine
+        self.permits = threading.Semaphore(0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def step(self) -> list[RequestDelta]:
+        self.permits.acquire()
+        return self.inner.step()
+
+
+@pytest.mark.parametrize("stop", ["cancelled", "deadline"])
+def test_stats_are_fresh_after_a_job_is_stopped(model_dir: Path, stop: str) -> None:
+    """The snapshot behind ``stats()`` was taken after steps only: a job stopped by cancel or deadline left
+    the engine empty, no step followed, and stats showed it running with its KV blocks in use."""
+    gated = GatedEngine(make_engine(model_dir))
+    et = EngineThread(gated, max_num_seqs=ENGINE_KW["max_num_seqs"]).start()
+    try:
+        timeout_s = 0.3 if stop == "deadline" else None
+        job = JobRequest(id="j", prompt="tell me about the sea", max_tokens=50, ignore_eos=True, timeout_s=timeout_s)
+        handle = et.submit(job, stream=True)
+        gated.permits.release()  # the first step: prefill and a first token
+        first = next(iter(handle))
+        assert first.type == "token", first
+        # The engine thread now waits in its second step (or, past its deadline already, stopped the job).
+        if stop == "cancelled":
+            wait_for(lambda: et.stats().get("running") == 1, timeout=30, what="the first step's snapshot")
+            et.cancel(handle)
+        else:
+            wait_for(lambda: time.time() >= handle.submitted_at + 0.3, timeout=10, what="the job's deadline")
+        gated.permits.release()  # the second step returns; the stop is seen before a third
+        event = handle.result(60)
+        assert event.type == "final" and event.choices[0].finish_reason == stop, event
+        stats = et.stats()
+        assert stats["running"] == 0 and stats["waiting"] == 0 and stats["in_flight"] == 0, stats
+        assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    finally:
+        for _ in range(100):  # never leave the engine thread waiting in a step
+            gated.permits.release()
+        et.stop()

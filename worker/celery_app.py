@@ -29,19 +29,28 @@ Trade-offs chosen (worker/CELERY.md has the longer version):
 * **acks_late, prefetch multiplier 1**: a message is acked when its generation has ended, so a worker that
   dies mid-generation gets its tasks redelivered (at least once, as the Redis-streams path); and an idle
   worker of a pool is never starved by a busy one hoarding reserved messages. The cost: a task longer than
-  the broker's ``visibility_timeout`` (set to 1 h here) is redelivered while still running, and a
-  redelivered task generates again from the start (no idempotency key check as in the streams worker).
+  the broker's ``visibility_timeout`` (``celery_visibility_timeout_s``, 1 h by default) is redelivered while
+  still running, and a redelivered task generates again from the start (no idempotency key check as in the
+  streams worker). Kombu's Redis transport redelivers a dead worker's message only once that timeout has
+  passed since the message was delivered; the rerun's events say ``attempt`` 2 (kombu flags a redelivery,
+  it does not count them).
+* **A model that cannot load stops the worker at start** (threads/solo pools: non-zero exit, before
+  "ready"), rather than consuming tasks it can only fail. Where the engine is built lazily (other pools),
+  the failure is remembered and every task is answered with error ``internal``, without loading again.
 * **JSON only**: ``accept_content=["json"]``; a message in any other serializer is refused by the worker,
   never deserialized.
 * **No token streaming** through Celery (a result backend stores one value); use the Redis-streams
   protocol to stream. ``reply_to`` is therefore refused. ``stream`` is accepted and ignored.
+* **Job fields are kwargs only**: positional ``args`` are answered with error ``invalid_request``, and any
+  kwarg name (``task`` and ``self`` included) is a job field, checked like the others.
 * **Cancellation** is Celery's: ``app.control.revoke(task_id)`` stops a running generation within
   ``REVOKE_POLL_S`` (the task polls the worker's revoked set; the threads pool cannot kill a thread), with
   ``finish_reason`` ``cancelled`` and the partial text. ``timeout_s`` counts from when the engine thread
   received the job. ``priority`` orders jobs inside the engine only.
 * Everything the task needs comes from the same ``PAGEDQ_*`` settings as ``pagedq worker`` (model, engine
   size, ``redis_url`` for the broker, ``celery_result_backend`` for the result backend (the broker's URL
-  when unset: it must be the backend the producers' apps name), ``result_ttl_s`` for result expiry).
+  when unset: it must be the backend the producers' apps name), ``result_ttl_s`` for result expiry,
+  ``celery_visibility_timeout_s`` for the broker's visibility timeout).
 """
 
 from __future__ import annotations
@@ -52,10 +61,12 @@ import uuid
 from typing import Any
 
 import structlog
-from celery import Celery, signals
+from celery import Celery, Task, signals
+from celery.exceptions import WorkerShutdown
+from celery.platforms import EX_FAILURE
 from pydantic import ValidationError
 
-from schemas.jobs import JOB_ID_PATTERN, ErrorEvent, describe_validation_error
+from schemas.jobs import JOB_ID_PATTERN, ErrorCode, ErrorEvent, describe_validation_error
 from worker.engine_thread import EngineThread
 from worker.redis_url import is_cluster_url
 from worker.settings import Settings, load_settings
@@ -65,7 +76,7 @@ log = structlog.get_logger("pagedq.celery")
 TASK_NAME = "pagedq.generate"
 STATS_TASK_NAME = "pagedq.stats"
 REVOKE_POLL_S = 0.25
-VISIBILITY_TIMEOUT_S = 3600
+RESTORE_SWEEP_MAX_S = 10.0
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
@@ -96,6 +107,44 @@ def result_backend_url(settings: Settings) -> str:
     return celery_url(str(backend))
 
 
+def broker_transport_options(settings: Settings) -> dict[str, Any]:
+    """Kombu Redis transport options: the visibility timeout, and how often overdue messages are looked for.
+
+    A message a worker received and never acked (it was killed) sits in kombu's ``unacked`` index until some
+    worker of the queue, sweeping, finds it older than ``visibility_timeout`` and puts it back. Kombu sweeps
+    every ``unacked_restore_interval`` x ``unacked_restore_throttle`` seconds (10 x 10 by default): with a
+    short timeout the sweep period, not the timeout, would set the delay, so one sweep is made every tenth
+    of the timeout (between 1 and 10 s), each a single bounded ZRANGE. Kombu versions without these two
+    options ignore them.
+    """
+    timeout = settings.celery_visibility_timeout_s
+    return {
+        "visibility_timeout": timeout,
+        "unacked_restore_interval": min(RESTORE_SWEEP_MAX_S, max(1.0, timeout / 10)),
+        "unacked_restore_throttle": 1,
+    }
+
+
+class PagedqTask(Task):
+    """The tasks' class: only so that a kwarg named ``self`` reaches the task as a job field.
+
+    Celery's own ``Task.__call__(self, *args, **kwargs)`` (and the worker's wrapper of it) raise a TypeError
+    for such a call before any task code runs: a task FAILURE instead of the error event producers are
+    promised. Here ``self`` is positional-only. In a worker the request (delivery info included) is already
+    on the stack, pushed by Celery's tracer, and ``run`` is called directly, as Celery's wrapper does.
+    """
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        request = self.request_stack.top
+        if request is not None and not request.called_directly:
+            return self.run(*args, **kwargs)
+        self.push_request(args=args, kwargs=kwargs)  # called as a function: a request for this call
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            self.pop_request()
+
+
 def make_app(settings: Settings | None = None) -> Celery:
     """A Celery app configured for pagedq (see the module doc for why each setting)."""
     settings = settings or load_settings()
@@ -113,8 +162,8 @@ def make_app(settings: Settings | None = None) -> Celery:
         worker_concurrency=settings.max_num_seqs + settings.prefetch,
         task_track_started=True,
         result_expires=settings.result_ttl_s,
-        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
-        result_backend_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        broker_transport_options=broker_transport_options(settings),
+        result_backend_transport_options={"visibility_timeout": settings.celery_visibility_timeout_s},
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         # pagedq logs with structlog to stderr (JSON off a terminal), as ``pagedq worker`` does; Celery's
@@ -122,26 +171,52 @@ def make_app(settings: Settings | None = None) -> Celery:
         worker_redirect_stdouts=False,
     )
     app.pagedq_settings = settings
-    app.task(name=TASK_NAME, bind=True, acks_late=True)(generate)
-    app.task(name=STATS_TASK_NAME)(stats)
+    app.task(name=TASK_NAME, bind=True, acks_late=True, base=PagedqTask)(generate)
+    app.task(name=STATS_TASK_NAME, bind=True, base=PagedqTask)(stats)
     return app
 
 
 # --------------------------------------------------------------------------------- the engine thread
 
+
+class EngineUnavailable(RuntimeError):
+    """This process's engine could not be built; ``str()`` is safe to send to producers (no paths)."""
+
+
 _engine: EngineThread | None = None
+_engine_failure: str | None = None
 _engine_lock = threading.Lock()
 
 
 def engine_thread(settings: Settings | None = None) -> EngineThread:
-    """This process's engine thread, built on first use (model load) and shared by every task."""
-    global _engine
+    """This process's engine thread, built on first use (model load) and shared by every task.
+
+    Raises :class:`EngineUnavailable` when the engine cannot be built. The failure is remembered: what fails
+    a model load (a missing folder, a bad checkpoint, too little memory) fails the next one the same way, and
+    each try would cost a model load and a traceback per task. Restart the worker once it is fixed.
+    """
+    global _engine, _engine_failure
     with _engine_lock:
+        if _engine_failure is not None:
+            raise EngineUnavailable(_engine_failure)
         if _engine is None or not _engine.alive:
             from worker.run import build_engine
 
             settings = settings or getattr(app, "pagedq_settings", None) or load_settings()
-            engine: Any = build_engine(settings)
+            try:
+                engine: Any = build_engine(settings)
+            except Exception as exc:
+                log.error(
+                    "celery.engine_failed",
+                    model=None if settings.model is None else str(settings.model),
+                    error=f"{type(exc).__name__}: {exc}",
+                    exc_info=True,
+                )
+                _engine_failure = (
+                    f"this worker's engine could not be loaded ({type(exc).__name__}); see the worker's log "
+                    "(celery.engine_failed)"
+                )
+                raise EngineUnavailable(_engine_failure) from exc
             _engine = EngineThread(
                 engine, worker_name=f"celery-{settings.name}", max_num_seqs=settings.max_num_seqs
             ).start()
@@ -149,8 +224,10 @@ def engine_thread(settings: Settings | None = None) -> EngineThread:
 
 
 def stop_engine_thread() -> None:
-    global _engine
+    """Stop this process's engine thread; the next use builds one again (a remembered failure included)."""
+    global _engine, _engine_failure
     with _engine_lock:
+        _engine_failure = None
         if _engine is not None:
             _engine.stop()
             _engine = None
@@ -159,16 +236,29 @@ def stop_engine_thread() -> None:
 # --------------------------------------------------------------------------------------------- tasks
 
 
-def _error(job_id: str, message: str, metadata: Any = None) -> dict[str, Any]:
+def _error(
+    job_id: str, message: str, metadata: Any = None, *, attempt: int = 1, code: ErrorCode = "invalid_request"
+) -> dict[str, Any]:
     event = ErrorEvent(
         id=job_id,
-        attempt=1,
-        code="invalid_request",
+        attempt=attempt,
+        code=code,
         message=message,
         metadata=metadata if isinstance(metadata, dict) else None,
     )
     result: dict[str, Any] = json.loads(event.to_json())
     return result
+
+
+def delivery_attempt(request: Any) -> int:
+    """The ``attempt`` of a task's events: 2 when the broker delivered its message before, else 1.
+
+    Kombu's Redis transport sets ``redelivered`` on a message it puts back (its worker died, or shut down
+    holding it) but keeps no count, so a third delivery says 2 too. Celery's ``retries`` is not added: it
+    counts ``Task.retry`` calls, which pagedq never makes (errors are returned, not retried).
+    """
+    info = getattr(request, "delivery_info", None)
+    return 2 if isinstance(info, dict) and info.get("redelivered") else 1
 
 
 def _is_revoked(task_id: str | None) -> bool:
@@ -179,26 +269,46 @@ def _is_revoked(task_id: str | None) -> bool:
     return task_id in worker_state.revoked
 
 
-def generate(task: Any, **fields: Any) -> dict[str, Any]:
-    """Run one job through the shared engine thread; returns its terminal event as a JSON object."""
+def generate(task: Any, /, *args: Any, **fields: Any) -> dict[str, Any]:
+    """Run one job through the shared engine thread; returns its terminal event as a JSON object.
+
+    ``task`` is positional-only and ``*args`` is taken so that no call shape makes Python raise before this
+    body runs (a TypeError there is a task FAILURE, not the error event producers are promised): a kwarg
+    named ``task`` is then a job field like any other, and positional arguments are refused here.
+    """
     from schemas.jobs import JobRequest
 
     task_id = getattr(task.request, "id", None)
+    attempt = delivery_attempt(task.request)
     if "id" not in fields:
         import re
 
         fields["id"] = task_id if task_id and re.match(JOB_ID_PATTERN, task_id) else uuid.uuid4().hex
     job_id = str(fields["id"])
+    if args:
+        return _error(
+            job_id,
+            f"{TASK_NAME} takes no positional arguments (got {len(args)}): pass the job fields as kwargs, "
+            f"e.g. send_task({TASK_NAME!r}, kwargs={{'prompt': ..., 'max_tokens': ...}})",
+            fields.get("metadata"),
+            attempt=attempt,
+        )
     try:
         job = JobRequest.model_validate(fields)
     except ValidationError as exc:
-        return _error(job_id, describe_validation_error(exc), fields.get("metadata"))
+        return _error(job_id, describe_validation_error(exc), fields.get("metadata"), attempt=attempt)
     if job.reply_to is not None:
         return _error(
-            job.id, "reply_to is not supported through Celery (the result goes to the result backend)", job.metadata
+            job.id,
+            "reply_to is not supported through Celery (the result goes to the result backend)",
+            job.metadata,
+            attempt=attempt,
         )
-    et = engine_thread()
-    handle = et.submit(job)
+    try:
+        et = engine_thread()
+    except EngineUnavailable as exc:
+        return _error(job.id, str(exc), job.metadata, attempt=attempt, code="internal")
+    handle = et.submit(job, attempt=attempt)
     cancelled = False
     while True:
         try:
@@ -213,9 +323,16 @@ def generate(task: Any, **fields: Any) -> dict[str, Any]:
     return result
 
 
-def stats() -> dict[str, Any]:
-    """The engine thread's counters (``max_running`` > 1 shows tasks were batched), for ops and tests."""
-    return engine_thread().stats()
+def stats(task: Any, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The engine thread's counters (``max_running`` > 1 shows tasks were batched), for ops and tests; an
+    ``error`` event (id: the task's) when called with arguments or when the engine could not be loaded."""
+    task_id = str(getattr(task.request, "id", None) or uuid.uuid4().hex)
+    if args or kwargs:
+        return _error(task_id, f"{STATS_TASK_NAME} takes no arguments")
+    try:
+        return engine_thread().stats()
+    except EngineUnavailable as exc:
+        return _error(task_id, str(exc), code="internal")
 
 
 # ------------------------------------------------------------------------------------------- signals
@@ -230,7 +347,19 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     configure_logging(settings)
     pool = str(getattr(sender, "pool_cls", "") or "")
     if "thread" in pool.lower() or "solo" in pool.lower():
-        engine_thread(settings)
+        try:
+            engine_thread(settings)
+        except EngineUnavailable:
+            # Celery's signal dispatcher logs and swallows an Exception from this receiver, and the worker
+            # then says "ready" and fails every task it takes. A SystemExit passes through the dispatcher;
+            # raised here, inside the WorkController's constructor (no consumer, no pool yet), it ends the
+            # process with this code before any message is taken, as ``pagedq worker`` does.
+            log.critical(
+                "celery.worker_exit",
+                exit_code=EX_FAILURE,
+                reason="the engine could not be loaded (celery.engine_failed above): not consuming tasks",
+            )
+            raise WorkerShutdown(EX_FAILURE) from None
     else:
         log.warning(
             "celery.pool_not_threads",

@@ -9,8 +9,9 @@ next step, so N callers waiting at once are N sequences in one batch, not N turn
 
 What comes back is exactly wire protocol v1 (``README.md``, "Wire protocol v1"): optional ``token`` events and one
 terminal ``final`` or ``error`` event, built from the same pydantic models as the Redis worker's, so a Celery
-result and a queue result are the same JSON. ``attempt`` is always 1 (nothing is redelivered here) and
-timings count from :meth:`EngineThread.submit` (there is no stream entry time).
+result and a queue result are the same JSON. ``attempt`` is what the caller passes to :meth:`EngineThread.submit`
+(1 unless its front door knows the job was delivered before: nothing is redelivered here) and timings count
+from :meth:`EngineThread.submit` (there is no stream entry time).
 
 Failure policy, simpler than the queue worker's on purpose: an exception from ``engine.step()`` fails every
 job in the engine with error ``internal`` (there is no redelivery here to retry with; the caller's own
@@ -57,8 +58,9 @@ class JobHandle:
     the terminal one.
     """
 
-    def __init__(self, job: JobRequest, stream: bool) -> None:
+    def __init__(self, job: JobRequest, stream: bool, attempt: int = 1) -> None:
         self.job = job
+        self.attempt = attempt
         self.submitted_at = time.time()  # timings count from here
         self.future: Future[TerminalEvent] = Future()
         self.events: queue.SimpleQueue[Event] | None = queue.SimpleQueue() if stream else None
@@ -86,7 +88,7 @@ class JobHandle:
 
 @dataclass(eq=False, kw_only=True)
 class _ThreadJob(JobRun):
-    """A submitted job from the moment the engine thread sees it until its terminal event (attempt 1)."""
+    """A submitted job from the moment the engine thread sees it until its terminal event."""
 
     handle: JobHandle
 
@@ -153,12 +155,16 @@ class EngineThread:
 
     # ---------------------------------------------------------------------------- caller API
 
-    def submit(self, job: JobRequest, *, stream: bool = False) -> JobHandle:
-        """Queue ``job`` for the engine; returns at once. The engine picks it up at its next step."""
-        handle = JobHandle(job, stream)
+    def submit(self, job: JobRequest, *, stream: bool = False, attempt: int = 1) -> JobHandle:
+        """Queue ``job`` for the engine; returns at once. The engine picks it up at its next step.
+
+        ``attempt`` goes into every event of the job: a front door whose broker redelivered it says so."""
+        if attempt < 1:
+            raise ValueError(f"attempt must be at least 1, got {attempt}")
+        handle = JobHandle(job, stream, attempt)
         with self._lock:
             if self._closed:
-                self._resolve(handle, self._error(job, "internal", "the engine thread is stopped"))
+                self._resolve(handle, self._error(handle, "internal", "the engine thread is stopped"))
                 return handle
             self._inbox.append(("submit", handle))
         self._wake.set()
@@ -210,7 +216,7 @@ class EngineThread:
             self._step()
 
     def _start(self, handle: JobHandle) -> None:
-        run = _ThreadJob(request=handle.job, attempt=1, enqueued_at=handle.submitted_at, handle=handle)
+        run = _ThreadJob(request=handle.job, attempt=handle.attempt, enqueued_at=handle.submitted_at, handle=handle)
         request_id = f"{run.id}#{next(self._ids)}"
         try:
             run.start(self.engine, request_id, max_num_seqs=self.max_num_seqs, now=time.time(), owner="engine")
@@ -282,13 +288,24 @@ class EngineThread:
                 self.engine.abort(run.request_id)
             except Exception:
                 log.exception("engine_thread.abort_failed", request_id=run.request_id)
+            # The snapshot is otherwise taken after a step only, and an engine left empty by this abort
+            # takes no further step: stats() would go on showing the job running and its KV blocks in use.
+            # Refreshed before the job's terminal event is resolved, so a caller woken by it reads the
+            # engine as it is now.
+            self._snapshot = self._engine_snapshot()
 
     # ---------------------------------------------------------------------------- endings
 
-    def _error(self, job: JobRequest, code: ErrorCode, message: str) -> ErrorEvent:
+    def _error(self, handle: JobHandle, code: ErrorCode, message: str) -> ErrorEvent:
         """An error for a job that never became a run (thread stopped before it was picked up)."""
+        job = handle.job
         return ErrorEvent(
-            id=job.id, attempt=1, code=code, message=message, metadata=job.metadata, worker=self.worker_name
+            id=job.id,
+            attempt=handle.attempt,
+            code=code,
+            message=message,
+            metadata=job.metadata,
+            worker=self.worker_name,
         )
 
     def _finish(self, run: _ThreadJob, event: TerminalEvent) -> None:
@@ -309,7 +326,7 @@ class EngineThread:
         while self._inbox:
             kind, handle = self._inbox.popleft()
             if kind == "submit":
-                self._resolve(handle, self._error(handle.job, code, message))
+                self._resolve(handle, self._error(handle, code, message))
         for run in list(self._active.values()):
             self._abort(run)
             self._finish(run, run.error_event(code, message, self.worker_name))

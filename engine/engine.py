@@ -50,6 +50,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_stats import BLOCK_FILL_EVERY_STEPS, StepStats
 from engine.structured import GrammarCache
+from schemas.chat_content import text_content
 from schemas.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -174,11 +175,11 @@ class Engine:
 
     def chat_prompt_ids(self, messages: Seq[Mapping[str, Any]]) -> list[int]:
         """Apply the model's chat template (already tokenised, so no second BOS is added). A message's
-        content may be OpenAI's list of content parts: its text parts are joined (see ``chat_text``)."""
+        content may be OpenAI's list of content parts: its text parts are joined (``schemas.chat_content``)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; send a plain prompt instead")
         flat = [
-            {**message, "content": chat_text(message.get("content"), f"messages[{i}].content")}
+            {**message, "content": text_content(message.get("content"), f"messages[{i}].content")}
             for i, message in enumerate(messages)
         ]
         text = self.tokenizer.apply_chat_template(flat, add_generation_prompt=True, tokenize=False)
@@ -636,24 +637,6 @@ def _token_ids(prompt: list[int] | tuple[int, ...]) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise ValueError(f"prompt token ids must be integers; position {i} is {t!r} ({type(t).__name__})")
     return [int(t) for t in prompt]
-
-
-def chat_text(content: object, where: str) -> str:
-    """A chat message's content as the chat template's string: a string as it is, or OpenAI's list of
-    content parts with the text of its text parts joined by newlines (what vLLM does for a text-only
-    model); other parts (images, audio) are refused, not dropped. The gateway flattens its requests the
-    same way (ops/openai_request.py, above the engine, so this is the engine's own copy)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"{where}: only text content parts are supported, got {kind!r}")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise ValueError(f"{where}: must be a string or a list of text parts, got {type(content).__name__}")
 
 
 def _failure_reason(exc: Exception) -> str:

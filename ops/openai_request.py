@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from schemas import chat_content
+
 PASSTHROUGH_FIELDS = (
     "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
     # vLLM's extras that pagedq's engine has
@@ -33,19 +35,12 @@ class RequestFieldError(ValueError):
 
 
 def text_content(content: Any, where: str) -> str:
-    """A message's ``content``: a string, or a list of text parts joined by newlines (as vLLM joins them);
-    images and audio are refused, not dropped."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestFieldError(f"{where}: pagedq supports text content parts only, got {kind!r}", where)
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise RequestFieldError(f"{where}: must be a string or a list of text parts", where)
+    """A message's ``content`` as text (``schemas.chat_content``, the engine's rule too), its refusal as a
+    :class:`RequestFieldError` at ``where``."""
+    try:
+        return chat_content.text_content(content, where)
+    except chat_content.ContentError as exc:
+        raise RequestFieldError(str(exc), exc.where) from None
 
 
 def chat_messages(raw: Any, where: str = "messages") -> list[dict[str, str]]:

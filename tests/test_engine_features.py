@@ -365,7 +365,8 @@ def test_chat_accepts_text_content_parts(llm: LLM) -> None:
         == llm.chat([{"role": "user", "content": "Hello\nthere"}], params)[0].outputs[0].token_ids
     )
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
-    with pytest.raises(ValueError, match=r"messages\[0\]\.content: only text content parts .*'image_url'"):
+    refused = r"messages\[0\]\.content: pagedq supports text content parts only, got 'image_url'"
+    with pytest.raises(ValueError, match=refused):
         llm.chat([{"role": "user", "content": [parts[0], image]}])
     with pytest.raises(ValueError, match=r"messages\[0\]\.content: must be a string or a list of text parts"):
         llm.chat([{"role": "user", "content": None}])

@@ -23,6 +23,8 @@ MAX_METADATA_BYTES = 4096
 MAX_METADATA_DEPTH = 16
 """Deepest nesting of ``metadata`` (objects and lists): deeper JSON is tiny on the wire but too deep to
 serialise safely with the event it is echoed in."""
+MAX_STOP_STRINGS = 16
+"""Most stop strings a job may give, as in OpenAI's API."""
 INT32_MAX = 2**31 - 1
 MAX_SCHEMA_DEPTH = 64
 """Deepest nesting of a ``response_format`` JSON schema: the grammar compiler recurses over it."""
@@ -157,7 +159,7 @@ class JobRequest(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     ignore_eos: bool | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -292,12 +294,13 @@ def loads_strict(raw: str | bytes) -> Any:
 _INT_DIGITS = re.compile(r"integer string conversion: value has (\d+) digits")
 
 
-def _json_error(exc: ValueError) -> str:
-    """``json``'s message, unless it is Python's integer-length guard: that one points the producer at
-    ``sys.set_int_max_str_digits()``, a setting of the worker's interpreter; say what is wrong instead."""
+def long_integer_problem(exc: ValueError) -> str | None:
+    """What is wrong, when ``json`` refused a text for Python's integer-length guard (over 4300 digits); None
+    for any other reason. The guard's own message points at ``sys.set_int_max_str_digits()``, a setting of
+    the reader's interpreter, which is no help to whoever sent the JSON."""
     if match := _INT_DIGITS.search(str(exc)):
         return f"an integer of {match.group(1)} digits is out of range for every field"
-    return str(exc)
+    return None
 
 
 def _utf8(raw: str | bytes) -> bytes:
@@ -319,7 +322,7 @@ def parse_job(raw: str | bytes, max_bytes: int) -> JobRequest:
     try:
         data = loads_strict(text)
     except ValueError as exc:
-        raise InvalidJob(f"job is not valid JSON: {_json_error(exc)}") from exc
+        raise InvalidJob(f"job is not valid JSON: {long_integer_problem(exc) or exc}") from exc
     except RecursionError as exc:
         raise InvalidJob("job JSON is nested too deeply") from exc
     if not isinstance(data, dict):

@@ -105,6 +105,12 @@ def redis_error(exc: redis.RedisError) -> ApiError:
     )
 
 
+def model_not_found(model: str) -> ApiError:
+    return ApiError(
+        404, f"the model {shown(model)!r} does not exist (GET /v1/models)", param="model", code="model_not_found"
+    )
+
+
 def internal_error() -> ApiError:
     return ApiError(
         500, "internal error in the gateway (its log has the details)", type="server_error", code="internal"
@@ -435,12 +441,7 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
         try:
             queue = await gw.router.route(spec.model)
         except LookupError:
-            raise ApiError(
-                404,
-                f"the model {shown(spec.model)!r} does not exist (GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            ) from None
+            raise model_not_found(spec.model) from None
         if queue is None:
             raise ApiError(
                 503,
@@ -523,12 +524,7 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
         check_key(request)
         found = await state["gw"].router.models()
         if model not in found:
-            raise ApiError(
-                404,
-                f"the model {shown(model)!r} does not exist (GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(model)
         return model_object(model, found[model])
 
     @app.get("/healthz")

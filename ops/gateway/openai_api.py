@@ -16,7 +16,6 @@ the gateway's, passes first.
 
 from __future__ import annotations
 
-import re
 import secrets
 import time
 import uuid
@@ -33,7 +32,17 @@ from ops.openai_request import (
     completion_prompt,
     passthrough_fields,
 )
-from schemas.jobs import Choice, ErrorEvent, FinalEvent, JobRequest, Logprob, TokenEvent, Usage
+from schemas.jobs import (
+    MAX_STOP_STRINGS,
+    Choice,
+    ErrorEvent,
+    FinalEvent,
+    JobRequest,
+    Logprob,
+    TokenEvent,
+    Usage,
+    long_integer_problem,
+)
 from schemas.sampling import SamplingParams
 
 Kind = Literal["chat", "completion"]
@@ -112,15 +121,12 @@ def timeout_error(timeout_s: float) -> ApiError:
 
 # ------------------------------------------------------------------------------------------ the body
 
-MAX_STOP = 16  # as OpenAI (and schemas.jobs.JobRequest)
-_INT_DIGITS = re.compile(r"value has (\d+) digits")
-
 
 def json_problem(exc: ValueError) -> str:
     """Why ``json.loads`` refused a body, in words that never quote it. Python's guard against integers of
     over 4300 digits raises a ValueError that names an interpreter setting: say what is wrong instead."""
-    if match := _INT_DIGITS.search(str(exc)):
-        return f"an integer of {match.group(1)} digits is out of range for every field"
+    if (problem := long_integer_problem(exc)) is not None:
+        return problem
     if isinstance(exc, UnicodeDecodeError):
         return f"it is not UTF-8 (byte {exc.start})"
     msg, line, col = getattr(exc, "msg", None), getattr(exc, "lineno", None), getattr(exc, "colno", None)
@@ -222,12 +228,12 @@ def _stop(raw: Any) -> list[str] | None:
     if isinstance(raw, str):
         raw = [raw]
     if not isinstance(raw, list):
-        raise bad_request(f"stop: must be a string or a list of at most {MAX_STOP} strings", "stop")
+        raise bad_request(f"stop: must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
     for i, item in enumerate(raw):
         if not isinstance(item, str):
             raise bad_request(f"stop[{i}]: must be a string, got {_json_type(item)}", "stop")
-    if len(raw) > MAX_STOP:
-        raise bad_request(f"stop: at most {MAX_STOP} strings, got {len(raw)}", "stop")
+    if len(raw) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(raw)}", "stop")
     return [s for s in raw if s] or None
 
 

@@ -192,7 +192,12 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         priority: int = 0,
+        *,
+        strict_max_tokens: bool = False,
     ) -> None:
+        """Queue a request. A prompt that leaves no room for one token is refused (:class:`PromptTooLongError`);
+        one that leaves fewer than ``max_tokens`` stops at the context (``finish_reason`` ``length``), as
+        vLLM's offline ``LLM`` does, unless ``strict_max_tokens`` asks for the refusal OpenAI's API gives."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         params = params or SamplingParams()
@@ -200,6 +205,8 @@ class Engine:
         ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(len(ids), self.max_model_len)
+        if strict_max_tokens and len(ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(len(ids), self.max_model_len, params.max_tokens)
         grammar = self.grammars.compile(params) if params.structured else None  # ValueError: refused
         seq = self._new_sequence(request_id, 0, ids, len(ids), params, priority, grammar)
         seq.pending_fork = params.n > 1

@@ -4,15 +4,28 @@ from __future__ import annotations
 
 
 class PromptTooLongError(ValueError):
-    """The prompt leaves no room for a single generated token within the model's context."""
+    """The prompt leaves no room for a single generated token within the model's context, or, when the
+    caller asked for its whole ``max_tokens`` to fit (``strict_max_tokens``), not room enough for them.
 
-    def __init__(self, prompt_len: int, max_model_len: int) -> None:
-        super().__init__(
-            f"prompt is {prompt_len} tokens; the model's context is {max_model_len} tokens "
-            f"and at least one must be left for generation"
-        )
+    The second message is OpenAI's own for the case (code ``context_length_exceeded``), numbers included,
+    so a client that parses it keeps working against the gateway."""
+
+    def __init__(self, prompt_len: int, max_model_len: int, max_tokens: int | None = None) -> None:
+        if max_tokens is None:
+            message = (
+                f"prompt is {prompt_len} tokens; the model's context is {max_model_len} tokens "
+                f"and at least one must be left for generation"
+            )
+        else:
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the length of the prompt or max_tokens."
+            )
+        super().__init__(message)
         self.prompt_len = prompt_len
         self.max_model_len = max_model_len
+        self.max_tokens = max_tokens
 
 
 class RankFailedError(RuntimeError):

@@ -82,3 +82,13 @@ def completion_prompt(raw: Any, where: str = "prompt") -> dict[str, Any]:
 def passthrough_fields(body: dict[str, Any]) -> dict[str, Any]:
     """The :data:`PASSTHROUGH_FIELDS` the body sets (JSON ``null`` means "not given", as in OpenAI's API)."""
     return {name: body[name] for name in PASSTHROUGH_FIELDS if body.get(name) is not None}
+
+
+def max_tokens_fields(max_tokens: Any, default_max_tokens: int) -> dict[str, Any]:
+    """The job's ``max_tokens``: the client's own (``None``: not given) must fit in the model's context with
+    the prompt, or the job is refused (``strict_max_tokens``; the gateway's 400 ``context_length_exceeded``,
+    OpenAI's answer); the front end's default only caps a choice, which stops at the context if it gets
+    there first (``finish_reason`` ``length``)."""
+    if max_tokens is None:
+        return {"max_tokens": default_max_tokens}
+    return {"max_tokens": max_tokens, "strict_max_tokens": True}

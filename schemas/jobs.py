@@ -150,6 +150,9 @@ class JobRequest(BaseModel):
 
     n: Annotated[int, Field(ge=1, le=64)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    # True: refuse (prompt_too_long) a job whose prompt plus max_tokens overflows the model's context, as
+    # OpenAI's API does, instead of stopping it at the context with finish_reason "length".
+    strict_max_tokens: bool | None = None
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None

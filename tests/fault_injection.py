@@ -49,9 +49,15 @@ class FaultyEngine:
         return getattr(self.inner, name)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        *,
+        strict_max_tokens: bool = False,
     ) -> None:
-        self.inner.add_request(request_id, prompt, params, priority)
+        self.inner.add_request(request_id, prompt, params, priority, strict_max_tokens=strict_max_tokens)
         text = prompt if isinstance(prompt, str) else self.inner.tokenizer.decode(prompt)
         if self.fault_marker and self.fault_marker in text:
             self._faulty.add(request_id)

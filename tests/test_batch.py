@@ -173,7 +173,9 @@ def test_chat_and_completion_lines_map_to_jobs() -> None:
     assert (job.max_tokens, job.logprobs, job.stop, job.seed, job.top_k, job.n) == (7, 3, "END", 1, 5, 2)
     assert job.stream is False and job.id.startswith("batch-")
     assert _parse(chat("a", "Hi", logprobs=False)).job.logprobs is None
-    assert _parse(chat("a", "Hi")).job.max_tokens == 99  # the default when the request gives none
+    assert job.strict_max_tokens is True  # the line's own limit must fit the context, as OpenAI's batch API
+    default = _parse(chat("a", "Hi")).job
+    assert default.max_tokens == 99 and not default.strict_max_tokens  # the default only caps
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
     job = _parse(chat("a", "Hi", response_format=fmt)).job

@@ -180,6 +180,31 @@ def test_bad_prompts_are_rejected(llm: LLM) -> None:
     assert not llm.engine.has_unfinished()
 
 
+def test_max_tokens_past_the_context_stops_there_unless_strict(llm: LLM) -> None:
+    """vLLM's offline rule by default (the choice stops at the context, ``length``); OpenAI's with
+    ``strict_max_tokens`` (refused before it runs, the numbers in OpenAI's own message)."""
+    engine = llm.engine
+    room = 5
+    prompt = [7] * (engine.max_model_len - room)
+    params = SamplingParams(temperature=0, max_tokens=room + 1, ignore_eos=True)
+    with pytest.raises(PromptTooLongError, match=rf"requested {engine.max_model_len + 1} tokens \({len(prompt)} in"):
+        engine.add_request("strict", prompt, params, strict_max_tokens=True)
+    assert not engine.has_unfinished()
+    engine.add_request(
+        "fits", prompt, SamplingParams(temperature=0, max_tokens=room, ignore_eos=True), strict_max_tokens=True
+    )
+    engine.add_request("capped", prompt, params)
+    outputs: dict[str, list[int]] = {}
+    reasons: dict[str, str | None] = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            outputs.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+            if delta.finished:
+                reasons[delta.request_id] = delta.outputs[0].finish_reason
+    assert reasons == {"fits": "length", "capped": "length"}
+    assert len(outputs["fits"]) == room and outputs["capped"] == outputs["fits"]
+
+
 # ---------------------------------------------------------------- found by exploratory testing
 
 

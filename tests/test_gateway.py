@@ -221,6 +221,15 @@ def test_sdk_error_types(fleet: Fleet) -> None:
     with pytest.raises(openai.BadRequestError) as too_long:  # the worker knows the model's context (1024)
         client.completions.create(model=fleet.model, prompt=[5] * 1200, max_tokens=4)
     assert too_long.value.code == "context_length_exceeded"
+    # The client's own max_tokens must fit beside the prompt (OpenAI's 400, with its numbers), where the
+    # default (16 for completions) only caps: the choice stops at the context.
+    with pytest.raises(openai.BadRequestError) as overflow:
+        client.completions.create(model=fleet.model, prompt=[5] * 1020, max_tokens=5)
+    assert overflow.value.code == "context_length_exceeded"
+    assert "requested 1025 tokens (1020 in the prompt, 5 in the completion)" in overflow.value.message
+    capped = client.completions.create(model=fleet.model, prompt=[5] * 1020, temperature=0)
+    assert capped.choices[0].finish_reason == "length" and capped.usage is not None
+    assert capped.usage.completion_tokens == 4
 
     with pytest.raises(openai.AuthenticationError):
         fleet.gateway.client(api_key="sk-wrong").models.list()

@@ -39,7 +39,13 @@ class EngineLike(Protocol):
     max_model_len: int
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        *,
+        strict_max_tokens: bool = False,
     ) -> None: ...
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]: ...
     def step(self) -> list[RequestDelta]: ...
@@ -129,7 +135,13 @@ class JobRun:
                         f"than this {owner}'s max_result_bytes={max_result_bytes / 2**20:.1f} MiB: lower "
                         "max_tokens, n or logprobs"
                     )
-            engine.add_request(request_id, prompt, params, priority=self.request.priority)
+            engine.add_request(
+                request_id,
+                prompt,
+                params,
+                priority=self.request.priority,
+                strict_max_tokens=bool(self.request.strict_max_tokens),
+            )
         except InvalidJob:
             raise
         except PromptTooLongError as exc:

@@ -25,6 +25,7 @@ from ops.openai_request import (
     RequestFieldError,
     chat_messages,
     completion_prompt,
+    max_tokens_fields,
     passthrough_fields,
 )
 from schemas.jobs import JobRequest, describe_validation_error, loads_strict
@@ -101,7 +102,7 @@ def body_to_fields(kind: str, body: dict[str, Any], default_max_tokens: int) -> 
             raise LineError("body.best_of is not supported (use n)")
         if "logprobs" in body:
             fields["logprobs"] = body["logprobs"]
-    fields["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    fields.update(max_tokens_fields(max_tokens, default_max_tokens))
     fields.update(passthrough_fields(body))
     return fields
 

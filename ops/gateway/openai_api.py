@@ -30,6 +30,7 @@ from ops.openai_request import (
     RequestFieldError,
     chat_messages,
     completion_prompt,
+    max_tokens_fields,
     passthrough_fields,
 )
 from schemas.jobs import (
@@ -287,7 +288,7 @@ def parse_request(
         max_tokens = body.get("max_tokens")
         if body.get("logprobs") is not None:
             fields["logprobs"] = body["logprobs"]
-    fields["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    fields.update(max_tokens_fields(max_tokens, default_max_tokens))
     fields.update(passthrough_fields(body))
     if "stop" in fields:
         stop = _stop(fields.pop("stop"))

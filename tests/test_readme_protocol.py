@@ -83,11 +83,12 @@ def test_an_error_event_goes_to_the_default_reply_stream_without_reply_to(ctx: C
     with inprocess_worker(ctx, engine, name="w-err"):
         ctx.redis.xadd(ctx.keys.jobs, {JOB_FIELD: json.dumps({"id": "bad-1", "prompt": 5})})
         wait_for(lambda: ctx.redis.exists(ctx.keys.result("bad-1")), what="the invalid job's result")
-    (event,) = ctx.events("bad-1")  # read from <namespace>:reply:bad-1, the default stream
+    (event,) = ctx.events("bad-1")  # read from <namespace>:{bad-1}:reply, the default stream
     assert isinstance(event, ErrorEvent) and event.code == "invalid_request"
     assert parse_event(ctx.redis.get(ctx.keys.result("bad-1"))) == event
+    documented = ctx.keys.reply("<id>").replace(ctx.ns, "pagedq", 1)  # the README writes the default namespace
     events = section("Events")
-    assert "it goes to `pagedq:reply:<id>` when the job names no `reply_to`" in events, events
+    assert f"it goes to `{documented}` when the job names no `reply_to`" in events, events
 
 
 @DEBIAN

@@ -24,6 +24,7 @@ from openai.types.chat import ChatCompletion
 from ops import batch
 from ops.batch import BatchLine, LineError, Progress, parse_line, read_done, response_body
 from ops.batch.command import LINES_FAILED
+from ops.batch.files import iter_lines
 from schemas.jobs import Choice, FinalEvent, Logprob, Timings, TopLogprob, Usage
 from tests.redis_servers import RedisServer, make_server
 from tests.worker_harness import ENGINE_KW, REPO, Ctx, WorkerProcess, wait_for
@@ -294,6 +295,16 @@ def test_without_token_texts_offsets_and_bytes_are_null_not_computed_over_stand_
     assert [(e["token"], e["bytes"]) for e in content] == [("token_id:5", None), ("token_id:7", None)]
     assert all(t["bytes"] is None for e in content for t in e["top_logprobs"])
     assert isinstance(openai_body(body), ChatCompletion)
+
+
+def test_a_windows_file_reads_like_any_other(tmp_path: Path) -> None:
+    """A byte order mark before the first line and CRLF endings (a file saved by a Windows editor)."""
+    path = tmp_path / "in.jsonl"
+    first, second = json.dumps({"custom_id": "a"}), json.dumps({"custom_id": "b"})
+    path.write_bytes(b"\xef\xbb\xbf" + first.encode() + b"\r\n\r\n" + second.encode() + b"\r\n")
+    assert list(iter_lines(path)) == [(1, first), (3, second)]
+    path.write_bytes(first.encode() + b"\n\xef\xbb\xbf" + second.encode())  # elsewhere it is the line's own
+    assert list(iter_lines(path)) == [(1, first), (2, "\ufeff" + second)]
 
 
 def test_read_done_cuts_a_torn_last_line(tmp_path: Path) -> None:

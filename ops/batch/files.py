@@ -30,9 +30,12 @@ def errors_path_for(output: Path) -> Path:
 
 
 def iter_lines(path: Path) -> Iterator[tuple[int, str | None]]:
-    """(1-based line number, text) of each non-blank line; text None when it is not valid UTF-8."""
+    """(1-based line number, text) of each non-blank line; text None when it is not valid UTF-8. A UTF-8 byte
+    order mark opening the file (what Windows editors save) is not part of the first line."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
+            if line_no == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
             if not raw.strip():
                 continue
             try:

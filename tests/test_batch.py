@@ -326,6 +326,26 @@ def test_duplicate_custom_ids_are_refused_up_front(tmp_path: Path, capsys: pytes
     assert not out.exists() and not (tmp_path / "out.errors.jsonl").exists()
 
 
+def test_an_output_that_cannot_be_written_is_refused_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before a model loads: the errors file is opened at the first error only, so a bad folder for it
+    would otherwise surface as a traceback once the work was done."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(completion("a", "x") + "\n")
+    missing = tmp_path / "no-such-folder"
+    cases = [
+        ([str(missing / "out.jsonl")], "the folder"),
+        ([str(tmp_path / "out.jsonl"), "--errors", str(missing / "e.jsonl")], "the folder"),
+        ([str(tmp_path)], "is a folder"),
+    ]
+    for args, needle in cases:
+        assert batch.main([str(inp), *args, "--local"]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
+    assert not missing.exists() and not (tmp_path / "out.jsonl").exists()
+
+
 def test_progress_is_a_bar_on_a_terminal_and_log_lines_otherwise() -> None:
     class Tty(io.StringIO):
         def isatty(self) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -98,6 +99,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None)
 
 
+def _cannot_write(path: Path) -> str | None:
+    """Why OUTPUT or the errors file could not be written, found before a model loads or a job is queued
+    (the errors file is opened only at the first error: a bad folder would surface after the work)."""
+    if path.is_dir():
+        return f"{path} is a folder, not a file"
+    if not path.parent.is_dir():
+        return f"cannot write {path}: the folder {path.parent} does not exist"
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        return f"cannot write {path}: permission denied"
+    return None
+
+
 def _fail(message: str, code: int) -> int:
     print(f"pagedq batch: {message}", file=sys.stderr)
     return code
@@ -118,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"cannot read {inp}", 2)
     if len({inp.resolve(), out.resolve(), errors.resolve()}) < 3:
         return _fail("INPUT, OUTPUT and the errors file must be three different files", 2)
+    for path in (out, errors):
+        if (problem := _cannot_write(path)) is not None:
+            return _fail(problem, 2)
     if args.max_in_flight is not None and args.max_in_flight < 1:
         return _fail("--max-in-flight must be at least 1", 2)
     try:

@@ -518,15 +518,25 @@ class TokenEvent(_Event):
     index: int
     text: str
     token_ids: list[int]
+    # The logprobs of exactly these tokens, in order, when the job asked for logprobs (else absent). Added
+    # after protocol v2's first workers: a reader must not count on it (an older worker sends logprobs in
+    # the final event only), and an older reader ignores it.
+    logprobs: list[Logprob] | None = None
 
 
 class TopLogprob(BaseModel):
+    # A logprob is finite (the engine leaves masked alternatives out): NaN or infinity is a forged event,
+    # which readers skip, rather than a value the gateway would write out as invalid JSON.
+    model_config = ConfigDict(allow_inf_nan=False)
+
     token_id: int
     logprob: float
 
 
 class Logprob(BaseModel):
     """Log-probability of one sampled token and the most likely alternatives at its position."""
+
+    model_config = ConfigDict(allow_inf_nan=False)  # as TopLogprob
 
     token_id: int
     logprob: float

@@ -69,6 +69,19 @@ def _intrude(ctx: Ctx, job_id: str) -> None:
         {EVENT_FIELD: json.dumps({"type": "final", "id": job_id})},  # a final missing its fields
         {EVENT_FIELD: json.dumps({"type": "bogus", "id": job_id, "attempt": 1})},
         {EVENT_FIELD: json.dumps({"type": "token", "id": job_id, "attempt": "1", "index": 0, "text": "x"})},
+        {
+            EVENT_FIELD: json.dumps(
+                {
+                    "type": "token",
+                    "id": job_id,
+                    "attempt": 1,
+                    "index": 0,
+                    "text": "NaN",
+                    "token_ids": [1],
+                    "logprobs": [{"token_id": 1, "logprob": float("nan")}],
+                }
+            )
+        },
         {"other": "field"},
         {EVENT_FIELD: _final("intruder", "HIJACKED").to_json()},
         {EVENT_FIELD: _final(job_id, "FORGED", attempt=9).to_json()},  # the victim's id, no result key
@@ -160,6 +173,57 @@ def test_a_forged_terminal_event_does_not_end_a_waiting_reader(ctx: Ctx, kind: s
     thread.join(30)
     assert not thread.is_alive() and "error" not in out, out
     assert out["items"] == ["Hel", "lo", final]
+
+
+@pytest.mark.parametrize(("kind", "reconnect_s"), [("sync", 30.0), ("async", 30.0), ("sync", 0.0)])
+def test_a_waiting_reader_rides_out_a_lost_connection(ctx: Ctx, kind: str, reconnect_s: float) -> None:
+    """A Redis restart or failover drops every connection: a reader waiting on a job reconnects and reads on
+    from where it was (``reconnect_s``), or, told not to (0, as the gateway is), raises the error at once."""
+    job_id = ctx.client.submit("hello", max_tokens=4)
+    name = f"rider-{ctx.ns}-{kind}-{reconnect_s}"
+    ctx.redis.xadd(ctx.keys.reply(job_id), {EVENT_FIELD: _token(job_id, "Hel")})  # read before the loss
+    out: dict[str, Any] = {}
+
+    def reader() -> None:
+        url = ctx.server.url
+        try:
+            if kind == "sync":
+                conn = redis.Redis.from_url(url, decode_responses=True, client_name=name)
+                with PagedqClient(conn, namespace=ctx.ns, reconnect_s=reconnect_s) as client:
+                    out["items"] = list(client.stream(job_id, timeout=30))
+                return
+
+            async def read() -> list[Any]:
+                conn = redis.asyncio.Redis.from_url(url, decode_responses=True, client_name=name)
+                async with AsyncPagedqClient(conn, namespace=ctx.ns, reconnect_s=reconnect_s) as client:
+                    return [item async for item in client.stream(job_id, timeout=30)]
+
+            out["items"] = asyncio.run(read())
+        except BaseException as exc:  # reported by the main thread
+            out["error"] = exc
+
+    def blocked() -> set[str]:
+        return {c["id"] for c in ctx.redis.client_list() if c["name"] == name and "b" in c["flags"]}
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    first = wait_for(lambda: blocked() or not thread.is_alive(), 30, what="the reader blocked on the reply stream")
+    assert thread.is_alive(), out
+    for client_id in first:
+        ctx.redis.client_kill_filter(_id=client_id)
+    if reconnect_s == 0:
+        thread.join(30)
+        assert isinstance(out.get("error"), redis.ConnectionError), out
+        return
+    wait_for(lambda: (blocked() - first) or not thread.is_alive(), 30, what="the reader blocked again, reconnected")
+    assert thread.is_alive(), out
+    ctx.redis.xadd(ctx.keys.reply(job_id), {EVENT_FIELD: _token(job_id, "lo")})
+    final = _final(job_id, "Hello")
+    ctx.redis.xadd(ctx.keys.reply(job_id), {EVENT_FIELD: final.to_json()})
+    ctx.redis.set(ctx.keys.result(job_id), final.to_json())
+    thread.join(30)
+    assert not thread.is_alive() and "error" not in out, out
+    assert out["items"] == ["Hel", "lo", final]  # nothing read twice, nothing skipped
 
 
 def test_the_result_key_is_authoritative_even_without_a_reply_stream(ctx: Ctx) -> None:

@@ -25,9 +25,11 @@ an id that already has a result still leaves a dead letter (the idempotency rule
 silently; an invalid *payload* with such an id must still leave one), where an invalid job that names a
 ``reply_to`` sends its error, how a job ends whose own reply stream another job already holds, which code
 a future entry that is also not JSON gets, whether ``null`` means "not set", and how entries the protocol
-reads two ways end (duplicate keys, a BOM, two ``job`` fields, extra entry fields). The default run sends
-~1,450 entries to one worker (~15 s on 2 cores); the slow one ~5,050 to two, one of them SIGKILLed while it
-holds entries and restarted under the same name.
+reads two ways end (duplicate keys, a BOM, extra entry fields). An entry with two ``job`` fields is checked
+under its rule (:func:`check_several_job_fields`): neither job runs, each job with an id no other entry
+uses ends with an ``invalid_request`` error, and the entry has one dead letter keeping every field. The
+default run sends ~1,450 entries to one worker (~15 s on 2 cores); the slow one ~5,050 to two, one of
+them SIGKILLed while it holds entries and restarted under the same name.
 """
 
 from __future__ import annotations
@@ -464,6 +466,16 @@ def check_results_and_replies(c: Campaign, report: Report) -> None:
                 report.entry(prop, e, f"the one in {target!r} differs from the result")
 
 
+def id_counts(entries: list[Entry]) -> Counter[str]:
+    """How many entries each id may be read from (definitely or where the protocol leaves it open)."""
+    ids: Counter[str] = Counter()
+    for e in entries:
+        definite, maybe = readable_ids(e.fields)
+        for i in maybe | ({definite} if definite else set()):
+            ids[i] += 1
+    return ids
+
+
 def check_dead_letters(c: Campaign, report: Report) -> None:
     rows = c.raw.xrange(c.ctx.keys.dead)
     by_entry: dict[str, list[dict[bytes, bytes]]] = defaultdict(list)
@@ -476,11 +488,7 @@ def check_dead_letters(c: Campaign, report: Report) -> None:
     for entry_id, letters in by_entry.items():
         if entry_id not in sent:
             report.add("dead letters name an entry that was sent", f"entry_id {entry_id!r}: {str(letters[0])[:400]}")
-    ids: Counter[str] = Counter()
-    for e in c.entries:
-        definite, maybe = readable_ids(e.fields)
-        for i in maybe | ({definite} if definite else set()):
-            ids[i] += 1
+    ids = id_counts(c.entries)
     for e in c.entries:
         letters = by_entry.get(e.entry_id, [])
         definite, maybe = readable_ids(e.fields)
@@ -515,6 +523,54 @@ def check_dead_letters(c: Campaign, report: Report) -> None:
             report.entry("a dead letter keeps a small raw payload byte for byte", e, f"kept {letter.get(b'job')!r}")
 
 
+def check_several_job_fields(c: Campaign, report: Report) -> None:
+    """The rule for an entry with more than one ``job`` field (``worker/intake.py``,
+    ``Intake._several_jobs``): none of its jobs runs; each job whose id can be read from its own payload
+    ends with an ``invalid_request`` error saying to send one job per entry (checked where no other entry
+    could end that id); the entry has exactly one dead letter, ``invalid_request``, keeping every field in
+    order as a JSON list of ``[name, value]`` pairs (when not cut)."""
+    letters: dict[str, list[dict[bytes, bytes]]] = defaultdict(list)
+    for _, fields in c.raw.xrange(c.ctx.keys.dead):
+        letters[fields.get(b"entry_id", b"").decode()].append(fields)
+    possible = id_counts(c.entries)
+    for e in c.entries:
+        jobs = [v for k, v in e.fields if k == JOB]
+        if len(jobs) < 2:
+            continue
+        mine = letters.get(e.entry_id, [])
+        if len(mine) != 1:
+            report.entry("an entry with several job fields has one dead letter", e, f"{len(mine)} dead letters")
+        else:
+            letter = mine[0]
+            code, reason = letter.get(b"code", b"").decode(), letter.get(b"reason", b"").decode("utf-8", "replace")
+            if code != "invalid_request" or f"{len(jobs)} 'job' fields" not in reason:
+                report.entry("an entry with several job fields has one dead letter", e, f"{code}: {reason[:200]!r}")
+            kept = letter.get(b"job", b"")
+            if int(letter.get(b"job_bytes", b"-1")) == len(kept):
+                # Invalid UTF-8 travels as surrogateescape (the worker's decoding): decode it back that way.
+                pairs = [[x.decode("utf-8", "surrogateescape") for x in kv] for kv in e.fields]
+                try:
+                    got = json.loads(kept.decode("utf-8", "surrogateescape"))
+                except ValueError:
+                    got = None
+                if got != pairs:
+                    report.entry("the dead letter keeps every field in order", e, f"kept {kept[:300]!r}")
+        for value in jobs:
+            definite, _ = readable_ids([(JOB, value)])
+            if definite is None or possible[definite] != 1 or definite in DONE_VICTIMS or definite in SQUATTED:
+                continue
+            stored = c.raw.get(f"{c.world.ns}:{{{definite}}}:result")
+            result = load_json(stored) if stored is not None else None
+            if not (
+                isinstance(result, dict)
+                and result.get("type") == "error"
+                and result.get("code") == "invalid_request"
+                and "one job per entry" in str(result.get("message"))
+            ):
+                detail = "no result" if stored is None else f"result {stored[:200]!r}"
+                report.entry("each job of an entry with several job fields gets an error", e, f"{definite}: {detail}")
+
+
 def verify(c: Campaign) -> None:
     report = Report()
     check_fresh_jobs(c, report)
@@ -522,6 +578,7 @@ def verify(c: Campaign) -> None:
     check_keys(c, report)
     check_results_and_replies(c, report)
     check_dead_letters(c, report)
+    check_several_job_fields(c, report)
     c.timings["checked_s"] = time.monotonic() - c.started
     summary = Counter((e.expect.result, e.expect.dead) for e in c.entries)
     print(f"\nfuzz: {len(c.entries)} entries {dict(summary)}; timings {c.timings}")

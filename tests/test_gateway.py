@@ -274,8 +274,9 @@ def test_job_not_picked_up_in_time_is_503_and_cancelled(fleet: Fleet, tmp_path: 
     wait_for(lambda: all(ctx.result(busy_id) for busy_id in busy), 30, what="the busy jobs to end")
 
 
-def test_client_disconnect_mid_stream_cancels_the_job(fleet: Fleet) -> None:
-    stream = fleet.client.chat.completions.create(
+def long_stream(fleet: Fleet, **extra: Any) -> Any:
+    """A streamed chat request for a job of 600 tokens (several seconds), for a test to act on while it runs."""
+    return fleet.client.chat.completions.create(
         model=fleet.model,
         messages=chat("Write a very long story."),
         max_tokens=600,
@@ -283,7 +284,12 @@ def test_client_disconnect_mid_stream_cancels_the_job(fleet: Fleet) -> None:
         temperature=1.0,
         seed=1,
         stream=True,
+        **extra,
     )
+
+
+def test_client_disconnect_mid_stream_cancels_the_job(fleet: Fleet) -> None:
+    stream = long_stream(fleet)
     first = next(iter(stream))
     job_id = first.id
     stream.close()  # the HTTP connection goes away mid-stream
@@ -446,8 +452,9 @@ def test_dashboard_in_a_real_browser(fleet: Fleet, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # two more worker processes and a 3 s reclaim: the default tier keeps its budget
+@pytest.mark.parametrize("logprobs", [None, 1])  # with logprobs: streamed as generated, redelivery and all
 def test_worker_sigkilled_mid_stream_the_client_gets_one_coherent_completion(
-    redis_srv: RedisServer, model_dir: Path, tmp_path: Path
+    redis_srv: RedisServer, model_dir: Path, tmp_path: Path, logprobs: int | None
 ) -> None:
     ctx = Ctx(redis_srv)  # a namespace of its own: two workers, a gateway
     workers = [WorkerProcess(ctx, model_dir, tmp_path, f"k{i}", step_delay_s=0.02) for i in (1, 2)]
@@ -462,14 +469,17 @@ def test_worker_sigkilled_mid_stream_the_client_gets_one_coherent_completion(
             "prompt": "Tell me a story about a worker",
             "max_tokens": 160,
             "temperature": 0,
+            "logprobs": logprobs,
             "extra_body": {"ignore_eos": True},
         }
         text = ""
+        tokens: list[str] = []
         job_id = ""
         killed = None
         for c in client.completions.create(stream=True, **kw):
             job_id = c.id
             text += "".join(choice.text for choice in c.choices)
+            tokens += [t for choice in c.choices if choice.logprobs for t in choice.logprobs.tokens or ()]
             if killed is None and text:
                 # The worker holding the job dies mid-stream; the other one takes the entry over.
                 (holder,) = [e["consumer"] for e in ctx.redis.xpending_range(ctx.keys.jobs, "workers", "-", "+", 10)]
@@ -479,6 +489,8 @@ def test_worker_sigkilled_mid_stream_the_client_gets_one_coherent_completion(
         final = ctx.result(job_id)
         assert isinstance(final, FinalEvent) and final.attempt >= 2 and final.worker != killed.name
         assert text == final.text  # every delta once, in order: what the surviving attempt produced
+        if logprobs:  # and every token's logprobs once, in order
+            assert tokens == [f"token_id:{t}" for t in final.choices[0].token_ids]
     except BaseException:
         for w in workers:
             print(w.log())
@@ -631,6 +643,121 @@ def test_streamed_logprobs_come_with_their_tokens(fleet: Fleet) -> None:
                 assert choice.logprobs.text_offset == [len(text)] * len(choice.logprobs.tokens or [])
             text += choice.text
     assert text == out.choices[0].text
+
+
+def test_streamed_logprobs_arrive_as_they_are_generated(fleet: Fleet) -> None:
+    # A long job: its first chunk, with its tokens' logprobs, comes while the job still runs (no final event
+    # in its reply stream, no result), not once it has ended.
+    stream = long_stream(fleet, logprobs=True, top_logprobs=2)
+    first = next(iter(stream))
+    job_id = first.id
+    running = (fleet.ctx.result(job_id), fleet.ctx.terminal_events(job_id))
+    stream.close()  # and the job is cancelled
+    assert running == (None, []), running
+    (choice,) = first.choices
+    assert choice.delta.role == "assistant" and choice.finish_reason is None
+    assert choice.logprobs is not None and choice.logprobs.content
+    assert all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
+    event = wait_for(lambda: fleet.ctx.result(job_id), 30, what="the disconnected job's terminal event")
+    assert isinstance(event, FinalEvent) and event.choices[0].finish_reason == "cancelled", event
+
+    # Streamed as generated, the logprobs of a seeded request are the non-streamed response's, choice by choice.
+    kw: dict[str, Any] = {
+        "model": fleet.model,
+        "messages": chat("Name three queues."),
+        "max_tokens": 9,
+        "n": 2,
+        "temperature": 0.9,
+        "seed": 21,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    whole = fleet.client.chat.completions.create(**kw)
+
+    def entries(content: Any) -> list[Any]:
+        return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in content or ()]
+
+    streamed: dict[int, list[Any]] = {0: [], 1: []}
+    texts = ["", ""]
+    for c in fleet.client.chat.completions.create(stream=True, **kw):
+        for ch in c.choices:
+            streamed[ch.index] += entries(ch.logprobs.content if ch.logprobs else None)
+            texts[ch.index] += ch.delta.content or ""
+    for ch in whole.choices:
+        assert ch.logprobs is not None and len(ch.logprobs.content or ()) > 0
+        assert streamed[ch.index] == entries(ch.logprobs.content), ch.index
+        assert texts[ch.index] == ch.message.content
+
+    # Completions: the same, with text_offset continuing over the chunks.
+    ckw: dict[str, Any] = {
+        "model": fleet.model,
+        "prompt": "Queues are",
+        "max_tokens": 9,
+        "n": 2,
+        "temperature": 0.9,
+        "seed": 22,
+        "logprobs": 2,
+    }
+    out = fleet.client.completions.create(**ckw)
+    got: dict[int, list[Any]] = {0: [], 1: []}
+    ctexts = ["", ""]
+    for c in fleet.client.completions.create(stream=True, **ckw):
+        for ch in c.choices:
+            lp = ch.logprobs
+            if lp is not None and lp.tokens:
+                assert lp.text_offset == [len(ctexts[ch.index])] * len(lp.tokens)
+                got[ch.index] += zip(lp.tokens, lp.token_logprobs or (), lp.top_logprobs or (), strict=True)
+            ctexts[ch.index] += ch.text
+    for ch in out.choices:
+        lp = ch.logprobs
+        assert lp is not None and lp.tokens
+        assert got[ch.index] == list(zip(lp.tokens, lp.token_logprobs or (), lp.top_logprobs or (), strict=True))
+        assert ctexts[ch.index] == ch.text
+
+
+def test_live_logprobs_follow_a_redelivery_and_fall_back_to_the_final_event() -> None:
+    from ops.gateway.openai_api import Diverged, LiveLogprobs, Steps, logprob_chunks, parse_request
+    from schemas.jobs import Logprob, TokenEvent
+
+    def lp(token_id: int) -> Logprob:
+        return Logprob(token_id=token_id, logprob=-token_id / 10)
+
+    def token(attempt: int, text: str, ids: list[int], with_logprobs: bool = True) -> TokenEvent:
+        lps = [lp(t) for t in ids] if with_logprobs else None
+        return TokenEvent(id="j", attempt=attempt, index=0, text=text, token_ids=ids, logprobs=lps)
+
+    def final(attempt: int, text: str, ids: list[int]) -> FinalEvent:
+        choice = Choice(index=0, text=text, token_ids=ids, finish_reason="length", logprobs=[lp(t) for t in ids])
+        usage, timings = Usage(prompt_tokens=1, completion_tokens=len(ids)), Timings(queued_s=0, total_s=1)
+        return FinalEvent(id="j", attempt=attempt, choices=[choice], usage=usage, timings=timings, worker="w")
+
+    body = {"model": "m", "prompt": "p", "logprobs": 0, "stream": True}
+    req = parse_request("completion", body, default_max_tokens=8, timeout_s=60)
+    state, steps = LiveLogprobs(), Steps()
+    events = [token(1, "ab", [1, 2]), token(2, "a", [1]), token(1, "z", [9]), token(2, "bc", [2, 3]), token(2, "", [4])]
+    pieces = []
+    for event in events:
+        steps.add(event)
+        pieces.append(state.feed(event))
+    # Attempt 2 repeats attempt 1 silently (a stale attempt-1 event is ignored), then adds what is new.
+    assert pieces == [("ab", [lp(1), lp(2)], 0), None, None, ("c", [lp(3)], 2), ("", [lp(4)], 3)]
+    state.started = True
+    (last,) = logprob_chunks(req, final(2, "abcd", [1, 2, 3, 4, 5]), steps, {0: state})
+    (choice,) = last["choices"]  # the text and tokens after the last token event, with the finish
+    assert (choice["text"], choice["finish_reason"]) == ("d", "length")
+    assert choice["logprobs"]["tokens"] == ["token_id:5"] and choice["logprobs"]["text_offset"] == [3]
+    with pytest.raises(Diverged):  # a rerun that differs from what was sent (sampling without a seed)
+        state.feed(token(3, "ax", [1, 7]))
+
+    # An older worker's token events carry no logprobs: everything comes, cut at its steps, with the final.
+    old, steps = LiveLogprobs(), Steps()
+    for event in (token(1, "ab", [1, 2], False), token(1, "c", [3], False)):
+        steps.add(event)
+        assert old.feed(event) is None
+    chunks = logprob_chunks(req, final(1, "abcd", [1, 2, 3, 4]), steps, {0: old})
+    cut = [(c["choices"][0]["text"], c["choices"][0]["logprobs"]["tokens"]) for c in chunks]
+    assert cut == [("ab", ["token_id:1", "token_id:2"]), ("c", ["token_id:3"]), ("d", ["token_id:4"])]
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[0, 0], [2], [3]]
 
 
 def test_job_endings_without_an_openai_finish_reason_are_errors() -> None:

@@ -28,6 +28,7 @@ from tests.redis_servers import (  # noqa: F401
     RedisServer,
     free_port,
     fresh_redis_server,
+    redis_cluster,
     redis_server,
 )
 from tests.worker_harness import Ctx, WorkerProcess, inprocess_worker, logs_shown_on_failure, wait_for
@@ -460,6 +461,79 @@ def test_sigterm_is_honoured_within_the_grace_period_even_when_wedged(
         took = time.monotonic() - started
         assert code != 0 and took < 2 + 1 + 1.5, took  # grace + the watchdog's margin + its check period
         assert ctx.result(job) is None and ctx.pending() == 1  # the job stays for another worker
+
+
+TWIN_JOBS = {k: json.dumps({"id": f"twin-{k}", "prompt": k, "max_tokens": 2}) for k in "abc"}
+SEVERAL_JOBS = {
+    "both": [JOB_FIELD, TWIN_JOBS["a"], JOB_FIELD, TWIN_JOBS["b"]],
+    "one readable": ["trace", "1", JOB_FIELD, "not json", JOB_FIELD, TWIN_JOBS["c"], "trace", "2"],
+    "none readable": [JOB_FIELD, "x", JOB_FIELD, "y", JOB_FIELD, "{}"],
+}
+"""Entries with several ``job`` fields (``XADD ... job A job B``, legal in Redis), as field/value lists."""
+
+
+def _add_several_jobs(ctx: Ctx) -> dict[str, str]:
+    return {name: ctx.redis.execute_command("XADD", ctx.keys.jobs, "*", *flat) for name, flat in SEVERAL_JOBS.items()}
+
+
+def _several_jobs_answered(ctx: Ctx, entries: dict[str, str]) -> None:
+    """An entry with two ``job`` fields ran the second job alone: redis-py's stream replies keep one value
+    per field name, and the first job's producer waited forever. Now such an entry runs none of its jobs,
+    each job with a readable id gets an error event, the entry one dead letter with every field in order,
+    and a job queued after it is served."""
+    after = ctx.client.submit("after", max_tokens=2, temperature=0)
+    for job_id in ("twin-a", "twin-b", "twin-c"):
+        event = _await_result(ctx, job_id)
+        assert isinstance(event, ErrorEvent) and event.code == "invalid_request", event
+        assert "2 'job' fields" in event.message and "one job per entry" in event.message, event.message
+        assert [parse_event(f[EVENT_FIELD]) for _, f in ctx.redis.xrange(ctx.keys.reply(job_id))] == [event]
+    assert isinstance(ctx.client.result(after, timeout=60), FinalEvent)
+    wait_for(lambda: ctx.redis.xlen(ctx.keys.dead) == 3 and ctx.pending() == 0, what="3 dead letters, none pending")
+    letters = {d.entry_id: d for d in _dead_letters(ctx)}
+    assert sorted(letters) == sorted(entries.values())
+    for name, entry in entries.items():
+        letter = letters[entry]
+        assert letter.code == "invalid_request" and "one job per entry" in letter.reason, letter
+        flat = SEVERAL_JOBS[name]
+        assert json.loads(letter.job) == [flat[i : i + 2] for i in range(0, len(flat), 2)]  # every field, in order
+    assert letters[entries["both"]].job_id == "twin-a" and letters[entries["one readable"]].job_id == "twin-c"
+    none = letters[entries["none readable"]]
+    assert none.job_id == "" and "3 'job' fields" in none.reason
+
+
+def test_an_entry_with_two_jobs_answers_each_and_is_dead_lettered_once(
+    ctx: Ctx, model_dir: Path, tmp_path: Path
+) -> None:
+    """The first entry reaches the worker taken over from a dead consumer (XAUTOCLAIM + XCLAIM), the others
+    as new entries (XREADGROUP)."""
+    ensure_group(ctx.redis, ctx.keys)
+    entries = _add_several_jobs(ctx)
+    Reclaimer(ctx.redis, ctx.keys, "died", reclaim_idle_s=30).read_new(1, None)  # took the first, then died
+    ctx.redis.execute_command("XCLAIM", ctx.keys.jobs, GROUP, "died", 0, entries["both"], "IDLE", 10**7)
+    proc = WorkerProcess(ctx, model_dir, tmp_path, "twins")
+    with logs_shown_on_failure(proc.log, proc.close):
+        proc.wait_ready()
+        _several_jobs_answered(ctx, entries)
+        assert not [x for x in proc.log_lines() if x.get("event") == "worker.loop_error"]
+        assert any(x.get("event") == "reclaim.claimed" for x in proc.log_lines())
+
+
+@pytest.mark.slow  # six redis-server processes
+def test_an_entry_with_two_jobs_on_a_cluster(
+    redis_cluster: ClusterServers,  # noqa: F811
+    model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """The same on Redis Cluster, where the worker's client is a ``RedisCluster`` and the terminal write is
+    two scripts per job: still one dead letter per entry."""
+    cluster_ctx = Ctx(redis_cluster, shards=3)
+    try:
+        proc = WorkerProcess(cluster_ctx, model_dir, tmp_path, "twins")
+        with logs_shown_on_failure(proc.log, proc.close):
+            proc.wait_ready()
+            _several_jobs_answered(cluster_ctx, _add_several_jobs(cluster_ctx))
+    finally:
+        cluster_ctx.close()
 
 
 def test_a_job_delivered_past_max_attempts_is_dead_lettered_before_it_runs(ctx: Ctx, engine: EngineLike) -> None:

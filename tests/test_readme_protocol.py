@@ -4,7 +4,8 @@ checked twice, in the README and against a real worker (an in-process one on a t
 * a ``token`` event may carry an empty ``text`` with non-empty ``token_ids`` (held-back text);
 * ``metadata`` is absent from the final event when the job gave none (the example used to show ``{}``);
 * an ``error`` event goes to the default reply stream when the job names no ``reply_to``;
-* ``pagedq batch`` takes ``/v1/completions`` lines, not only chat ones.
+* ``pagedq batch`` takes ``/v1/completions`` lines, not only chat ones;
+* with ``logprobs`` asked, each ``token`` event carries the logprobs of exactly its ``token_ids``.
 """
 
 from __future__ import annotations
@@ -109,3 +110,33 @@ def test_batch_runs_completions_lines(
     assert record["custom_id"] == "p1" and body["object"] == "text_completion" and body["choices"][0]["text"]
     commands = section("Commands")
     assert "OpenAI Batch format (`/v1/chat/completions` and `/v1/completions` lines)" in commands
+
+
+@DEBIAN
+def test_token_events_carry_their_tokens_logprobs(ctx: Ctx, engine: Any) -> None:
+    # Held-back text (a stop string never generated) and coalesced steps: each token event's logprobs are
+    # still those of exactly its token ids, and one attempt's concatenate to the final event's.
+    never = "<" + "never generated " * 3 + ">"
+    with inprocess_worker(ctx, engine, name="w-logprobs"):
+        asked = ctx.client.submit(
+            "Hello there", max_tokens=7, n=2, temperature=0.8, seed=5, logprobs=2, stop=[never], ignore_eos=True
+        )
+        plain = ctx.client.submit("Hello there", max_tokens=3, temperature=0)
+        final = ctx.client.result(asked, timeout=60)
+        ctx.client.result(plain, timeout=60)
+    assert isinstance(final, FinalEvent) and final.usage.completion_tokens == 14
+    tokens = [e for e in ctx.events(asked) if isinstance(e, TokenEvent)]
+    assert tokens[0].text == "" and tokens[0].token_ids  # text held back, logprobs not
+    for event in tokens:
+        assert event.logprobs is not None
+        assert [lp.token_id for lp in event.logprobs] == event.token_ids, event
+        assert all(len(lp.top) == 2 for lp in event.logprobs)
+    for choice in final.choices:
+        mine = [e for e in tokens if e.index == choice.index]
+        assert [lp for e in mine for lp in e.logprobs or ()] == choice.logprobs
+        assert [t for e in mine for t in e.token_ids] == choice.token_ids
+    # A job that did not ask for logprobs sends none: the field is absent, as older readers knew the event.
+    plain_tokens = [e for e in raw_events(ctx, ctx.keys.reply(plain)) if e["type"] == "token"]
+    assert plain_tokens and all("logprobs" not in e for e in plain_tokens)
+    events = section("Events")
+    assert "a token event also has `logprobs`: the logprobs of exactly its `token_ids`, one each, in order" in events

@@ -330,7 +330,7 @@ def test_redelivered_job_with_a_result_is_acked_without_rerun_and_attempts_are_c
     w = Worker(ctx.settings(max_attempts=2), engine)
     w.startup()
     try:
-        w.accept([Delivery(entry, fields, 3)])
+        w.accept([Delivery(entry, list(fields.items()), 3)])
         w.tick()
     finally:
         w.shutdown()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -221,6 +222,54 @@ def test_redis_restart_mid_run(fresh_redis_server: RedisServer, model_dir: Path,
         assert_exactly_once(ctx, ids)
         events = [x.get("event") for x in a.log_lines()]
         assert "redis.connection_lost" in events and "redis.reconnected" in events
+        assert a.terminate() == 0
+
+
+@pytest.mark.slow  # a Redis that restarts empty under a running job (~10 s)
+@pytest.mark.parametrize("fresh_redis_server", ["debian"], indirect=True)  # its data files are known
+def test_a_redis_restarted_empty_still_gets_the_running_jobs_answer(
+    fresh_redis_server: RedisServer,  # noqa: F811
+    model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """Redis back without its data (no persistence, a failover to a replica that never had the job): the
+    job's entry and the consumer group are gone, yet the worker running the job keeps it and publishes its
+    result (it used to drop it as "lost"), and a client waiting on it rides out the outage
+    (``reconnect_s``) and gets it (it used to raise ConnectionError)."""
+    ctx = Ctx(fresh_redis_server)
+    w = Workers(ctx, model_dir, tmp_path)
+    with logs_shown_on_failure(w.logs, w.close, ctx.close):
+        a = w.start("amnesia", step_delay_s=0.02)
+        a.wait_ready()
+        job_id = ctx.client.submit("amnesia", max_tokens=300, ignore_eos=True)
+        outcome: dict[str, Any] = {}
+
+        def wait() -> None:
+            with PagedqClient(fresh_redis_server.url, namespace=ctx.ns) as waiter:
+                try:
+                    outcome["final"] = waiter.result(job_id, timeout=120)
+                except BaseException as exc:  # shown by the assertion below
+                    outcome["error"] = exc
+
+        waiting = threading.Thread(target=wait, daemon=True)
+        waiting.start()
+        wait_for(lambda: ctx.events(job_id), what="the job's first tokens")
+        ctx.close()
+        fresh_redis_server.kill()
+        for name in ("appendonlydir", "dump.rdb"):  # the data Redis would come back with
+            target = fresh_redis_server.data_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            target.unlink(missing_ok=True)
+        fresh_redis_server.start()
+        ctx.__post_init__()  # new connections
+        waiting.join(120)
+        assert "error" not in outcome and "final" in outcome, outcome
+        final = outcome["final"]
+        assert final.attempt == 1 and final.usage.completion_tokens == 300
+        events = [x.get("event") for x in a.log_lines()]
+        assert "job.entry_vanished" in events and "job.lost" not in events
+        assert "keeper.failed" not in events  # the missing group is a vanished entry, not a traceback
         assert a.terminate() == 0
 
 

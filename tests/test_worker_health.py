@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -56,6 +57,25 @@ def ctx(redis_server: RedisServer) -> Iterator[Ctx]:  # noqa: F811
     c = Ctx(redis_server)
     yield c
     c.close()
+
+
+def test_a_metrics_port_in_use_is_a_config_error_before_the_model_loads(
+    ctx: Ctx, model_dir: Path, tmp_path: Path
+) -> None:
+    """A second worker on a host with the same --metrics-port: exit 78 (EX_CONFIG) with a line that names
+    the port and the fix, not a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = WorkerProcess(ctx, model_dir, tmp_path, "port-clash", metrics_port=port)
+        with logs_shown_on_failure(proc.log, proc.close):
+            assert proc.proc.wait(timeout=60) == 78
+            lines = proc.log_lines()
+            (line,) = [x for x in lines if x.get("event") == "worker.metrics_port_unavailable"]
+            assert line["port"] == port and "--metrics-port" in line["hint"]
+            assert "engine ready" not in [x.get("event") for x in lines]
+            assert not any("exception" in x for x in lines)
 
 
 @pytest.mark.slow  # a worker process through a Redis stop and restart (~13 s)

@@ -136,18 +136,25 @@ def test_reclaim_dead_consumer_but_never_a_live_one(fx: Fixture) -> None:
     def live_kept_fresh_dead_gone_idle() -> bool:
         """The live worker keeps its entries fresh (as its keeper does) until the dead one's entries have
         been idle past reclaim_idle_s (Redis's own idle clock, XPENDING)."""
-        assert live.keep_fresh(ids[:2]) == []
+        assert live.keep_fresh(ids[:2]) == ([], [])
         rows = fx.redis.xpending_range(fx.keys.jobs, GROUP, "-", "+", 10, consumername="dead")
         return len(rows) == 2 and all(r["time_since_delivered"] > thief.min_idle_ms for r in rows)
 
     wait_for(live_kept_fresh_dead_gone_idle, 30, 0.05, "the dead consumer's entries to go idle")
-    assert live.keep_fresh(ids[:2]) == []
+    assert live.keep_fresh(ids[:2]) == ([], [])
     claimed = thief.autoclaim(10)
     assert sorted(d.entry_id for d in claimed) == sorted(ids[2:])
     assert all(d.attempt == 2 for d in claimed)
     # The dead worker, come back, learns it no longer owns them; the live one still owns its own.
-    assert sorted(dead.keep_fresh(ids[2:])) == sorted(ids[2:])
-    assert live.keep_fresh(ids[:2]) == []
+    taken, vanished = dead.keep_fresh(ids[2:])
+    assert sorted(taken) == sorted(ids[2:]) and vanished == []
+    assert live.keep_fresh(ids[:2]) == ([], [])
+    # An entry nobody holds (acked, deleted, or gone with a Redis that lost its data) is "vanished", not taken;
+    # so is every entry of a stream whose group is missing.
+    fx.redis.xack(fx.keys.jobs, GROUP, ids[0])
+    assert live.keep_fresh(ids[:2]) == ([], [ids[0]])
+    fx.redis.xgroup_destroy(fx.keys.jobs, GROUP)
+    assert live.keep_fresh(ids[:2]) == ([], ids[:2])
 
 
 def test_own_pending_first_retry_and_release(fx: Fixture) -> None:

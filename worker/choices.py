@@ -14,7 +14,11 @@ from schemas.jobs import Choice, FinishReason, Logprob, TopLogprob
 
 @dataclass
 class ChoiceState:
-    """One sample's output so far; ``pending_*`` is what has not been published as token events yet."""
+    """One sample's output so far; ``pending_*`` is what has not been published as token events yet.
+
+    ``pending_ids`` holds every token the engine produced since the last event, held-back text or not (the
+    detokenizer holds back text, never token ids), and ``pending_logprobs`` their logprobs, one each, in
+    the same order (empty when the job asked for none)."""
 
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -22,6 +26,7 @@ class ChoiceState:
     finish_reason: str | None = None
     pending_text: list[str] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[Logprob] = field(default_factory=list)
 
     def add(self, out: CompletionDelta) -> None:
         self.text.append(out.text)
@@ -30,7 +35,9 @@ class ChoiceState:
         self.pending_ids.extend(out.token_ids)
         for lp in out.logprobs or ():
             top = [TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
-            self.logprobs.append(Logprob(token_id=lp.token_id, logprob=lp.logprob, top=top))
+            logprob = Logprob(token_id=lp.token_id, logprob=lp.logprob, top=top)
+            self.logprobs.append(logprob)
+            self.pending_logprobs.append(logprob)
         if out.finish_reason:
             self.finish_reason = out.finish_reason
 

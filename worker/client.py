@@ -22,6 +22,7 @@ or per client) it also waits, with Redis ``WAIT``, until that many replicas have
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
@@ -34,9 +35,12 @@ import redis.asyncio as aioredis
 from schemas.affinity import shard_for_job
 from schemas.jobs import ErrorEvent, FinalEvent, JobRequest, TokenEvent, parse_event
 from schemas.keys import EVENT_FIELD, JOB_FIELD, Keys
+from worker.backoff import Backoff
 from worker.redis_url import connect, connect_async
 
 CANCEL_TTL_S = 86_400
+RECONNECT_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+"""What a wait on a job rides out (:class:`_Outage`): the connection lost or refused, a server still loading."""
 
 PromptInput: TypeAlias = str | Sequence[Mapping[str, Any]] | Sequence[int]
 Event: TypeAlias = TokenEvent | FinalEvent | ErrorEvent
@@ -208,6 +212,34 @@ def _terminal(event: Event) -> FinalEvent:
     return event
 
 
+class _Outage:
+    """How a wait on a job (``events``, ``stream``, ``result``) rides out a lost Redis connection: a restart,
+    a failover, a network blip. Each read is retried with backoff for up to ``reconnect_s`` of continuous
+    failure and never past the wait's own deadline; then the error is raised. Nothing is read twice or
+    skipped: the reply stream is read on from the last entry seen, and a job that ended meanwhile is found
+    at its result key (the empty-read check in ``events``). Submissions are not retried: the caller knows
+    whether sending the same ids again is what it wants (``NotReplicated`` explains why it is safe)."""
+
+    def __init__(self, reconnect_s: float) -> None:
+        self.reconnect_s = reconnect_s
+        self.since: float | None = None
+        self.backoff = Backoff(0.05, 2.0)
+
+    def delay(self, exc: BaseException, deadline: float | None) -> float:
+        """The wait before the next try; raises ``exc`` once the budget or the deadline would be passed."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        delay = self.backoff.next_delay()
+        if now + delay - self.since > self.reconnect_s or (deadline is not None and now + delay >= deadline):
+            raise exc
+        return delay
+
+    def over(self) -> None:
+        self.since = None
+        self.backoff.reset()
+
+
 @dataclass
 class _Base:
     namespace: str = "pagedq"
@@ -217,6 +249,7 @@ class _Base:
     wait_timeout_ms: int = 1000
     queue_shards: int = 1
     affinity: bool = True
+    reconnect_s: float = 30.0
     _reply_to: dict[str, str] = field(default_factory=dict)
     _next_shard: int = 0
 
@@ -257,17 +290,18 @@ class PagedqClient(_Base):
 
     ``wait_replicas`` > 0 makes every ``submit``/``submit_many`` wait (Redis ``WAIT``, at most
     ``wait_timeout_ms``; 0 waits forever) until that many replicas have the jobs, raising
-    :class:`NotReplicated` otherwise; each call may override both.
+    :class:`NotReplicated` otherwise; each call may override both. Waits on a job retry a lost Redis
+    connection for up to ``reconnect_s`` seconds (0: raise at once; :class:`_Outage`).
     """
 
     def __init__(
         self, redis_url: str | redis.Redis = "redis://localhost:6379/0", *, namespace: str = "pagedq",
         queue: str = "default", block_ms: int = 1000, wait_replicas: int = 0, wait_timeout_ms: int = 1000,
-        queue_shards: int = 1, affinity: bool = True,
+        queue_shards: int = 1, affinity: bool = True, reconnect_s: float = 30.0,
     ) -> None:  # fmt: skip
         super().__init__(
             namespace=namespace, queue=queue, block_ms=block_ms, wait_replicas=wait_replicas,
-            wait_timeout_ms=wait_timeout_ms, queue_shards=queue_shards, affinity=affinity,
+            wait_timeout_ms=wait_timeout_ms, queue_shards=queue_shards, affinity=affinity, reconnect_s=reconnect_s,
         )  # fmt: skip
         Keys(namespace, queue, queue_shards)  # reject a bad queue_shards now, not at the first submit
         self._wait_args(None, None)  # reject bad values now, not at the first submit
@@ -329,29 +363,35 @@ class PagedqClient(_Base):
         key = self.reply_key(job_id, reply_to)
         deadline = None if timeout is None else time.monotonic() + timeout
         last = "0"
+        outage = _Outage(self.reconnect_s)
         while True:
             block = _block_ms(self.block_ms, deadline)
             if block is None:
                 raise TimeoutError(f"job {job_id}: no terminal event within {timeout}s")
-            events, new_last = _events(self.redis.xread({key: last}, count=1000, block=block), job_id)
-            last = new_last or last
-            unconfirmed = False  # a terminal event of this read had no result key behind it
-            for event in events:
-                if isinstance(event, TokenEvent):
-                    yield event
-                elif not unconfirmed:  # one GET per read, however many forged terminals it holds
-                    if (stored := _stored(self.redis.get(self.keys.result(job_id)), job_id)) is not None:
-                        yield stored
-                        return
-                    unconfirmed = True
-            if new_last is None and (stored := _stored(self.redis.get(self.keys.result(job_id)), job_id)):
-                # The job ended after the empty read (its last token events and terminal land together):
-                # read the stream once more, so those tokens are not skipped; only a reply stream that
-                # expired or was never written (a foreign reply_to) leaves the result key alone.
-                events, _ = _events(self.redis.xread({key: last}, count=1000), job_id)
-                yield from (event for event in events if isinstance(event, TokenEvent))
-                yield stored
-                return
+            try:
+                events, new_last = _events(self.redis.xread({key: last}, count=1000, block=block), job_id)
+                last = new_last or last
+                unconfirmed = False  # a terminal event of this read had no result key behind it
+                for event in events:
+                    if isinstance(event, TokenEvent):
+                        yield event
+                    elif not unconfirmed:  # one GET per read, however many forged terminals it holds
+                        if (stored := _stored(self.redis.get(self.keys.result(job_id)), job_id)) is not None:
+                            yield stored
+                            return
+                        unconfirmed = True
+                if new_last is None and (stored := _stored(self.redis.get(self.keys.result(job_id)), job_id)):
+                    # The job ended after the empty read (its last token events and terminal land together):
+                    # read the stream once more, so those tokens are not skipped; only a reply stream that
+                    # expired or was never written (a foreign reply_to) leaves the result key alone.
+                    events, _ = _events(self.redis.xread({key: last}, count=1000), job_id)
+                    yield from (event for event in events if isinstance(event, TokenEvent))
+                    yield stored
+                    return
+            except RECONNECT_ERRORS as exc:
+                time.sleep(outage.delay(exc, deadline))
+                continue
+            outage.over()
 
     def stream(
         self, job_id: str, *, timeout: float | None = None, index: int = 0, reply_to: str | None = None
@@ -382,11 +422,11 @@ class AsyncPagedqClient(_Base):
     def __init__(
         self, redis_url: str | aioredis.Redis = "redis://localhost:6379/0", *, namespace: str = "pagedq",
         queue: str = "default", block_ms: int = 1000, wait_replicas: int = 0, wait_timeout_ms: int = 1000,
-        queue_shards: int = 1, affinity: bool = True,
+        queue_shards: int = 1, affinity: bool = True, reconnect_s: float = 30.0,
     ) -> None:  # fmt: skip
         super().__init__(
             namespace=namespace, queue=queue, block_ms=block_ms, wait_replicas=wait_replicas,
-            wait_timeout_ms=wait_timeout_ms, queue_shards=queue_shards, affinity=affinity,
+            wait_timeout_ms=wait_timeout_ms, queue_shards=queue_shards, affinity=affinity, reconnect_s=reconnect_s,
         )  # fmt: skip
         Keys(namespace, queue, queue_shards)  # reject a bad queue_shards now, not at the first submit
         self._wait_args(None, None)
@@ -441,30 +481,36 @@ class AsyncPagedqClient(_Base):
         key = self.reply_key(job_id, reply_to)
         deadline = None if timeout is None else time.monotonic() + timeout
         last = "0"
+        outage = _Outage(self.reconnect_s)
         while True:  # as PagedqClient.events
             block = _block_ms(self.block_ms, deadline)
             if block is None:
                 raise TimeoutError(f"job {job_id}: no terminal event within {timeout}s")
-            events, new_last = _events(await self.redis.xread({key: last}, count=1000, block=block), job_id)
-            if new_last is None and on_idle is not None:
-                await on_idle()
-            last = new_last or last
-            unconfirmed = False
-            for event in events:
-                if isinstance(event, TokenEvent):
-                    yield event
-                elif not unconfirmed:
-                    if (stored := _stored(await self.redis.get(self.keys.result(job_id)), job_id)) is not None:
-                        yield stored
-                        return
-                    unconfirmed = True
-            if new_last is None and (stored := _stored(await self.redis.get(self.keys.result(job_id)), job_id)):
-                events, _ = _events(await self.redis.xread({key: last}, count=1000), job_id)
+            try:
+                events, new_last = _events(await self.redis.xread({key: last}, count=1000, block=block), job_id)
+                if new_last is None and on_idle is not None:
+                    await on_idle()
+                last = new_last or last
+                unconfirmed = False
                 for event in events:
                     if isinstance(event, TokenEvent):
                         yield event
-                yield stored
-                return
+                    elif not unconfirmed:
+                        if (stored := _stored(await self.redis.get(self.keys.result(job_id)), job_id)) is not None:
+                            yield stored
+                            return
+                        unconfirmed = True
+                if new_last is None and (stored := _stored(await self.redis.get(self.keys.result(job_id)), job_id)):
+                    events, _ = _events(await self.redis.xread({key: last}, count=1000), job_id)
+                    for event in events:
+                        if isinstance(event, TokenEvent):
+                            yield event
+                    yield stored
+                    return
+            except RECONNECT_ERRORS as exc:
+                await asyncio.sleep(outage.delay(exc, deadline))
+                continue
+            outage.over()
 
     async def stream(
         self, job_id: str, *, timeout: float | None = None, index: int = 0, reply_to: str | None = None

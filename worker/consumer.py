@@ -297,6 +297,8 @@ class Worker:
                     self._rewind_ids(now)
                 if now >= self._next_cancel_poll:
                     self._poll_cancels(now)
+                if self._keeper is not None and self._keeper.vanished_entries:
+                    self._settle_vanished(self._keeper.vanished_entries)
                 if not self._draining:
                     self._admit(now)
             if self.intake.blocked:  # nothing to do: the read waited for work
@@ -403,7 +405,8 @@ class Worker:
         parsed, unusable, gone = self.intake.take(self.redis_now())
         self.outbox.acks.extend(d.entry_id for d in gone)
         for bad in unusable:
-            self.held_jobs.reject(bad.delivery.entry_id, bad.delivery.attempt, bad.raw, bad.error)
+            d = bad.delivery
+            self.held_jobs.reject(d.entry_id, d.attempt, bad.raw, bad.error, answer=bad.answer, dead=bad.dead)
         if not parsed:
             return
         max_attempts = self.settings.max_attempts
@@ -490,6 +493,35 @@ class Worker:
             self.held_jobs.take_out(job)
             self.owned.discard([entry_id])
             self.counts["lost"] += 1
+
+    def _settle_vanished(self, vanished: deque[str]) -> None:
+        """Held jobs whose entry no consumer holds any more. The rule: such a job is dropped only when its
+        result key shows it ended (another delivery finished it; its write acked the entry). Otherwise the
+        entry went without an answer: deleted by hand, or lost with the data of a Redis that restarted
+        empty (the group is then missing too, until the loop's next read makes it again). Nobody else can
+        run the job, so this worker keeps it and publishes its result as usual: a producer still waiting
+        (the client retries a lost connection) gets its answer, and exactly-once still rests on the result
+        key. The entry leaves ``owned``, so the keeper stops asking about it."""
+        entry_ids = [vanished.popleft() for _ in range(len(vanished))]  # the keeper thread may append meanwhile
+        jobs = [(entry_id, job) for entry_id in entry_ids if (job := self.held_jobs.find(entry_id)) is not None]
+        if not jobs:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for _, job in jobs:
+            pipe.exists(self.keys.result(job.id))
+        try:
+            ended = pipe.execute()
+        except BaseException:
+            vanished.extendleft(reversed(entry_ids))  # asked again at the next tick (the outage is the loop's)
+            raise
+        for (entry_id, job), done in zip(jobs, ended, strict=True):
+            self.owned.discard([entry_id])
+            if done:
+                job.log.warning("job.lost", reason="another delivery of the job ended it")
+                self.held_jobs.take_out(job)
+                self.counts["lost"] += 1
+            else:
+                job.log.warning("job.entry_vanished", reason="its stream entry is gone unanswered; kept running")
 
     # ------------------------------------------------------------------------------- shutdown
 

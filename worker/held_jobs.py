@@ -79,23 +79,37 @@ class HeldJobs:
     def busy_id(self, job_id: str) -> bool:
         return any(j.id == job_id for j in self.jobs.values())
 
-    def reject(self, entry_id: str, attempt: int, raw: str, exc: InvalidJob, job: Job | None = None) -> None:
+    def reject(
+        self,
+        entry_id: str,
+        attempt: int,
+        raw: str,
+        exc: InvalidJob,
+        job: Job | None = None,
+        *,
+        answer: str | None = None,
+        dead: bool = True,
+    ) -> None:
         """Answer an unusable job: error event (when its id can be read), dead letter, ack.
 
         The error goes to the job's own reply stream, or to its ``reply_to`` when that is valid and allowed,
-        so a producer whose ``reply_to`` was the problem still hears why."""
-        target = (job.id, job.reply_to) if job else salvage_reply_target(raw, self.settings.max_payload_bytes)
+        so a producer whose ``reply_to`` was the problem still hears why. The id and ``reply_to`` are read
+        from ``answer`` when given (one of several jobs of an entry whose dead letter keeps ``raw``, the
+        whole entry); ``dead`` False: the error event only, another call writes the entry's dead letter."""
+        source = raw if answer is None else answer
+        target = (job.id, job.reply_to) if job else salvage_reply_target(source, self.settings.max_payload_bytes)
         job_id = target[0] if target else ""
-        dead = self.dead_letter(raw, exc.code, exc.message, attempt, entry_id, job_id)
+        letter = self.dead_letter(raw, exc.code, exc.message, attempt, entry_id, job_id) if dead else None
         self.ledger.rejected(exc.code)
         if target is None:
             self.log.warning("job.rejected", entry_id=entry_id, reason=exc.message, reply=False)
-            self.sender.outbox.dead_only.append(DeadOnly(entry_id, dead))
+            if letter is not None:
+                self.sender.outbox.dead_only.append(DeadOnly(entry_id, letter))
             return
         reply_to = self.keys.reply_target(job_id, target[1], self.settings.reply_prefixes) or self.keys.reply(job_id)
         event = ErrorEvent(id=job_id, attempt=attempt, code=exc.code, message=exc.message, worker=self.name)
         self.log.warning("job.rejected", job_id=job_id, entry_id=entry_id, code=exc.code, reason=exc.message)
-        self.sender.outbox.terminals.append(Terminal(entry_id, job_id, reply_to, event.to_json(), dead=dead))
+        self.sender.outbox.terminals.append(Terminal(entry_id, job_id, reply_to, event.to_json(), dead=letter))
 
     def dead_letter(
         self, raw: str, code: ErrorCode, reason: str, attempts: int, entry_id: str, job_id: str

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas.affinity import home_shards
-from schemas.jobs import InvalidJob, JobRequest, parse_job
+from schemas.jobs import InvalidJob, JobRequest, parse_job, salvage_reply_target
 from schemas.keys import JOB_FIELD, Keys
 from worker.protocol_v1 import answer_v1_entries
 from worker.reclaimer import MULTI_SHARD_BLOCK_MS, Delivery, Reclaimer
@@ -36,11 +36,17 @@ class Parsed:
 
 @dataclass
 class Unusable:
-    """A delivery whose payload cannot be run: answered with an error and dead-lettered."""
+    """A delivery whose payload cannot be run: answered with an error and dead-lettered.
+
+    ``raw`` is what the dead letter keeps; the error goes to the id and ``reply_to`` read from ``answer``
+    (default: ``raw``). ``dead`` False: answer only, another :class:`Unusable` of the same entry carries its
+    one dead letter (an entry with several ``job`` fields, :meth:`Intake.take`)."""
 
     delivery: Delivery
     raw: str
     error: InvalidJob
+    answer: str | None = None
+    dead: bool = True
 
 
 FUTURE_ENTRY_TOLERANCE_S = 60.0
@@ -212,7 +218,11 @@ class Intake:
         behind the bad one, and a producer who picked it gains nothing, since a job's clock never comes
         from an id ahead of the clock (:func:`job_clock`). The one automatic id this refuses is the next
         millisecond's first after a chosen ``<ms>-18446744073709551615``. Either way the loop moves the
-        stream's ids back to the clock once every such entry has gone (``ahead_of_clock``)."""
+        stream's ids back to the clock once every such entry has gone (``ahead_of_clock``).
+
+        An entry's fields are all read, in order (:class:`worker.reclaimer.Delivery`). Other field names
+        than ``job`` are not read (a repeated one changes nothing); an entry with more than one ``job``
+        field is unusable as a whole: see :meth:`_several_jobs`."""
         batch, self.inbox = self.inbox, []
         parsed: list[Parsed] = []
         unusable: list[Unusable] = []
@@ -221,11 +231,16 @@ class Intake:
             if d.fields is None:
                 gone.append(d)
                 continue
-            raw = d.fields.get(JOB_FIELD)
-            if raw is None:
+            jobs = [value for name, value in d.fields if name == JOB_FIELD]
+            if not jobs:
                 error = InvalidJob(f"stream entry has no {JOB_FIELD!r} field")
-                unusable.append(Unusable(d, json.dumps(d.fields, ensure_ascii=False), error))
+                unusable.append(Unusable(d, json.dumps(dict(d.fields), ensure_ascii=False), error))
                 continue
+            if len(jobs) > 1:
+                self.ahead_of_clock |= entry_time(d.entry_id) - now > FUTURE_ENTRY_TOLERANCE_S
+                unusable += self._several_jobs(d, jobs)
+                continue
+            raw = jobs[0]
             ahead_s = entry_time(d.entry_id) - now
             if ahead_s > FUTURE_ENTRY_TOLERANCE_S:
                 self.ahead_of_clock = True
@@ -242,6 +257,25 @@ class Intake:
             except InvalidJob as exc:
                 unusable.append(Unusable(d, raw, exc))
         return parsed, unusable, gone
+
+    def _several_jobs(self, d: Delivery, jobs: list[str]) -> list[Unusable]:
+        """The rule for an entry with more than one ``job`` field (``XADD ... job A job B``, legal in Redis):
+        none of its jobs runs (which one was meant cannot be told, and running one would leave the others'
+        producers waiting), every job whose payload names a readable id gets an ``invalid_request`` error
+        event (in its own reply stream, or its ``reply_to`` where that is allowed), and the entry gets one
+        dead letter keeping every field in order (a JSON list of ``[name, value]`` pairs), ridden by the
+        first answered job's terminal write so that it goes out with the entry's ack. With no readable id
+        in any of them, the dead letter alone."""
+        message = (
+            f"stream entry has {len(jobs)} {JOB_FIELD!r} fields; none of them was run: send one job per entry "
+            f"(XADD <queue> * {JOB_FIELD} <payload>)"
+        )
+        whole = json.dumps([list(pair) for pair in d.fields or []], ensure_ascii=False)
+        limit = self.settings.max_payload_bytes
+        answered = [job for job in jobs if salvage_reply_target(job, limit) is not None]
+        if not answered:
+            return [Unusable(d, whole, InvalidJob(message))]
+        return [Unusable(d, whole, InvalidJob(message), job, dead=k == 0) for k, job in enumerate(answered)]
 
     def existing_keys(self, parsed: list[Parsed]) -> list[tuple[bool, bool]]:
         """Per job: whether its result key exists (a job that ended) and its cancel key (cancelled while

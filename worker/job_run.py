@@ -161,17 +161,27 @@ class JobRun:
             self.choices.setdefault(out.index, ChoiceState()).add(out)
 
     def take_token_events(self) -> list[TokenEvent]:
-        """One ``token`` event per choice with output not yet published (coalesced), in choice order."""
+        """One ``token`` event per choice with output not yet published (coalesced), in choice order; with
+        logprobs asked, each carries the logprobs of its tokens (as the final event will, in the same order)."""
+        with_logprobs = self.request.logprobs is not None
         events = []
         for index, choice in sorted(self.choices.items()):
             if not choice.pending_text and not choice.pending_ids:
                 continue
             text = "".join(choice.pending_text)
             events.append(
-                TokenEvent(id=self.id, attempt=self.attempt, index=index, text=text, token_ids=choice.pending_ids)
+                TokenEvent(
+                    id=self.id,
+                    attempt=self.attempt,
+                    index=index,
+                    text=text,
+                    token_ids=choice.pending_ids,
+                    logprobs=choice.pending_logprobs if with_logprobs else None,
+                )
             )
             choice.pending_text = []
             choice.pending_ids = []
+            choice.pending_logprobs = []
         return events
 
     def has_pending_tokens(self) -> bool:

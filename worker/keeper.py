@@ -81,7 +81,8 @@ class Keeper(threading.Thread):
         self.backoff = Backoff(0.1, backoff_max_s, jitter=False)
         self.log = log
         self.cancel_notices: deque[str] = deque()  # job ids (keeper -> loop)
-        self.lost_entries: deque[str] = deque()  # entry ids no longer ours (keeper -> loop)
+        self.lost_entries: deque[str] = deque()  # entry ids another consumer holds now (keeper -> loop)
+        self.vanished_entries: deque[str] = deque()  # entry ids no consumer holds (keeper -> loop)
         self._halt = threading.Event()
 
     def stop(self) -> None:
@@ -98,7 +99,9 @@ class Keeper(threading.Thread):
                     pubsub.subscribe(self.keys.cancel_channel)
                 now = time.monotonic()
                 if now >= next_beat:
-                    self.lost_entries.extend(self.reclaimer.keep_fresh(self.owned.snapshot()))
+                    taken, vanished = self.reclaimer.keep_fresh(self.owned.snapshot())
+                    self.lost_entries.extend(taken)
+                    self.vanished_entries.extend(vanished)
                     heartbeat = json.dumps(self.status())
                     self.client.set(self.keys.heartbeat(self.worker_name), heartbeat, px=self.heartbeat_ttl_ms)
                     next_beat = now + self.period_s

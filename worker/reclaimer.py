@@ -7,6 +7,8 @@
   idle time without counting a delivery), and only while it still owns them (checked inside a Lua script),
   so a live worker is never robbed and never steals back a job someone else took over.
 * The PEL's delivery counter is the job's ``attempt``; past ``max_attempts`` the job is dead-lettered.
+* A delivery carries every field of its entry, in order (:data:`ENTRY_FIELDS_LUA`): a stream entry may
+  repeat a field name, and redis-py's stream replies keep only the last value of each name.
 """
 
 from __future__ import annotations
@@ -26,18 +28,22 @@ of several slots is refused by a cluster), so it comes back soon to look at the 
 
 KEEP_FRESH_LUA = """
 -- KEYS[1] jobs stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids held by the consumer.
--- Resets the idle time of the entries the consumer still owns; returns the ids it no longer owns
--- (acked by another delivery, or taken over after this worker looked dead).
-local lost = {}
+-- Resets the idle time of the entries the consumer still owns. Returns {taken, vanished}: the ids another
+-- consumer holds now (taken over after this worker looked dead), and those no consumer holds (acked by
+-- another delivery, deleted, or gone with the data of a Redis that restarted empty: then the group itself
+-- may be missing, and every id is vanished).
+local taken, vanished = {}, {}
 for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #p == 1 and p[1][2] == ARGV[2] then
+  local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p['err'] or #p == 0 then
+    vanished[#vanished + 1] = ARGV[i]
+  elseif p[1][2] == ARGV[2] then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
   else
-    lost[#lost + 1] = ARGV[i]
+    taken[#taken + 1] = ARGV[i]
   end
 end
-return lost
+return {taken, vanished}
 """
 
 RELEASE_LUA = """
@@ -125,15 +131,38 @@ return 1
 """
 
 
+ENTRY_FIELDS_LUA = """
+-- KEYS[1] jobs stream; ARGV entry ids. Returns, per id, the entry's field/value strings, every one and in
+-- order, or an empty list when the entry is gone. redis-py parses the entries of XREADGROUP, XCLAIM and
+-- XRANGE replies into a dict (RESP2 and RESP3, with or without hiredis, on one server and on a cluster),
+-- which keeps the last value of a repeated field name only: an entry with two `job` fields would run the
+-- second job and silently drop the first. A script's reply is passed on as Redis sent it.
+local out = {}
+for i = 1, #ARGV do
+  local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
+  if #e == 1 then
+    out[i] = e[1][2]
+  else
+    out[i] = {}
+  end
+end
+return out
+"""
+
+Fields = list[tuple[str, str]]
+"""A stream entry's field/value pairs, every one and in the order the producer wrote them."""
+
+
 @dataclass
 class Delivery:
-    """One delivery of a stream entry to this worker; ``fields`` is None when the entry was deleted.
+    """One delivery of a stream entry to this worker; ``fields`` (:data:`Fields`) is None when the entry
+    was deleted.
 
     ``entry_id`` is the entry's ref (:func:`schemas.keys.entry_ref`): the stream entry id on shard 0,
     ``<id>@<k>`` on shard ``k``."""
 
     entry_id: str
-    fields: dict[str, str] | None
+    fields: Fields | None
     attempt: int
 
 
@@ -174,6 +203,7 @@ class Reclaimer:
         self._release: Script = client.register_script(RELEASE_LUA)
         self._autoclaim_ids: Script = client.register_script(AUTOCLAIM_IDS_LUA)
         self._rewind: Script = client.register_script(REWIND_LUA)
+        self._entry_fields: Script = client.register_script(ENTRY_FIELDS_LUA)
 
     def _counts(self, shard: int, ids: list[str]) -> dict[str, int]:
         """Delivery counts of entries of one shard (one round trip)."""
@@ -188,8 +218,20 @@ class Reclaimer:
             counts[entry_id] = int(rows[0]["times_delivered"]) if rows else 1
         return counts
 
+    def _all_fields(self, shard: int, entries: list[Any]) -> list[tuple[str, Fields | None]]:
+        """(entry id, every field of the entry in order, or None when it was deleted) of each entry of a
+        stream reply, read again through :data:`ENTRY_FIELDS_LUA` (one round trip) since redis-py's reply
+        kept one value per field name. An entry deleted between the two reads is deleted."""
+        read = [(_s(e[0]), _present(e[1])) for e in entries if e and e[0] is not None]
+        present = [entry_id for entry_id, here in read if here]
+        fetched: dict[str, Fields | None] = {}
+        if present:
+            rows = self._entry_fields(keys=[self.keys.jobs_shard(shard)], args=present)
+            fetched = {entry_id: _pairs(row) for entry_id, row in zip(present, rows, strict=True)}
+        return [(entry_id, fetched.get(entry_id)) for entry_id, _ in read]
+
     def _deliveries(self, shard: int, entries: list[Any]) -> list[Delivery]:
-        parsed = [(_s(e[0]), _fields(e[1])) for e in entries if e and e[0] is not None]
+        parsed = self._all_fields(shard, entries)
         counts = self._counts(shard, [entry_id for entry_id, _ in parsed])
         return [Delivery(entry_ref(shard, entry_id), fields, counts.get(entry_id, 1)) for entry_id, fields in parsed]
 
@@ -234,11 +276,10 @@ class Reclaimer:
             return 0.0
         return max(0.0, now - int(_s(first[0][0]).split("-", 1)[0]) / 1000.0)
 
-    @staticmethod
-    def _new(shard: int, reply: Any) -> list[Delivery]:
+    def _new(self, shard: int, reply: Any) -> list[Delivery]:
         out: list[Delivery] = []
         for _stream, entries in reply or []:
-            out.extend(Delivery(entry_ref(shard, _s(e[0])), _fields(e[1]), 1) for e in entries)
+            out.extend(Delivery(entry_ref(shard, e), fields, 1) for e, fields in self._all_fields(shard, entries))
         return out
 
     def read_own_pending(self, after: str, count: int) -> tuple[list[Delivery], str | None]:
@@ -288,7 +329,7 @@ class Reclaimer:
             pipe.xclaim(stream, GROUP, self.consumer, 0, [entry_id])
         entries, gone = [], []
         for entry_id, claimed in zip(ids, pipe.execute(), strict=True):
-            if claimed and claimed[0] and claimed[0][0] is not None and _fields(claimed[0][1]) is not None:
+            if claimed and claimed[0] and claimed[0][0] is not None and _present(claimed[0][1]):
                 entries.append(claimed[0])
             else:
                 gone.append(entry_id)
@@ -296,20 +337,23 @@ class Reclaimer:
             self.client.xack(stream, GROUP, *gone)
         return self._deliveries(shard, entries)
 
-    def keep_fresh(self, entry_refs: list[str]) -> list[str]:
+    def keep_fresh(self, entry_refs: list[str]) -> tuple[list[str], list[str]]:
         """Reset the idle time of entries still owned; return the refs of those no longer owned by this
-        worker (one script per shard: a script's keys must share a slot)."""
-        lost: list[str] = []
+        worker, as (taken: another consumer holds them, vanished: none does; :data:`KEEP_FRESH_LUA`). One
+        script per shard: a script's keys must share a slot."""
+        taken: list[str] = []
+        vanished: list[str] = []
         for shard, ids in by_shard(entry_refs).items():
-            gone = self._keep_fresh(keys=[self.keys.jobs_shard(shard)], args=[GROUP, self.consumer, *ids])
-            lost += [entry_ref(shard, _s(x)) for x in gone or []]
-        return lost
+            reply = self._keep_fresh(keys=[self.keys.jobs_shard(shard)], args=[GROUP, self.consumer, *ids])
+            taken += [entry_ref(shard, _s(x)) for x in reply[0] or []]
+            vanished += [entry_ref(shard, _s(x)) for x in reply[1] or []]
+        return taken, vanished
 
     def retry(self, ref: str) -> Delivery | None:
         """Count a new delivery of an entry this worker holds (after a failed attempt); None if gone."""
         shard, entry_id = split_entry_ref(ref)
         entries: Any = self.client.xclaim(self.keys.jobs_shard(shard), GROUP, self.consumer, 0, [entry_id])
-        if not entries or entries[0] is None or entries[0][0] is None or _fields(entries[0][1]) is None:
+        if not entries or entries[0] is None or entries[0][0] is None or not _present(entries[0][1]):
             return None
         deliveries = self._deliveries(shard, entries)
         return deliveries[0] if deliveries else None
@@ -357,8 +401,14 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _fields(raw: Any) -> dict[str, str] | None:
-    """Entry fields, or None for a deleted entry (nil on Redis 6.2 claims, empty in history reads)."""
-    if not raw:
+def _present(parsed: Any) -> bool:
+    """Whether an entry of a parsed stream reply is still there (a deleted one has nil fields on Redis 6.2
+    claims, empty ones in history reads)."""
+    return bool(parsed)
+
+
+def _pairs(flat: Any) -> Fields | None:
+    """A flat field/value list as pairs, or None for an entry that is gone (an empty list)."""
+    if not flat:
         return None
-    return {_s(k): _s(v) for k, v in dict(raw).items()}
+    return [(_s(flat[i]), _s(flat[i + 1])) for i in range(0, len(flat) - 1, 2)]

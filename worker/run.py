@@ -83,6 +83,9 @@ def build_engine(settings: Settings) -> EngineLike:
     )
 
 
+EXIT_METRICS_PORT_UNAVAILABLE = 78  # EX_CONFIG (as a name in use): a setting is at fault, nothing was loaded
+
+
 def run_worker(settings: Settings) -> int:
     """Run a worker until SIGTERM/SIGINT (graceful drain; a second signal stops at once). Exit code."""
     configure_logging(settings)
@@ -97,7 +100,17 @@ def run_worker(settings: Settings) -> int:
     try:
         if settings.metrics_port:  # before the model loads: /healthz answers, /readyz says "loading"
             keys = Keys(settings.namespace, settings.queue, settings.queue_shards)
-            health = start_health_server(settings.metrics_host, settings.metrics_port, url, keys)
+            try:
+                health = start_health_server(settings.metrics_host, settings.metrics_port, url, keys)
+            except OSError as exc:  # taken (a second worker on the host with the same port) or not ours to bind
+                log.error(
+                    "worker.metrics_port_unavailable",
+                    host=settings.metrics_host,
+                    port=settings.metrics_port,
+                    error=str(exc),
+                    hint="give each worker on a host its own --metrics-port (PAGEDQ_METRICS_PORT), or 0 for none",
+                )
+                return EXIT_METRICS_PORT_UNAVAILABLE
             log.info("worker.metrics", host=settings.metrics_host, port=health.port)
         engine = build_engine(settings)
         worker = Worker(settings, engine, url)

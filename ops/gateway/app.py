@@ -42,7 +42,9 @@ from starlette.types import Receive, Scope, Send
 from ops.gateway.fleet import Dashboard, Router
 from ops.gateway.openai_api import (
     ApiError,
+    Diverged,
     Kind,
+    LiveLogprobs,
     Steps,
     check_unicode,
     chunk,
@@ -52,6 +54,7 @@ from ops.gateway.openai_api import (
     final_error,
     finish_choice,
     json_problem,
+    logprob_choice,
     logprob_chunks,
     parse_request,
     shown,
@@ -144,7 +147,11 @@ class Gateway:
             timeout_s=s.redis_pool_timeout_s,
             decode_responses=True,
         )
-        self.client = AsyncPagedqClient(self.redis, namespace=s.namespace, queue=s.queue, block_ms=POLL_MS)
+        # reconnect_s=0: a Redis error ends the request with a 503 at once (the SDKs retry that), and the
+        # pool's own "exhausted" error, a ConnectionError too, must not be waited out as an outage.
+        self.client = AsyncPagedqClient(
+            self.redis, namespace=s.namespace, queue=s.queue, block_ms=POLL_MS, reconnect_s=0
+        )
         self.router = Router(self.redis, s.namespace, s.queue)
         sync = connect(self.redis_url, decode_responses=True, encoding_errors="surrogateescape")
         self.dashboard = Dashboard(sync, s.namespace, s.queue_shards)
@@ -285,7 +292,7 @@ async def _live_chunks(job: Job, first: Any, events: AsyncIterator[Any]) -> Asyn
         for i, state in enumerate(states):
             items = state.feed(event)  # JobFailed on an error event
             if any(isinstance(item, Restart) for item in items):
-                raise _Diverged
+                raise Diverged
             text = "".join(item for item in items if isinstance(item, str))
             if final is not None:
                 choice = next((c for c in final.choices if c.index == i), None)
@@ -303,22 +310,28 @@ async def _live_chunks(job: Job, first: Any, events: AsyncIterator[Any]) -> Asyn
 
 
 async def _logprob_chunks(job: Job, first: Any, events: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
-    """With logprobs: the chunks, each with its tokens' logprobs, once the final event has brought them
-    (workers send logprobs there only; :func:`logprob_chunks`). Nothing was sent before, so a redelivered
-    job's attempts need no reconciling: the final attempt's steps are the ones used."""
+    """With logprobs: each token event's text as it comes, with its tokens' logprobs (workers send them in
+    token events), across redeliveries as :func:`_live_chunks` (:class:`LiveLogprobs`); then what the final
+    event adds, with each choice's finish (:func:`logprob_chunks`: all of it for an older worker, which sends
+    logprobs in the final event only)."""
     spec = job.spec
     steps = Steps()
+    live: dict[int, LiveLogprobs] = {}
     event = first
     while not isinstance(event, FinalEvent):
         if isinstance(event, ErrorEvent):
             raise JobFailed(event)
         if isinstance(event, TokenEvent):
             steps.add(event)
+            state = live.setdefault(event.index, LiveLogprobs())
+            if (piece := state.feed(event)) is not None:
+                yield chunk(spec, [logprob_choice(spec, event.index, *piece, first=not state.started)])
+                state.started = True
         event = await anext(events)
     job.ended = True
     if (error := final_error(event, job.gw.settings.request_timeout_s)) is not None:
-        raise error
-    for body in logprob_chunks(spec, event, steps):
+        raise error  # the chunks sent so far are all there is: the client gets the error after them
+    for body in logprob_chunks(spec, event, steps, live):
         yield body
     if spec.include_usage:
         yield chunk(spec, [], usage(event.usage))
@@ -338,7 +351,7 @@ async def _sse_stream(job: Job, first: Any, events: AsyncIterator[Any]) -> Async
         yield _sse(error_for_event(exc.event, spec.kind, timeout_s).body())
     except ApiError as exc:
         yield _sse(exc.body())
-    except _Diverged:
+    except Diverged:
         yield _sse(
             ApiError(
                 500,
@@ -356,10 +369,6 @@ async def _sse_stream(job: Job, first: Any, events: AsyncIterator[Any]) -> Async
         log.exception("job %s: the stream failed", spec.job_id)
         yield _sse(internal_error().body())
     yield b"data: [DONE]\n\n"
-
-
-class _Diverged(Exception):
-    """A redelivered attempt's text differs from what was already streamed (sampling without a seed)."""
 
 
 def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:

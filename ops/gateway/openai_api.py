@@ -420,18 +420,23 @@ def _token(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
+Piece = tuple[int, str, list[Logprob] | None, int]
+"""A part of a choice as streamed: its index, text, its tokens' logprobs, the text's offset in the choice's."""
+
+
 @dataclass
 class Steps:
     """The token events of a job, by attempt: what each engine step added to a choice (its text and how many
-    tokens), the only place the gateway learns which part of the text came with which tokens. Logprobs come
-    in the final event only, so these split them up again: per streamed chunk, and into ``text_offset``."""
+    tokens), the only place the gateway learns which part of the text came with which tokens. These split
+    the final event's logprobs up again: into ``text_offset``, and per streamed chunk for what was not
+    streamed as it came (:class:`LiveLogprobs`: an older worker sends logprobs in the final event only)."""
 
     by_attempt: dict[int, list[tuple[int, str, int]]] = field(default_factory=dict)  # (index, text, tokens)
 
     def add(self, event: TokenEvent) -> None:
         self.by_attempt.setdefault(event.attempt, []).append((event.index, event.text, len(event.token_ids)))
 
-    def split(self, final: FinalEvent) -> list[tuple[int, str, list[Logprob] | None, int]]:
+    def split(self, final: FinalEvent) -> list[Piece]:
         """The final's choices cut at the steps of its attempt, in the order they came: (index, text, its
         tokens' logprobs, offset of the text in the choice's). A choice's text and tokens after its last
         step (held back for a stop string, or sent with the final only) make its last piece, even if
@@ -441,7 +446,7 @@ class Steps:
         at = dict.fromkeys(choices, 0)  # characters of each choice covered so far
         used = dict.fromkeys(choices, 0)  # tokens
         broken: set[int] = set()
-        out: list[tuple[int, str, list[Logprob] | None, int]] = []
+        out: list[Piece] = []
         for index, text, count in self.by_attempt.get(final.attempt, []):
             choice = choices.get(index)
             if choice is None or index in broken:
@@ -560,22 +565,121 @@ def finish_choice(req: Request, choice: Choice, text: str, *, first: bool, logpr
     return out
 
 
-def logprob_chunks(req: Request, final: FinalEvent, steps: Steps) -> list[dict[str, Any]]:
-    """A streamed request's chunks when it asked for logprobs, built once its final event has come: one per
-    engine step, each with the logprobs of the tokens its text came with (as OpenAI and vLLM stream them),
-    then each choice's finish. Workers send logprobs in the final event only, so such a stream holds its
-    chunks back until the job ends."""
+class Diverged(Exception):
+    """A redelivered attempt's output differs from what was already streamed (sampling without a seed)."""
+
+
+Output = TypeVar("Output", str, list[int])
+
+
+def _continued(sent: Output, now: Output, checked: int) -> Output:
+    """What ``now`` (the current attempt's text or token ids so far, its first ``checked`` already found to
+    agree with ``sent``) adds to ``sent``: nothing while it still repeats a part of it, :class:`Diverged`
+    when it differs."""
+    overlap = min(len(sent), len(now))
+    if checked < overlap and now[checked:overlap] != sent[checked:overlap]:
+        raise Diverged
+    return now[len(sent) :]
+
+
+@dataclass
+class LiveLogprobs:
+    """One choice of a streamed request that asked for logprobs, followed as its token events come (workers
+    send each event's logprobs with it, :attr:`schemas.jobs.TokenEvent.logprobs`): each event's text goes
+    out at once with the logprobs of its tokens. Across a redelivery as the plain stream
+    (:class:`worker.client.StreamState`): the highest attempt is followed, stays silent while it repeats
+    what was sent, continues past it, and :class:`Diverged` when it differs. An attempt with an event
+    without logprobs (an older worker) is not streamed past it: the rest comes with the final event."""
+
+    attempt: int = 0
+    live: bool = True  # every event of this attempt so far came with its tokens' logprobs
+    text: str = ""  # the current attempt's text, token ids and logprobs so far
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    sent_text: str = ""  # what was streamed: the text, and the ids of the tokens whose logprobs were sent
+    sent_ids: list[int] = field(default_factory=list)
+    started: bool = False  # a chunk of this choice was sent
+
+    def feed(self, event: TokenEvent) -> tuple[str, list[Logprob], int] | None:
+        """What ``event`` adds to the stream, if anything: its text, its tokens' logprobs, and where that
+        text starts in the choice's (completions' ``text_offset``)."""
+        if event.attempt < self.attempt:
+            return None  # a stale delivery that was taken over still talking
+        if event.attempt > self.attempt:
+            self.attempt, self.live, self.text, self.token_ids, self.logprobs = event.attempt, True, "", [], []
+        if not self.live:
+            return None
+        if event.logprobs is None or len(event.logprobs) != len(event.token_ids):
+            self.live = False
+            return None
+        at, used = len(self.sent_text), len(self.sent_ids)
+        checked_text, checked_ids = len(self.text), len(self.token_ids)
+        self.text += event.text
+        self.token_ids += event.token_ids
+        self.logprobs += event.logprobs
+        new_text = _continued(self.sent_text, self.text, checked_text)
+        new_ids = _continued(self.sent_ids, self.token_ids, checked_ids)
+        self.sent_text += new_text
+        self.sent_ids += new_ids
+        if not new_text and not new_ids:
+            return None
+        return new_text, self.logprobs[used : used + len(new_ids)], at
+
+    def unsent(self, choice: Choice, pieces: list[Piece]) -> list[Piece]:
+        """``pieces``, the final event's choice cut at its steps (:meth:`Steps.split`), less what was streamed
+        (:class:`Diverged` when the final's output does not continue it)."""
+        if not choice.text.startswith(self.sent_text) or choice.token_ids[: len(self.sent_ids)] != self.sent_ids:
+            raise Diverged
+        at, used = len(self.sent_text), len(self.sent_ids)
+        out: list[Piece] = []
+        tokens = 0  # tokens of the choice before the piece
+        for index, text, lps, offset in pieces:
+            kept = None if lps is None else lps[max(0, used - tokens) :]
+            tokens += len(lps or ())
+            out.append((index, text[max(0, at - offset) :], kept, max(offset, at)))
+        return out
+
+
+def logprob_choice(
+    req: Request,
+    index: int,
+    text: str,
+    lps: list[Logprob] | None,
+    at: int,
+    *,
+    first: bool,
+    finish: Choice | None = None,
+) -> dict[str, Any]:
+    """A streamed choice with its tokens' logprobs, ``at`` its text's offset in the choice's; with ``finish``,
+    the choice's last."""
+    body = logprobs_body(req.kind, lps, [at] * len(lps or ())) if lps else None
+    if finish is not None:
+        return finish_choice(req, finish, text, first=first, logprobs=body)
+    return delta_choice(req, index, text, first=first, logprobs=body)
+
+
+def logprob_chunks(
+    req: Request, final: FinalEvent, steps: Steps, live: dict[int, LiveLogprobs] | None = None
+) -> list[dict[str, Any]]:
+    """A streamed request's last chunks when it asked for logprobs, built once its final event has come: what
+    ``live`` did not stream yet (all of it with an older worker, which sends logprobs in the final event
+    only), one chunk per engine step, each with the logprobs of the tokens its text came with (as OpenAI
+    and vLLM stream them), then each choice's finish."""
+    live = live or {}
     choices = {c.index: c for c in final.choices}
     pieces = steps.split(final)
+    for index, state in live.items():
+        if index in choices:
+            mine = [p for p in pieces if p[0] == index]
+            rest = iter(state.unsent(choices[index], mine))
+            pieces = [next(rest) if p[0] == index else p for p in pieces]
     last = {index: i for i, (index, *_rest) in enumerate(pieces)}  # each choice's last piece carries its finish
-    started: set[int] = set()
+    started = {index for index, state in live.items() if state.started}
     out = []
     for i, (index, text, lps, at) in enumerate(pieces):
-        body = logprobs_body(req.kind, lps, [at] * len(lps or ())) if lps else None
-        first = index not in started
+        finish = choices[index] if i == last[index] else None
+        if finish is None and not text and not lps:
+            continue
+        out.append(chunk(req, [logprob_choice(req, index, text, lps, at, first=index not in started, finish=finish)]))
         started.add(index)
-        if i == last[index]:
-            out.append(chunk(req, [finish_choice(req, choices[index], text, first=first, logprobs=body)]))
-        elif text or lps:
-            out.append(chunk(req, [delta_choice(req, index, text, first=first, logprobs=body)]))
     return out

@@ -637,7 +637,7 @@ def readable_ids(fields: list[tuple[bytes, bytes]]) -> tuple[str | None, frozens
     with a string ``id`` matching ``[A-Za-z0-9._:-]{1,128}`` and no second ``id`` key."""
     values = [v for k, v in fields if k == JOB]
     maybe: set[str] = set()
-    if len(values) != 1:  # which of several job fields a reader takes is not settled
+    if len(values) != 1:  # several job fields: each readable id gets an error (check_several_job_fields)
         for v in values:
             definite, possible = readable_ids([(JOB, v)])
             maybe |= possible | ({definite} if definite else set())

@@ -230,6 +230,11 @@ def test_sdk_error_types(fleet: Fleet) -> None:
     capped = client.completions.create(model=fleet.model, prompt=[5] * 1020, temperature=0)
     assert capped.choices[0].finish_reason == "length" and capped.usage is not None
     assert capped.usage.completion_tokens == 4
+    # A refusal only the worker can make (its grammar compiler judges the schema) names the request's field.
+    bad_schema: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=fleet.model, messages=chat("hi"), max_tokens=4, response_format=bad_schema)
+    assert refused.value.body["param"] == "response_format", refused.value.body  # type: ignore[index]
 
     with pytest.raises(openai.AuthenticationError):
         fleet.gateway.client(api_key="sk-wrong").models.list()

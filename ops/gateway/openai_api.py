@@ -374,6 +374,18 @@ def _validation_error(exc: ValidationError, names: dict[str, str]) -> ApiError:
 # ------------------------------------------------------------------------------------------ errors
 
 
+def _refused_field(message: str) -> str | None:
+    """The request field a worker's refusal names, as the request names it: workers start such a message with
+    the job or sampling field (``json_schema: Unsupported type "nope"``, for a schema only the grammar
+    compiler can judge)."""
+    name = message.split(":", 1)[0] if ":" in message else ""
+    if name in _REQUEST_NAMES:
+        return _REQUEST_NAMES[name]
+    if name in JobRequest.model_fields and name not in ("id", "reply_to", "metadata", "submitted_at"):
+        return name
+    return None
+
+
 def error_for_event(event: ErrorEvent, kind: Kind, timeout_s: float) -> ApiError:
     """The HTTP error for a job that ended with an ``error`` event."""
     if event.code == "prompt_too_long":
@@ -381,7 +393,7 @@ def error_for_event(event: ErrorEvent, kind: Kind, timeout_s: float) -> ApiError
             400, event.message, param="messages" if kind == "chat" else "prompt", code="context_length_exceeded"
         )
     if event.code == "invalid_request":
-        return ApiError(400, event.message, code="invalid_value")
+        return ApiError(400, event.message, param=_refused_field(event.message), code="invalid_value")
     if event.code == "deadline_exceeded":  # its deadline (request_timeout_s) passed before it started
         return timeout_error(timeout_s)
     if event.code == "cancelled":

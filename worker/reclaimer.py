@@ -149,6 +149,13 @@ end
 return out
 """
 
+READ_NEW_LUA = """
+-- KEYS[1] jobs stream; ARGV[1] group, ARGV[2] consumer, ARGV[3] count. XREADGROUP ... > without BLOCK, its
+-- reply passed on as Redis gave it, so every field of each entry arrives in order in the one round trip of
+-- the plain command (see ENTRY_FIELDS_LUA). A script cannot block: the waiting read stays a command.
+return redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
+"""
+
 Fields = list[tuple[str, str]]
 """A stream entry's field/value pairs, every one and in the order the producer wrote them."""
 
@@ -204,6 +211,7 @@ class Reclaimer:
         self._autoclaim_ids: Script = client.register_script(AUTOCLAIM_IDS_LUA)
         self._rewind: Script = client.register_script(REWIND_LUA)
         self._entry_fields: Script = client.register_script(ENTRY_FIELDS_LUA)
+        self._read_new: Script = client.register_script(READ_NEW_LUA)
 
     def _counts(self, shard: int, ids: list[str]) -> dict[str, int]:
         """Delivery counts of entries of one shard (one round trip)."""
@@ -245,17 +253,18 @@ class Reclaimer:
         for shard in order:
             if len(out) >= count:
                 break
-            reply: Any = self.client.xreadgroup(
-                GROUP, self.consumer, {self.keys.jobs_shard(shard): ">"}, count=count - len(out)
+            reply: Any = self._read_new(
+                keys=[self.keys.jobs_shard(shard)], args=[GROUP, self.consumer, count - len(out)]
             )
-            out.extend(self._new(shard, reply))
+            entries = reply[0][1] if reply else []  # a new entry always has its fields
+            out.extend(Delivery(entry_ref(shard, _s(e[0])), _pairs(e[1]), 1) for e in entries)
         if not out and block_ms is not None and order:
             if self.keys.shards > 1:
                 block_ms = min(block_ms, MULTI_SHARD_BLOCK_MS)
             reply = self.client.xreadgroup(
                 GROUP, self.consumer, {self.keys.jobs_shard(order[0]): ">"}, count=count, block=block_ms
             )
-            out.extend(self._new(order[0], reply))
+            out.extend(self._new(order[0], reply))  # an idle worker's wake-up: its fields are read again
         return out
 
     def server_time(self) -> float:

@@ -226,7 +226,10 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
         "--seed", type=int, default=None, help="sampling seed, for repeatable sampled output (default: none)"
     )
     p.add_argument(
-        "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 (default auto)"
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on CUDA and on CPUs that multiply bf16 natively, AMX or AVX512-bf16, "
+        "probed at start; else float32), float32, bfloat16 (default auto)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument(

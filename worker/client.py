@@ -35,6 +35,7 @@ import redis.asyncio as aioredis
 from schemas.affinity import shard_for_job
 from schemas.jobs import ErrorEvent, FinalEvent, JobRequest, TokenEvent, parse_event
 from schemas.keys import EVENT_FIELD, JOB_FIELD, Keys
+from schemas.sampling import SamplingParams
 from worker.backoff import Backoff
 from worker.redis_url import connect, connect_async
 
@@ -107,7 +108,11 @@ def build_job(prompt: PromptInput | None = None, /, **params: Any) -> JobRequest
             fields["messages"] = [dict(m) for m in prompt]  # type: ignore[arg-type]
     fields.setdefault("id", new_job_id())
     fields.setdefault("submitted_at", time.time())
-    return JobRequest.model_validate(fields)
+    job = JobRequest.model_validate(fields)
+    # The engine's own rules (no empty stop string, min_tokens <= max_tokens...), which a worker would
+    # otherwise answer with an error event after the round trip; pydantic only, no torch in a producer.
+    SamplingParams.model_validate(job.sampling_kwargs())
+    return job
 
 
 def _as_job(item: PromptInput | Mapping[str, Any] | JobRequest, common: Mapping[str, Any]) -> JobRequest:

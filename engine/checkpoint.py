@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 
 DEFAULT_MODEL_HINT = "or omit the model to use the default SmolLM2-135M-Instruct"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""What a checkpoint's tokenizer is made from: a fast tokenizer, a sentencepiece model, or a BPE vocabulary."""
 
 
 def gguf_file(model: str | os.PathLike[str]) -> Path | None:
@@ -51,4 +53,13 @@ def checkpoint_folder(model: str | Path | None) -> Path:
             f"Pass a folder holding config.json, *.safetensors and the tokenizer files, or a .gguf file, "
             f"{DEFAULT_MODEL_HINT}."
         )
+    # Checked here, in one message, rather than met as the loader's or transformers' own error minutes into
+    # a start (a tokenizer that cannot load says "install sentencepiece or tiktoken", whatever is missing).
+    missing = []
+    if not any(path.glob("*.safetensors")):
+        missing.append("no *.safetensors weights (pickled .bin checkpoints are not loaded)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        missing.append(f"no tokenizer ({', '.join(TOKENIZER_FILES)})")
+    if missing:
+        raise FileNotFoundError(f"Model folder {path} is not a complete checkpoint: {'; '.join(missing)}.")
     return path

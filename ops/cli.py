@@ -62,6 +62,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _model_path(model: str | None, command: str, log: Callable[[str], None] | None = None) -> str | None:
+    """``--model`` resolved (engine/default_model.py), or None once the reason it names nothing loadable is
+    printed as one line: the folder is missing or incomplete, or the default model cannot be installed."""
+    from engine.default_model import DefaultModelUnavailable, resolve_model_path
+
+    try:
+        return str(resolve_model_path(model, log=log))
+    except (FileNotFoundError, ValueError, DefaultModelUnavailable) as exc:
+        print(f"pagedq {command}: {exc}", file=sys.stderr)
+        return None
+
+
 def _loading_note(what: str) -> None:
     """Say what happens before the engine's imports (torch, transformers: seconds on a small machine), so a
     command's first seconds are not silent."""
@@ -86,7 +98,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from engine import Engine, EngineConfig, SamplingParams
-    from engine.default_model import resolve_model_path
     from schemas.jobs import describe_validation_error
 
     try:  # before the model loads: a bad value is a usage error, not a traceback after the wait
@@ -94,7 +105,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"pagedq generate: {describe_validation_error(exc)}", file=sys.stderr)
         return 2
-    model = str(resolve_model_path(args.model))
+    model = _model_path(args.model, "generate")
+    if model is None:
+        return 2
     engine = Engine(EngineConfig(model=model, dtype=args.dtype, device=args.device, quantization=args.quantization))
     prompts = args.prompt or DEMO_PROMPTS
     for i, text in enumerate(prompts):
@@ -129,12 +142,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     ends well and kept (and named) when it does not, so its log can be read.
     """
     _loading_note("the model")
-    from engine.default_model import resolve_model_path
     from worker.client import PagedqClient
     from worker.embedded_redis import EmbeddedRedis
     from worker.settings import mask_url
 
-    model = str(resolve_model_path(args.model, log=print))  # resolved once, before the worker starts
+    model = _model_path(args.model, "demo", log=print)  # resolved once, before the worker starts
+    if model is None:
+        return 2
     own_dir = args.data_dir is None
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="pagedq-demo-"))
     redis_server = EmbeddedRedis(data_dir / "redis")

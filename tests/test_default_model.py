@@ -294,4 +294,8 @@ def test_resolve_model_path_rejects_non_checkpoints(tmp_path: Path, monkeypatch:
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         resolve_model_path(empty)
     (empty / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"not a complete checkpoint: no \*\.safetensors .*; no tokenizer"):
+        resolve_model_path(empty)  # said before anything loads, not met as transformers' tokenizer error
+    (empty / "model.safetensors").write_bytes(b"")
+    (empty / "tokenizer.json").write_text("{}")
     assert resolve_model_path(str(empty)) == empty

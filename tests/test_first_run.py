@@ -126,6 +126,10 @@ def test_bad_generation_values_are_usage_errors_before_the_model_loads(
         )
         assert run.returncode == 2, run.stderr
         assert run.stderr.startswith(f"pagedq generate: {needle}: ") and "Traceback" not in run.stderr, run.stderr
+    run = subprocess.run(
+        pagedq("generate", "--model", missing, "hi"), env=env(), capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2 and "is not a local folder" in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 @pytest.mark.slow  # the CLI in a subprocess (~6 s); test_secrets runs --print-config in the default tier

@@ -59,6 +59,21 @@ def ctx(redis_server: RedisServer) -> Iterator[Ctx]:  # noqa: F811
     c.close()
 
 
+def test_a_model_that_cannot_load_is_a_config_error_in_one_line(ctx: Ctx, tmp_path: Path) -> None:
+    """``--model`` naming an incomplete folder: exit 78 with what is missing, before torch loads, not a
+    traceback from transformers (which blamed a missing sentencepiece for an absent tokenizer)."""
+    incomplete = tmp_path / "incomplete"
+    incomplete.mkdir()
+    (incomplete / "config.json").write_text("{}")
+    proc = WorkerProcess(ctx, incomplete, tmp_path, "no-model")
+    with logs_shown_on_failure(proc.log, proc.close):
+        assert proc.proc.wait(timeout=60) == 78
+        lines = proc.log_lines()
+        (line,) = [x for x in lines if x.get("event") == "worker.model_unavailable"]
+        assert "no *.safetensors weights" in line["error"] and "no tokenizer" in line["error"]
+        assert not any("exception" in x for x in lines)
+
+
 def test_a_metrics_port_in_use_is_a_config_error_before_the_model_loads(
     ctx: Ctx, model_dir: Path, tmp_path: Path
 ) -> None:

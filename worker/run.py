@@ -84,6 +84,21 @@ def build_engine(settings: Settings) -> EngineLike:
 
 
 EXIT_METRICS_PORT_UNAVAILABLE = 78  # EX_CONFIG (as a name in use): a setting is at fault, nothing was loaded
+EXIT_MODEL_UNAVAILABLE = 78  # the same for --model: no folder, an incomplete one, the default model not installable
+
+
+def _model_problem(settings: Settings) -> str | None:
+    """Why ``--model`` names nothing loadable, found before torch loads (engine/checkpoint.py): one log line
+    saying what to pass, not a traceback; a supervisor restarting the worker would only meet it again."""
+    if settings.engine_factory:
+        return None
+    from engine.default_model import DefaultModelUnavailable, resolve_model_path
+
+    try:
+        resolve_model_path(settings.model)
+    except (FileNotFoundError, ValueError, DefaultModelUnavailable) as exc:
+        return str(exc)
+    return None
 
 
 def run_worker(settings: Settings) -> int:
@@ -112,6 +127,9 @@ def run_worker(settings: Settings) -> int:
                 )
                 return EXIT_METRICS_PORT_UNAVAILABLE
             log.info("worker.metrics", host=settings.metrics_host, port=health.port)
+        if (problem := _model_problem(settings)) is not None:
+            log.error("worker.model_unavailable", model=settings.model, error=problem)
+            return EXIT_MODEL_UNAVAILABLE
         engine = build_engine(settings)
         worker = Worker(settings, engine, url)
         if health is not None:

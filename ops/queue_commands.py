@@ -797,8 +797,27 @@ def _owned_by(r: redis.Redis, stream: str, entry_id: str) -> bool:
     return bool(first) and first[0][1].get(OWNER_FIELD) == entry_id
 
 
-def replay_dead_letter(r: redis.Redis, keys: Keys, entry_id: str, d: DeadLetter, *, keep: bool = False) -> str:
-    """Re-queue one dead letter (not a truncated one: the caller checks) and return its new jobs-stream entry id.
+def replayed_payloads(d: DeadLetter) -> list[str]:
+    """What a replay of ``d`` queues, one entry each: its job, or, for an entry that carried several ``job``
+    fields (dead-lettered whole as a JSON list of ``[field, value]`` pairs, worker/intake.py
+    ``Intake._several_jobs``), each of those jobs: the split its producer should have sent. A job itself is
+    a JSON object, never such a list, so the two cannot be confused."""
+    try:
+        pairs = json.loads(d.job)
+    except (ValueError, RecursionError):
+        return [d.job]
+    if isinstance(pairs, list) and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs
+    ):
+        jobs = [value for name, value in pairs if name == JOB_FIELD]
+        if len(jobs) > 1:
+            return jobs
+    return [d.job]
+
+
+def replay_dead_letter(r: redis.Redis, keys: Keys, entry_id: str, d: DeadLetter, *, keep: bool = False) -> list[str]:
+    """Re-queue one dead letter (not a truncated one: the caller checks) and return its new jobs-stream entry
+    ids, one per job (:func:`replayed_payloads`).
 
     Shared by ``pagedq dead replay`` and the gateway's dashboard, so both clear the same keys the same way.
     ``entry_id`` is the dead letter's ref; the job goes back to the shard it came from. On a cluster the
@@ -807,18 +826,25 @@ def replay_dead_letter(r: redis.Redis, keys: Keys, entry_id: str, d: DeadLetter,
     """
     shard, dead_id = split_entry_ref(entry_id)
     pipe = r.pipeline(transaction=not is_cluster_client(r))
-    target = salvage_reply_target(d.job, 1 << 30)
-    if target is not None:
-        job_id, reply_to = target
-        # The dead-lettered error is stored as the job's result: left there, workers would treat the
-        # replay as a duplicate and skip it, and readers would see the old error in the reply stream.
-        pipe.delete(keys.result(job_id), keys.reply(job_id))
-        if reply_to is not None and _owned_by(r, reply_to, d.entry_id):
-            pipe.delete(reply_to)  # the old attempt's stream: the replay (a new entry) could not write it
-    pipe.xadd(keys.jobs_shard(shard), {JOB_FIELD: d.job})
+    payloads = replayed_payloads(d)
+    deletes = 0  # commands queued before the XADDs, whose replies come first
+    for payload in payloads:
+        target = salvage_reply_target(payload, 1 << 30)
+        if target is not None:
+            job_id, reply_to = target
+            # The dead-lettered error is stored as the job's result: left there, workers would treat the
+            # replay as a duplicate and skip it, and readers would see the old error in the reply stream.
+            pipe.delete(keys.result(job_id), keys.reply(job_id))
+            deletes += 1
+            if reply_to is not None and _owned_by(r, reply_to, d.entry_id):
+                pipe.delete(reply_to)  # the old attempt's stream: the replay (a new entry) could not write it
+                deletes += 1
+    for payload in payloads:
+        pipe.xadd(keys.jobs_shard(shard), {JOB_FIELD: payload})
     if not keep:
         pipe.xdel(keys.dead_shard(shard), dead_id)
-    return str(pipe.execute()[-2 if not keep else -1])
+    replies = pipe.execute()
+    return [str(entry) for entry in replies[deletes : deletes + len(payloads)]]
 
 
 _DEAD_REF = re.compile(r"([0-9]+)-([0-9]+)(?:@([0-9]+))?")  # not \d: it matches any script's digits
@@ -870,13 +896,14 @@ def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             continue
-        if salvage_reply_target(d.job, 1 << 30) is None:
+        if any(salvage_reply_target(payload, 1 << 30) is None for payload in replayed_payloads(d)):
             print(
                 f"warning: {entry_id} has no valid job id; it will be dead-lettered again unless fixed", file=sys.stderr
             )
-        new_id = replay_dead_letter(r, keys, entry_id, d, keep=args.keep)
+        new_ids = replay_dead_letter(r, keys, entry_id, d, keep=args.keep)
         stream = keys.jobs_shard(split_entry_ref(entry_id)[0])
-        print(f"{entry_id} -> {stream} {new_id}" + (f" (job {d.job_id})" if d.job_id else ""))
+        split = f" (its {len(new_ids)} jobs, one entry each)" if len(new_ids) > 1 else ""
+        print(f"{entry_id} -> {stream} {', '.join(new_ids)}" + (f" (job {d.job_id})" if d.job_id else "") + split)
         replayed += 1
     print(f"replayed {replayed} dead letter(s)", file=sys.stderr)
     return 0

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import redis
 
+from ops.queue_commands import replay_dead_letter
 from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, TokenEvent, parse_event
 from schemas.keys import EVENT_FIELD, GROUP, JOB_FIELD, OWNER_FIELD
 from tests.redis_servers import (  # noqa: F401
@@ -516,6 +517,15 @@ def test_an_entry_with_two_jobs_answers_each_and_is_dead_lettered_once(
         _several_jobs_answered(ctx, entries)
         assert not [x for x in proc.log_lines() if x.get("event") == "worker.loop_error"]
         assert any(x.get("event") == "reclaim.claimed" for x in proc.log_lines())
+        # The operator's replay is the split the producer should have sent: one entry per job, each served.
+        ref, letter = next(
+            (dead_id, d)
+            for dead_id, fields in ctx.redis.xrange(ctx.keys.dead)
+            if (d := DeadLetter.from_fields(fields)).entry_id == entries["both"]
+        )
+        assert len(replay_dead_letter(ctx.redis, ctx.keys, ref, letter)) == 2
+        for job_id in ("twin-a", "twin-b"):
+            assert isinstance(ctx.client.result(job_id, timeout=60), FinalEvent), job_id
 
 
 @pytest.mark.slow  # six redis-server processes

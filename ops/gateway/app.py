@@ -566,7 +566,7 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
             raise ApiError(400, str(exc), param="queue") from None
         gw = state["gw"]
 
-        def run() -> str:
+        def run() -> list[str]:
             r = gw.dashboard.redis
             letter = find_dead_letter(r, keys, entry_id)
             if letter is None:
@@ -576,9 +576,10 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
             return replay_dead_letter(r, keys, entry_id, letter)
 
         try:
-            new_id = await asyncio.to_thread(run)
+            new_ids = await asyncio.to_thread(run)
         except redis.ResponseError as exc:
             raise ApiError(400, f"bad entry id: {exc}", param="entry_id") from None
-        return {"replayed": entry_id, "entry": new_id, "stream": keys.jobs_shard(split_entry_ref(entry_id)[0])}
+        stream = keys.jobs_shard(split_entry_ref(entry_id)[0])
+        return {"replayed": entry_id, "entry": new_ids[0], "entries": new_ids, "stream": stream}
 
     return app

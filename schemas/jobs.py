@@ -198,7 +198,7 @@ class JobRequest(BaseModel):
                 raise ValueError(f"metadata is nested more than {MAX_METADATA_DEPTH} levels deep")
             try:
                 encoded = json.dumps(self.metadata, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:  # TypeError: a non-JSON value (a datetime...) built in Python
                 raise ValueError(f"metadata is not valid JSON: {exc}") from exc
             size = len(encoded.encode())
             if size > MAX_METADATA_BYTES:

@@ -21,8 +21,11 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import pytest
 import redis
@@ -321,6 +324,23 @@ def test_bad_call_shapes_come_back_as_error_events(celery_worker: CeleryWorker) 
     assert good.get(timeout=120)["type"] == "final"
 
 
+def test_kombu_typed_json_values_are_job_fields_not_tracebacks(celery_worker: CeleryWorker) -> None:
+    """Kombu's JSON carries datetime, Decimal, UUID and bytes as tagged objects and the worker decoded them back
+    into Python objects: a ``datetime`` in ``metadata`` made the job's size check (``json.dumps``) raise a
+    TypeError, a task FAILURE with a traceback instead of an event."""
+    app = celery_worker.client
+    metadata = {"at": datetime(2026, 1, 2, 3, 4, 5), "amount": Decimal("1.5"), "user": UUID(int=7), "raw": b"\x00k"}
+    echoed = app.send_task("pagedq.generate", kwargs={"prompt": "x", "max_tokens": 2, "metadata": metadata})
+    typed = app.send_task("pagedq.generate", kwargs={"prompt": b"x", "max_tokens": Decimal(2), "metadata": metadata})
+    event = echoed.get(timeout=120)
+    assert echoed.state == "SUCCESS" and event["type"] == "final", event
+    assert event["metadata"] == metadata  # echoed as it was sent: the producer's kombu decodes it again
+    event = typed.get(timeout=120)
+    assert typed.state == "SUCCESS" and event["type"] == "error" and event["code"] == "invalid_request", event
+    assert "prompt" in event["message"] and "max_tokens" in event["message"], event
+    assert event["metadata"] == metadata
+
+
 # ------------------------------------------------------------------------- a model that cannot load
 
 
@@ -417,6 +437,39 @@ def test_the_visibility_timeout_is_a_setting() -> None:
     assert conf.broker_transport_options["unacked_restore_throttle"] == 1
     default = make_app(load_settings(redis_url="redis://127.0.0.1:1/0")).conf
     assert default.broker_transport_options["visibility_timeout"] == 3600
+
+
+# --------------------------------------------------------------------- a result backend out of reach
+
+
+def test_a_task_received_while_the_result_backend_is_down_runs_once_it_is_back(
+    model_dir: Path, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Storing STARTED failed at once on a backend that could not be reached: the task ended outside its
+    body, its message stayed unacked (the broker was fine) and its producer waited for the visibility
+    timeout, 1 h by default, although the backend was back a moment later."""
+    backend = make_server("debian", tmp_path / "backend")
+    broker = with_db(redis_server.url, 8)
+    worker = start_worker(model_dir, broker, backend.url, tmp_path / "celery.log", hostname="backend-down")
+    sender = Celery("web-backend", broker=broker, set_as_current=False)  # sends without a result backend
+    sender.conf.update(task_serializer="json")
+    try:
+        wait_ready(worker)
+        backend.stop()
+        sent = sender.send_task("pagedq.generate", kwargs={"prompt": "x", "max_tokens": 3, "temperature": 0})
+        wait_for(
+            lambda: "Failed operation" in worker.log() or "Exception raised outside body" in worker.log(),
+            timeout=60,
+            what="the worker to find the result backend down",
+        )
+        backend.start()
+        event = worker.client.AsyncResult(sent.id).get(timeout=60)
+        assert event["type"] == "final" and event["id"] == sent.id, event
+        stop_worker(worker)
+    finally:
+        sender.close()
+        reap(worker)
+        backend.stop()
 
 
 # ------------------------------------------------------------------------------ stats after a stop

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import pytest
@@ -308,6 +309,9 @@ def test_build_job_dispatches_on_prompt_type() -> None:
     assert job.messages is not None and job.messages[0].content == "hi" and job.id == "fixed"
     assert len(build_job("x").id) == 32
     assert isinstance(build_job("x", temperature=0), JobRequest)
+    # A Python value JSON cannot carry is a validation error, not a TypeError from inside the validator.
+    with pytest.raises(ValidationError, match="metadata is not valid JSON"):
+        build_job("x", metadata={"at": datetime.datetime(2026, 1, 1)})
     # The engine's own rules are a producer's error at once, not an error event after a round trip.
     for bad in ({"stop": [""]}, {"min_tokens": 5, "max_tokens": 2}):
         with pytest.raises(ValidationError):

@@ -37,6 +37,9 @@ Trade-offs chosen (worker/CELERY.md has the longer version):
 * **A model that cannot load stops the worker at start** (threads/solo pools: non-zero exit, before
   "ready"), rather than consuming tasks it can only fail. Where the engine is built lazily (other pools),
   the failure is remembered and every task is answered with error ``internal``, without loading again.
+* **A result backend out of reach is waited out** (``result_backend_always_retry``, for up to about the
+  visibility timeout) rather than ending the task outside its body, unacked, its producer waiting for the
+  visibility timeout; a warm shutdown waits on those retries too.
 * **JSON only**: ``accept_content=["json"]``; a message in any other serializer is refused by the worker,
   never deserialized.
 * **No token streaming** through Celery (a result backend stores one value); use the Redis-streams
@@ -78,6 +81,7 @@ STATS_TASK_NAME = "pagedq.stats"
 REVOKE_POLL_S = 0.25
 RESTORE_SWEEP_MAX_S = 10.0
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+BACKEND_RETRY_MAX_SLEEP_S = 1.0
 
 
 def celery_url(url: str) -> str:
@@ -164,6 +168,13 @@ def make_app(settings: Settings | None = None) -> Celery:
         result_expires=settings.result_ttl_s,
         broker_transport_options=broker_transport_options(settings),
         result_backend_transport_options={"visibility_timeout": settings.celery_visibility_timeout_s},
+        # A result backend that cannot be reached when a task starts (STARTED) or ends (its event) is waited
+        # out, once a second at most, for up to about the visibility timeout: Celery's default raises at once,
+        # the task ends outside its body, and its message stays unacked until the visibility timeout with
+        # its producer waiting (a worker's SIGTERM waits on the retries too; SIGQUIT does not).
+        result_backend_always_retry=True,
+        result_backend_max_sleep_between_retries_ms=int(BACKEND_RETRY_MAX_SLEEP_S * 1000),
+        result_backend_max_retries=max(1, int(settings.celery_visibility_timeout_s / BACKEND_RETRY_MAX_SLEEP_S)),
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         # pagedq logs with structlog to stderr (JSON off a terminal), as ``pagedq worker`` does; Celery's
@@ -269,6 +280,23 @@ def _is_revoked(task_id: str | None) -> bool:
     return task_id in worker_state.revoked
 
 
+def as_wire_json(fields: dict[str, Any]) -> dict[str, Any]:
+    """The job fields as the JSON the message carried, every value a plain JSON one.
+
+    Kombu's JSON serializer tags the values JSON has no type for (``datetime``, ``date``, ``Decimal``,
+    ``UUID``, ``bytes``: ``{"__type__": ..., "__value__": ...}``) and turns them back into Python objects when
+    the worker decodes the message. A producer's ``metadata={"at": datetime.now()}`` then reached the job's
+    strict validation as a ``datetime``, whose size check (``json.dumps``) raised a TypeError: a task FAILURE
+    with a traceback instead of the promised event. Validated as tagged JSON, such metadata is echoed in the
+    result as it came (the producer's kombu turns it back into its ``datetime``), and a tagged value in any
+    other field is refused by the field's own type check.
+    """
+    from kombu.utils.json import dumps
+
+    plain: dict[str, Any] = json.loads(dumps(fields))
+    return plain
+
+
 def generate(task: Any, /, *args: Any, **fields: Any) -> dict[str, Any]:
     """Run one job through the shared engine thread; returns its terminal event as a JSON object.
 
@@ -280,6 +308,7 @@ def generate(task: Any, /, *args: Any, **fields: Any) -> dict[str, Any]:
 
     task_id = getattr(task.request, "id", None)
     attempt = delivery_attempt(task.request)
+    fields = as_wire_json(fields)
     if "id" not in fields:
         import re
 

@@ -4,10 +4,12 @@ after a SIGKILL. Plus the request/response mapping, resumption bookkeeping and p
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +29,7 @@ from ops.batch.command import LINES_FAILED
 from ops.batch.files import iter_lines
 from schemas.jobs import Choice, FinalEvent, Logprob, Timings, TopLogprob, Usage
 from tests.redis_servers import RedisServer, make_server
-from tests.worker_harness import ENGINE_KW, REPO, Ctx, WorkerProcess, wait_for
+from tests.worker_harness import ENGINE_KW, REPO, Ctx, WorkerProcess, inprocess_worker, make_engine, wait_for
 
 ENGINE_FLAGS = [
     "--max-num-seqs", str(ENGINE_KW["max_num_seqs"]),
@@ -213,6 +215,9 @@ def test_chat_and_completion_lines_map_to_jobs() -> None:
         (chat("x", "hi", temperature="hot"), "temperature", "x"),
         (chat("x", "hi", max_tokens=0), "max_tokens", "x"),
         (chat("x", "hi", temperature=float("nan")), "not valid JSON", None),
+        # Valid JSON, but no Unicode: neither a job id nor an output line can hold it (it was a traceback).
+        (completion("x\ud800", "p"), "lone UTF-16 surrogate", None),
+        (chat("x", "hi \udc80"), "lone UTF-16 surrogate", None),
     ],
 )
 def test_bad_lines_are_rejected_with_a_reason(raw: str, needle: str, custom_id: str | None) -> None:
@@ -380,6 +385,12 @@ def model_dir(tiny_model: Any) -> Path:
 
 
 @pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Any:
+    """The in-process workers' engine (conftest's is session-scoped, over the session's ``model_dir``)."""
+    return make_engine(model_dir)
+
+
+@pytest.fixture(scope="module")
 def batch_file(tmp_path_factory: pytest.TempPathFactory) -> BatchFile:
     return make_batch_file(tmp_path_factory.mktemp("batch") / "requests.jsonl")
 
@@ -463,131 +474,123 @@ def queue(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         server.stop()
 
 
-def run_batch(ctx: Ctx, batch_file: BatchFile, out: Path, model_dir: Path, *extra: str) -> subprocess.Popen[str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "ops.batch",
-        str(batch_file.path),
-        str(out),
-        "--redis-url",
-        ctx.server.url,
-        "--namespace",
-        ctx.ns,
-        "--tokenizer",
-        str(model_dir),
-        *extra,
-    ]
+def batch_process(ctx: Ctx, inp: Path, out: Path, *extra: str) -> subprocess.Popen[str]:
+    """``python -m ops.batch INP OUT`` on ``ctx``'s queue, as a script would run it."""
+    argv = [sys.executable, "-m", "ops.batch", str(inp), str(out), "--redis-url", ctx.server.url,
+            "--namespace", ctx.ns, *extra]  # fmt: skip
     return subprocess.Popen(
         argv, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 
-@pytest.mark.slow  # two worker processes on a shared backlog (~30 s on 2 busy cores); local batch stays default
-def test_two_workers_give_the_same_output_as_local(
-    queue: Ctx, batch_file: BatchFile, local_output: Path, model_dir: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "queued.jsonl"
-    started = time.monotonic()
-    proc = run_batch(queue, batch_file, out, model_dir, "--log-interval-s", "0.5")
-    stdout, stderr = proc.communicate(timeout=300)
-    print(f"queue batch of 200 lines through 2 workers: {time.monotonic() - started:.1f}s")
-    assert proc.returncode == LINES_FAILED, stderr
-    check_complete(batch_file, out)
-    assert "batch: finished: 200/200 done" in stderr  # not a terminal: log lines, not a bar
-    assert stdout == ""
-    local, queued = answers(local_output), answers(out)
-    assert set(local) == set(queued)
-    assert {c: queued[c] for c in batch_file.greedy} == {c: local[c] for c in batch_file.greedy}
-    served = {r["response"]["body"]["model"] for r in records(out)}
-    assert served == {str(model_dir)}  # the workers' model, not the requests' "tiny"
-    # Both workers took part.
-    workers = {queue.result(r["response"]["request_id"]).worker for r in records(out)}
-    assert workers == {"bw0", "bw1"}
+def run_batch(ctx: Ctx, batch_file: BatchFile, out: Path, model_dir: Path, *extra: str) -> subprocess.Popen[str]:
+    return batch_process(ctx, batch_file.path, out, "--tokenizer", str(model_dir), *extra)
 
 
-@pytest.mark.slow  # a batch process killed and resumed (~12 s); local resume from a partial output stays default
-def test_killed_run_resumes_with_each_custom_id_exactly_once(
-    queue: Ctx, batch_file: BatchFile, local_output: Path, model_dir: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "killed.jsonl"
-    proc = run_batch(queue, batch_file, out, model_dir, "--max-in-flight", "4", "--progress", "none")
+@pytest.fixture
+def lone_queue(tmp_path: Path) -> Iterator[Ctx]:
+    """A Redis server of the test's own with no worker yet: jobs stay queued until the test starts one."""
+    server: RedisServer = make_server("debian", tmp_path / "redis")
+    ctx = Ctx(server)
     try:
-        wait_for(lambda: complete_lines(out) >= 30 or proc.poll() is not None, timeout=300, what="30 answers")
+        yield ctx
     finally:
-        proc.kill()
-        proc.communicate(timeout=60)
-    assert proc.returncode == -9, "the run ended before it could be killed"
-    written = complete_lines(out) + complete_lines(tmp_path / "killed.errors.jsonl")
-    assert written < 200
-    with open(out, "a") as f:  # what a kill in the middle of a write leaves behind
-        f.write('{"id": "batch_req_torn", "custom_id": "req-001", "respo')
+        ctx.close()
+        server.stop()
 
-    proc = run_batch(queue, batch_file, out, model_dir, "--progress", "log")
-    _, stderr = proc.communicate(timeout=300)
+
+def three_lines(tmp_path: Path) -> Path:
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(completion(f"c{i}", f"the sea {i}", max_tokens=2, temperature=0) + "\n" for i in range(3)))
+    return inp
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 60) -> str:
+    """Its stderr once it ended (killed if it did not within ``timeout``)."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@contextlib.contextmanager
+def queued(ctx: Ctx, inp: Path, out: Path, *extra: str) -> Iterator[subprocess.Popen[str]]:
+    """A batch run of :func:`three_lines` once its 3 jobs are queued (no worker yet); killed if left running."""
+    proc = batch_process(ctx, inp, out, *extra)
+    try:
+        wait_for(lambda: ctx.backlog() == 3 or proc.poll() is not None, timeout=60, what="3 jobs queued")
+        yield proc
+    finally:
+        finish(proc, timeout=0)
+
+
+def test_a_second_run_on_the_same_output_is_refused(lone_queue: Ctx, engine: Any, tmp_path: Path) -> None:
+    """Two runs on one OUTPUT would skip the same lines, wait for the same job ids and both write every
+    answer: the second is refused (exit 2) while the first holds OUTPUT, which then ends as usual."""
+    inp, out = three_lines(tmp_path), tmp_path / "out.jsonl"
+    with queued(lone_queue, inp, out, "--progress", "none") as first:
+        second = batch_process(lone_queue, inp, out, "--progress", "none")
+        stderr = finish(second)
+        assert second.returncode == 2, stderr
+        assert "another pagedq batch is writing" in stderr and "Traceback" not in stderr
+        with inprocess_worker(lone_queue, engine):
+            stderr = finish(first)
+    assert first.returncode == 0, stderr
+    assert sorted(r["custom_id"] for r in records(out)) == ["c0", "c1", "c2"]
+
+
+def test_jobs_lost_with_redis_data_are_queued_again(lone_queue: Ctx, engine: Any, tmp_path: Path) -> None:
+    """Redis restarted without its data while the jobs waited in the queue: the run notices (its count of
+    submissions in Redis is gone) and queues them again, instead of waiting forever for answers."""
+    inp, out = three_lines(tmp_path), tmp_path / "out.jsonl"
+    with queued(lone_queue, inp, out, "--progress", "log") as proc:
+        server = lone_queue.server
+        assert isinstance(server, RedisServer)
+        server.stop()
+        shutil.rmtree(server.data_dir / "appendonlydir")  # back without its data
+        server.start()
+        with inprocess_worker(lone_queue, engine):
+            stderr = finish(proc)
+    assert proc.returncode == 0, stderr
+    assert "Redis lost queued jobs" in stderr
+    assert sorted(r["custom_id"] for r in records(out)) == ["c0", "c1", "c2"]
+
+
+def test_foreign_data_at_a_jobs_keys_fails_that_line_alone(lone_queue: Ctx, engine: Any, tmp_path: Path) -> None:
+    """A result key holding no event of its job (written by hand, a foreign tool) ended the whole run with a
+    traceback, and so did an entry that is no event in a reply stream (anyone may append there): now the
+    first is that line's ``internal`` error, the second is ignored (reply streams only wake the wait)."""
+    inp, out = three_lines(tmp_path), tmp_path / "out.jsonl"
+    with queued(lone_queue, inp, out, "--progress", "none") as proc:
+        entries = lone_queue.redis.xrange(lone_queue.keys.jobs)
+        ids = {json.loads(f["job"])["prompt"]: json.loads(f["job"])["id"] for _, f in entries}
+        lone_queue.redis.set(lone_queue.keys.result(ids["the sea 0"]), "not an event")
+        lone_queue.redis.xadd(lone_queue.keys.reply(ids["the sea 1"]), {"event": "{broken"})
+        with inprocess_worker(lone_queue, engine):
+            stderr = finish(proc)
     assert proc.returncode == LINES_FAILED, stderr
-    assert f"resuming: {written} of 200 lines" in stderr
-    check_complete(batch_file, out)
-    local, resumed = answers(local_output), answers(out)
-    assert {c: resumed[c] for c in batch_file.greedy} == {c: local[c] for c in batch_file.greedy}
-    assert queue.redis.xlen(queue.keys.jobs) == 0  # nothing left behind in the queue
+    assert "Traceback" not in stderr
+    assert sorted(r["custom_id"] for r in records(out)) == ["c1", "c2"]
+    (error,) = records(tmp_path / "out.errors.jsonl")
+    assert error["custom_id"] == "c0" and error["error"]["code"] == "internal"
 
 
-@pytest.mark.slow  # a worker process serving a queue batch (~9 s); the local batch checks the served model by default
-def test_queue_answers_name_the_served_model_and_use_the_workers_token_texts(
-    queue: Ctx, model_dir: Path, tmp_path: Path
-) -> None:
-    """No ``--tokenizer``, no ``PAGEDQ_MODEL``, and requests naming OpenAI's model: each body names the
-    workers' model, and logprob tokens, chat ``bytes`` and completion ``text_offset`` come from the workers'
-    tokenizer (their model folder, named by their heartbeats), checked against transformers' decoding of the
-    token ids in the final events."""
-    from transformers import AutoTokenizer
-
-    asked = "gpt-4o-mini"
-    lines = [
-        chat("c-lp", "tell me about the sea", max_tokens=6, temperature=0, logprobs=True, top_logprobs=2),
-        chat("c-plain", "hello robot", max_tokens=4, temperature=0),
-        completion("p-lp", "the paged cache", max_tokens=6, temperature=0, logprobs=2),
-        completion("p-ids", [5, 6, 7, 8], max_tokens=5, temperature=0, logprobs=1),
-    ]
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text("\n".join(line.replace('"model": "tiny"', f'"model": "{asked}"') for line in lines) + "\n")
-    argv = [sys.executable, "-m", "ops.batch", str(inp), str(out), "--redis-url", queue.server.url,
-            "--namespace", queue.ns, "--progress", "log"]  # fmt: skip
-    proc = subprocess.run(argv, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert f"requests name model {asked!r}; answered by {str(model_dir)!r}" in proc.stderr
-    assert "token_id:" not in out.read_text()
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-
-    def text(token_id: int) -> str:
-        return str(tok.decode([token_id]))
-
-    bodies = {r["custom_id"]: r["response"] for r in records(out)}
-    assert set(bodies) == {"c-lp", "c-plain", "p-lp", "p-ids"}
-    for cid, response in bodies.items():
-        body = response["body"]
-        assert body["model"] == str(model_dir), (cid, body["model"])
-        parsed = openai_body(body)
-        (choice,) = queue.result(response["request_id"]).choices
-        if cid == "c-plain":
-            assert body["choices"][0]["logprobs"] is None
-            continue
-        assert choice.logprobs
-        if isinstance(parsed, ChatCompletion):
-            lp = parsed.choices[0].logprobs
-            assert lp is not None and lp.content is not None
-            assert [e.token for e in lp.content] == [text(p.token_id) for p in choice.logprobs]
-            assert [e.bytes for e in lp.content] == [list(text(p.token_id).encode()) for p in choice.logprobs]
-            for entry, want in zip(lp.content, choice.logprobs, strict=True):
-                assert [(t.token, t.bytes) for t in entry.top_logprobs] == [
-                    (text(t.token_id), list(text(t.token_id).encode())) for t in want.top
-                ]
-        else:
-            clp = parsed.choices[0].logprobs
-            assert clp is not None and clp.tokens is not None and clp.text_offset is not None
-            assert clp.tokens == [text(p.token_id) for p in choice.logprobs]
-            lengths = [len(t) for t in clp.tokens]
-            assert clp.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
-            assert clp.top_logprobs == [{text(t.token_id): t.logprob for t in p.top} for p in choice.logprobs]
+def test_retry_errors_runs_failed_lines_again(lone_queue: Ctx, engine: Any, tmp_path: Path) -> None:
+    """Lines a worker failed (here their deadline passed while they waited) keep their job ids on a rerun,
+    and the failure stays stored under those ids: ``--retry-errors`` must run them again, not read it back."""
+    inp, out = three_lines(tmp_path), tmp_path / "out.jsonl"
+    # The worker starts once the 3 jobs are queued, their deadlines past.
+    with (
+        queued(lone_queue, inp, out, "--progress", "none", "--timeout-s", "0.001") as first,
+        inprocess_worker(lone_queue, engine),
+    ):
+        stderr = finish(first)
+        assert first.returncode == LINES_FAILED, stderr
+        assert len(error_keys(tmp_path / "out.errors.jsonl")) == 3 and not records(out)
+        retry = batch_process(lone_queue, inp, out, "--progress", "none", "--retry-errors")
+        stderr = finish(retry)
+    assert retry.returncode == 0, stderr
+    assert sorted(r["custom_id"] for r in records(out)) == ["c0", "c1", "c2"]
+    assert not records(tmp_path / "out.errors.jsonl")

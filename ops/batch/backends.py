@@ -16,14 +16,15 @@ from __future__ import annotations
 import json
 import queue
 import sys
+import uuid
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Protocol
 
 from ops.batch.responses import TerminalEvent, TokenText, load_token_text, token_id_text
 from schemas.affinity import shard_for_job
-from schemas.jobs import JobRequest, TokenEvent, parse_event
-from schemas.keys import EVENT_FIELD, JOB_FIELD, Keys
+from schemas.jobs import ErrorEvent, FinalEvent, JobRequest, parse_event
+from schemas.keys import JOB_FIELD, Keys
 from worker.redis_url import connect, is_cluster_client
 from worker.settings import Settings
 
@@ -32,6 +33,15 @@ class Backend(Protocol):
     """Where jobs run: the queue (workers) or an engine in this process."""
 
     def submit(self, jobs: list[JobRequest]) -> None: ...
+    def lost_jobs(self) -> bool:
+        """Whether jobs submitted may have been lost since the last call (a Redis that came back without its
+        data): the caller submits its outstanding jobs again, which their ids make harmless."""
+        ...
+
+    def forget(self, job_ids: Collection[str]) -> None:
+        """Drop what is stored for these jobs (their failed results), so that they run again."""
+        ...
+
     def wait(self, ids: Collection[str], timeout_s: float) -> list[TerminalEvent]: ...
     def served_model(self, event: TerminalEvent) -> str:
         """The name of the model that answered ``event`` (an event :meth:`wait` returned)."""
@@ -54,6 +64,26 @@ def heartbeat_model(raw: str | bytes | None) -> str | None:
     return model if isinstance(model, str) and model else None
 
 
+MARKER_TTL_S = 7 * 86400
+"""Life of a run's submission count in Redis, renewed at each submission and check (a week: a batch may wait
+that long behind a backlog; the count of a run that ended expires on its own)."""
+
+
+def _stored_outcome(job_id: str, raw: str | bytes) -> TerminalEvent:
+    """The terminal event stored at a job's result key; a key holding anything else (written by hand or by
+    a foreign tool) ends the line as an ``internal`` error instead of ending the run with a traceback, or
+    leaving the line waiting for an answer that is already "there"."""
+    try:
+        event = parse_event(raw)
+    except ValueError:
+        event = None
+    if isinstance(event, (FinalEvent, ErrorEvent)) and event.id == job_id:
+        return event
+    return ErrorEvent(
+        id=job_id, attempt=0, code="internal", message="its result key holds no terminal event of this job"
+    )
+
+
 class QueueBackend:
     """Jobs through ``<ns>:jobs:<queue>``; results from ``<ns>:result:<id>`` (MGET), woken by a blocking
     XREAD on the jobs' reply streams (jobs are sent with ``stream: false``, so these hold only the
@@ -70,6 +100,10 @@ class QueueBackend:
         self.default_model = settings.model or "pagedq"
         self._tokenizer = tokenizer  # --tokenizer: chosen by the user, so it wins over what workers report
         self._fallback_tokenizer = settings.model
+        # Counts this run's submissions, INCRed in each submission's transaction: a Redis that lost them
+        # (restarted without persistence, a failover to a replica without them) has a lower count or none.
+        self._marker = f"{settings.namespace}:batch-run:{uuid.uuid4().hex}"
+        self._submitted = 0  # the count Redis acknowledged
         self._worker_models: dict[str, str] = {}  # worker name -> the model its heartbeat named
         self._texts: dict[str, TokenText] = {}  # tokenizer source -> token texts (token_id_text if it failed)
 
@@ -85,7 +119,31 @@ class QueueBackend:
         pipe = self.client.pipeline(transaction=not is_cluster_client(self.client))
         for job in jobs:
             pipe.xadd(self.keys.jobs_shard(shard_for_job(job, self.keys.shards)), {JOB_FIELD: job.to_json()})
+        pipe.incr(self._marker)
+        pipe.expire(self._marker, MARKER_TTL_S)
+        self._submitted = int(pipe.execute()[-2])
+
+    def forget(self, job_ids: Collection[str]) -> None:
+        """Deletes the jobs' result keys and reply streams (``--retry-errors``): a job id has one terminal event,
+        so as long as a failure is stored under the id, queueing the job again only reads the failure back."""
+        pipe = self.client.pipeline(transaction=False)  # each job's keys have their own slot
+        for job_id in job_ids:
+            pipe.delete(self.keys.result(job_id), self.keys.reply(job_id))
         pipe.execute()
+
+    def lost_jobs(self) -> bool:
+        """True when Redis's count of this run's submissions fell below the one it acknowledged: jobs
+        queued by this run may be gone, and without their entries no worker would ever answer them."""
+        if not self._submitted:
+            return False
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(self._marker)
+        pipe.expire(self._marker, MARKER_TTL_S)
+        count = int(pipe.execute()[0] or 0)
+        if count >= self._submitted:
+            return False
+        self._submitted = count
+        return True
 
     def _results(self, ids: list[str]) -> list[TerminalEvent]:
         out: list[TerminalEvent] = []
@@ -94,11 +152,9 @@ class QueueBackend:
             pipe = self.client.pipeline(transaction=False)  # one GET per key: each job's keys have their own slot
             for job_id in chunk:
                 pipe.get(self.keys.result(job_id))
-            for raw in pipe.execute():
+            for job_id, raw in zip(chunk, pipe.execute(), strict=True):
                 if raw is not None:
-                    event = parse_event(raw)
-                    if not isinstance(event, TokenEvent):
-                        out.append(event)
+                    out.append(_stored_outcome(job_id, raw))
         return out
 
     def wait(self, ids: Collection[str], timeout_s: float) -> list[TerminalEvent]:
@@ -112,15 +168,11 @@ class QueueBackend:
         if found or not wanted:
             return found
         streams: dict[Any, Any] = {self.keys.reply(i): "0" for i in wanted[:1000]}
-        reply: Any = self.client.xread(streams, count=1, block=max(1, int(timeout_s * 1000)))
-        events: list[TerminalEvent] = []
-        for _stream, entries in reply or []:
-            for _entry_id, fields in entries:
-                raw = (fields or {}).get(EVENT_FIELD)
-                event = parse_event(raw) if raw is not None else None
-                if event is not None and not isinstance(event, TokenEvent):
-                    events.append(event)
-        return events or self._results(wanted)
+        # The reply streams only wake the wait: what a job ended with is read from its result key, which
+        # the worker writes atomically with the terminal event, while a reply stream holds whatever anyone
+        # appended to it (an entry that is no event, a terminal event nobody confirmed).
+        self.client.xread(streams, count=1, block=max(1, int(timeout_s * 1000)))
+        return self._results(wanted)
 
     def _learn_models(self, events: list[TerminalEvent]) -> None:
         """Read the heartbeats of workers not seen yet (one MGET). Done inside :meth:`wait`, so that a
@@ -190,6 +242,12 @@ class LocalBackend:
                 events.append(self.done.get_nowait())
             except queue.Empty:
                 return events
+
+    def lost_jobs(self) -> bool:
+        return False
+
+    def forget(self, job_ids: Collection[str]) -> None:
+        """Nothing outlives the process here."""
 
     def served_model(self, event: TerminalEvent) -> str:
         return self._served

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -28,17 +29,18 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import IO
 
 import redis
 
 from ops.batch.backends import Backend, LocalBackend, QueueBackend
-from ops.batch.files import Writer, errors_path_for, iter_lines, read_done, scan_input
+from ops.batch.files import Scan, Writer, errors_path_for, failed_request_ids, iter_lines, read_done, scan_input
 from ops.batch.progress import Progress
 from ops.batch.requests import DEFAULT_MAX_TOKENS, BatchLine, LineError, parse_line
 from ops.batch.responses import TerminalEvent, error_record, outcome_record, token_id_text
 from schemas.jobs import FinalEvent
 from worker.backoff import Backoff
-from worker.settings import SettingsError
+from worker.settings import Settings, SettingsError
 
 LINES_FAILED = 3
 """Exit code of a run that answered every line, some with an error: a script must not take it for success."""
@@ -155,11 +157,38 @@ def run(args: argparse.Namespace) -> int:
             2,
         )
 
-    if args.overwrite:
-        for path in (out, errors):
-            path.unlink(missing_ok=True)
+    lock = _lock_output(out)
+    if lock is None:
+        return _fail(f"another pagedq batch is writing {out}: let it end (or stop it) and rerun to resume", 2)
+    try:
+        return _run_locked(args, settings, url, scan, lock)
+    finally:
+        lock.close()
+
+
+def _lock_output(out: Path) -> IO[bytes] | None:
+    """OUTPUT opened and locked (``flock``) for this run, or None while another run holds it: two runs on one
+    OUTPUT would skip the same done lines, wait for the same job ids and each write every answer."""
+    f = open(out, "ab")  # noqa: SIM115  (held for the whole run; closed by the caller)
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
+def _run_locked(args: argparse.Namespace, settings: Settings, url: str | None, scan: Scan, lock: IO[bytes]) -> int:
+    """The run once OUTPUT is this process's (``lock``): resume, run the pending lines, sum up."""
+    inp: Path = args.input
+    out: Path = args.output
+    errors: Path = args.errors or errors_path_for(out)
+    if args.overwrite:  # OUTPUT is emptied, not removed: the lock is on this file
+        lock.truncate(0)
+        errors.unlink(missing_ok=True)
     done_ids, _ = read_done(out)
     err_ids, err_lines = read_done(errors)
+    retried = failed_request_ids(errors) if args.retry_errors else set()
     if args.retry_errors:
         errors.unlink(missing_ok=True)
         err_ids, err_lines = set(), set()
@@ -196,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
     interrupted = _install_sigterm()
     code = 0
     try:
+        backend.forget(retried)  # their failures stored under their ids would be read back, not retried
         if isinstance(backend, QueueBackend) and backend.live_workers() == 0:
             progress.note(f"warning: no live worker on queue {settings.queue!r}; jobs wait until one starts")
         code = _process(pending_lines(), backend, writer, progress, args, run_key, max_in_flight)
@@ -290,6 +320,8 @@ def _process(
                 in_flight.update((line.job.id, line) for line in unsent)
                 unsent = []
             events = backend.wait(in_flight.keys(), timeout_s=1.0)
+            # Checked when nothing came, or once Redis is back: a Redis back without its data lost the jobs.
+            lost = (not events or redis_down_since is not None) and backend.lost_jobs()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             now = time.monotonic()
             if redis_down_since is None:
@@ -316,6 +348,10 @@ def _process(
                 renamed.add((asked, served))  # noted once: a batch names the same model on every line
                 progress.note(f"requests name model {asked!r}; answered by {served!r}, the body.model written")
             progress.update(ok, event.usage.completion_tokens if isinstance(event, FinalEvent) else 0)
+        if lost:  # queued again: their ids make a copy that did survive harmless (one terminal event per id)
+            progress.note(f"Redis lost queued jobs (back without its data?); queueing {len(in_flight)} again")
+            unsent = list(in_flight.values())
+            in_flight.clear()
         progress.tick()
 
 
@@ -327,7 +363,10 @@ def _wants_logprobs(event: TerminalEvent) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedq batch")
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        return run(parser.parse_args(argv))
+    except KeyboardInterrupt:  # outside the run loop (reading the input, loading the model)
+        return _fail("interrupted: rerun the same command to resume", 130)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,19 @@ def read_done(path: Path) -> tuple[set[str], set[int]]:
     return ids, lines
 
 
+def failed_request_ids(path: Path) -> set[str]:
+    """The job ids of the errors file's lines that a worker answered (``error.request_id``)."""
+    ids: set[str] = set()
+    with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+        for raw in f:
+            with contextlib.suppress(ValueError):
+                rec = json.loads(raw)
+                error = rec.get("error") if isinstance(rec, dict) else None
+                if isinstance(error, dict) and isinstance(error.get("request_id"), str):
+                    ids.add(error["request_id"])
+    return ids
+
+
 class Writer:
     """Appends whole lines, flushed one by one, to OUTPUT and (created on first use) the errors file."""
 

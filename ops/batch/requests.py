@@ -123,6 +123,10 @@ def parse_line(raw: str, line_no: int, *, run_key: str, default_max_tokens: int)
         raise LineError(f"not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(data, dict):
         raise LineError(f"a line must be a JSON object, got {type(data).__name__}", "invalid_json")
+    try:  # a lone surrogate escape ("\ud800") is valid JSON but no Unicode: no job id, no output line
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise LineError("a string holds a lone UTF-16 surrogate escape (not valid Unicode)", "invalid_json") from None
     cid = data.get("custom_id")
     if not isinstance(cid, str) or not cid:
         raise LineError("custom_id must be a non-empty string")

@@ -442,6 +442,7 @@ def test_the_visibility_timeout_is_a_setting() -> None:
 # --------------------------------------------------------------------- a result backend out of reach
 
 
+@pytest.mark.slow  # a second Redis server stopped and started around a task (~6 s)
 def test_a_task_received_while_the_result_backend_is_down_runs_once_it_is_back(
     model_dir: Path, redis_server: RedisServer, tmp_path: Path
 ) -> None:

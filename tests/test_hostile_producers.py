@@ -502,6 +502,7 @@ def _several_jobs_answered(ctx: Ctx, entries: dict[str, str]) -> None:
     assert none.job_id == "" and "3 'job' fields" in none.reason
 
 
+@pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_an_entry_with_two_jobs_answers_each_and_is_dead_lettered_once(
     ctx: Ctx, model_dir: Path, tmp_path: Path
 ) -> None:

@@ -59,6 +59,7 @@ def ctx(redis_server: RedisServer) -> Iterator[Ctx]:  # noqa: F811
     c.close()
 
 
+@pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_a_model_that_cannot_load_is_a_config_error_in_one_line(ctx: Ctx, tmp_path: Path) -> None:
     """``--model`` naming an incomplete folder: exit 78 with what is missing, before torch loads, not a
     traceback from transformers (which blamed a missing sentencepiece for an absent tokenizer)."""
@@ -74,6 +75,7 @@ def test_a_model_that_cannot_load_is_a_config_error_in_one_line(ctx: Ctx, tmp_pa
         assert not any("exception" in x for x in lines)
 
 
+@pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
 def test_a_metrics_port_in_use_is_a_config_error_before_the_model_loads(
     ctx: Ctx, model_dir: Path, tmp_path: Path
 ) -> None:

@@ -255,18 +255,21 @@ def _without_local_constants() -> Iterator[None]:
 
 
 def run_campaign(
-    c: Campaign, n: int, *, slow: bool, midway: Callable[[Campaign], None] | None = None, drain_s: float
+    c: Campaign, n: int, *, slow: bool, midway: Callable[[Campaign, float], bool] | None = None, drain_s: float
 ) -> None:
     """Send the campaign while the workers start and run, then the future entry, wait until all ended,
-    then 10 fresh jobs."""
+    then 10 fresh jobs. ``midway(c, wait_s)`` acts once, from the middle on: it is offered the moment after
+    each batch is sent (waiting ``wait_s`` = 0.5 s for its condition, which the workers may already be past:
+    they drain a batch in milliseconds), and, if it never acted, once more after the last batch (120 s)."""
     started = c.started
     seeds = c.world.seeds(slow=slow)
     every = max(1, n // (len(seeds) + 1))
     batch: list[Entry] = []
     count = 0
+    acted = midway is None
 
     def emit(entry: Entry) -> None:
-        nonlocal count
+        nonlocal count, acted
         count += 1
         batch.append(entry)
         if count % every == 0 and seeds:
@@ -274,14 +277,15 @@ def run_campaign(
         if len(batch) >= 64:
             c.send(batch[:])
             batch.clear()
-        if midway is not None and count == n // 2:
-            if batch:
-                c.send(batch[:])
-                batch.clear()
-            midway(c)
+            if not acted and count >= n // 2:
+                assert midway is not None
+                acted = midway(c, 0.5)
 
     generated = generate(c.world, n, emit)
     c.send(batch + seeds)
+    if not acted:
+        assert midway is not None
+        assert midway(c, 120), "midway never acted"
     c.timings["generated_s"] = time.monotonic() - started
     assert generated >= 0.9 * n, f"hypothesis drafted only {generated} of {n} entries"
     assert not (missing := missing_kinds(e.why for e in c.entries)), f"kinds never drafted: {missing}"
@@ -611,11 +615,12 @@ def test_fuzzed_entries_fail_only_themselves(fresh_redis_server: RedisServer, mo
         verify(c)
 
 
-def kill_and_restart(model_dir: Path, tmp_path: Path) -> Callable[[Campaign], None]:
+def kill_and_restart(model_dir: Path, tmp_path: Path) -> Callable[[Campaign, float], bool]:
     """Midway: SIGKILL worker w1 while it holds entries, and start a new w1 (same consumer name, so it
-    first re-reads what the old one held; the survivor may take them over first)."""
+    first re-reads what the old one held; the survivor may take them over first). False when w1 held
+    nothing within ``wait_s``."""
 
-    def midway(c: Campaign) -> None:
+    def midway(c: Campaign, wait_s: float) -> bool:
         victim = next(w for w in c.workers if w.name == "w1")
 
         def holds_entries() -> bool:
@@ -623,13 +628,17 @@ def kill_and_restart(model_dir: Path, tmp_path: Path) -> Callable[[Campaign], No
             consumers = {x["name"]: x["pending"] for x in c.ctx.redis.xinfo_consumers(c.ctx.keys.jobs, GROUP)}
             return consumers.get("w1", 0) > 0
 
-        wait_for(holds_entries, 120, 0.02, "w1 holding entries")
+        try:
+            wait_for(holds_entries, wait_s, 0.005, "w1 holding entries")
+        except AssertionError:
+            return False
         victim.kill()
         c.workers.remove(victim)
         c.retired.append(victim)
         logs = tmp_path / "restarted"
         logs.mkdir()
         c.workers.append(WorkerProcess(c.ctx, model_dir, logs, "w1", **WORKER_SETTINGS))
+        return True
 
     return midway
 

@@ -199,7 +199,7 @@ def _events(reply: Any, job_id: str) -> tuple[list[Event], str | None]:
     return events, last
 
 
-def _stored(raw: str | bytes | None, job_id: str) -> Event | None:
+def stored_end(raw: str | bytes | None, job_id: str) -> FinalEvent | ErrorEvent | None:
     """The terminal event stored at the job's result key, or None when there is none (or none valid)."""
     if raw is None:
         return None
@@ -381,11 +381,11 @@ class PagedqClient(_Base):
                     if isinstance(event, TokenEvent):
                         yield event
                     elif not unconfirmed:  # one GET per read, however many forged terminals it holds
-                        if (stored := _stored(self.redis.get(self.keys.result(job_id)), job_id)) is not None:
+                        if (stored := stored_end(self.redis.get(self.keys.result(job_id)), job_id)) is not None:
                             yield stored
                             return
                         unconfirmed = True
-                if new_last is None and (stored := _stored(self.redis.get(self.keys.result(job_id)), job_id)):
+                if new_last is None and (stored := stored_end(self.redis.get(self.keys.result(job_id)), job_id)):
                     # The job ended after the empty read (its last token events and terminal land together):
                     # read the stream once more, so those tokens are not skipped; only a reply stream that
                     # expired or was never written (a foreign reply_to) leaves the result key alone.
@@ -412,7 +412,7 @@ class PagedqClient(_Base):
 
     def result(self, job_id: str, timeout: float | None = None, *, reply_to: str | None = None) -> FinalEvent:
         """Wait for the job's terminal event; raises :class:`JobFailed` or ``TimeoutError``."""
-        stored = _stored(self.redis.get(self.keys.result(job_id)), job_id)
+        stored = stored_end(self.redis.get(self.keys.result(job_id)), job_id)
         if stored is not None:
             return _terminal(stored)
         for event in self.events(job_id, timeout=timeout, reply_to=reply_to):
@@ -501,11 +501,11 @@ class AsyncPagedqClient(_Base):
                     if isinstance(event, TokenEvent):
                         yield event
                     elif not unconfirmed:
-                        if (stored := _stored(await self.redis.get(self.keys.result(job_id)), job_id)) is not None:
+                        if (stored := stored_end(await self.redis.get(self.keys.result(job_id)), job_id)) is not None:
                             yield stored
                             return
                         unconfirmed = True
-                if new_last is None and (stored := _stored(await self.redis.get(self.keys.result(job_id)), job_id)):
+                if new_last is None and (stored := stored_end(await self.redis.get(self.keys.result(job_id)), job_id)):
                     events, _ = _events(await self.redis.xread({key: last}, count=1000), job_id)
                     for event in events:
                         if isinstance(event, TokenEvent):
@@ -526,7 +526,7 @@ class AsyncPagedqClient(_Base):
                 yield item
 
     async def result(self, job_id: str, timeout: float | None = None, *, reply_to: str | None = None) -> FinalEvent:
-        stored = _stored(await self.redis.get(self.keys.result(job_id)), job_id)
+        stored = stored_end(await self.redis.get(self.keys.result(job_id)), job_id)
         if stored is not None:
             return _terminal(stored)
         async for event in self.events(job_id, timeout=timeout, reply_to=reply_to):

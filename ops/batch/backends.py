@@ -23,8 +23,9 @@ from typing import Any, Protocol
 
 from ops.batch.responses import TerminalEvent, TokenText, load_token_text, token_id_text
 from schemas.affinity import shard_for_job
-from schemas.jobs import ErrorEvent, FinalEvent, JobRequest, parse_event
+from schemas.jobs import ErrorEvent, JobRequest
 from schemas.keys import JOB_FIELD, Keys
+from worker.client import stored_end
 from worker.redis_url import connect, is_cluster_client
 from worker.settings import Settings
 
@@ -73,11 +74,8 @@ def _stored_outcome(job_id: str, raw: str | bytes) -> TerminalEvent:
     """The terminal event stored at a job's result key; a key holding anything else (written by hand or by
     a foreign tool) ends the line as an ``internal`` error instead of ending the run with a traceback, or
     leaving the line waiting for an answer that is already "there"."""
-    try:
-        event = parse_event(raw)
-    except ValueError:
-        event = None
-    if isinstance(event, (FinalEvent, ErrorEvent)) and event.id == job_id:
+    event = stored_end(raw, job_id)
+    if event is not None:
         return event
     return ErrorEvent(
         id=job_id, attempt=0, code="internal", message="its result key holds no terminal event of this job"

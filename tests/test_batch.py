@@ -192,6 +192,9 @@ def test_chat_and_completion_lines_map_to_jobs() -> None:
     assert _parse(completion("b", "p")).job.id == _parse(completion("b", "p")).job.id
     assert _parse(completion("b", "p")).job.id != _parse(completion("c", "p")).job.id
     assert _parse(completion("b", "p")).job.id != _parse(completion("b", "q")).job.id
+    # --timeout-s is part of the request: a rerun with another deadline must not read back the old answers.
+    timed = parse_line(completion("b", "p"), 1, run_key="k", default_max_tokens=99, timeout_s=5.0).job
+    assert timed.timeout_s == 5.0 and timed.id != _parse(completion("b", "p")).job.id
 
 
 @pytest.mark.parametrize(
@@ -575,6 +578,49 @@ def test_foreign_data_at_a_jobs_keys_fails_that_line_alone(lone_queue: Ctx, engi
     assert sorted(r["custom_id"] for r in records(out)) == ["c1", "c2"]
     (error,) = records(tmp_path / "out.errors.jsonl")
     assert error["custom_id"] == "c0" and error["error"]["code"] == "internal"
+
+    # --retry-errors deletes what is stored under c0's job id, then the errors file; with Redis down it
+    # fails before either (exit 1), and the errors file is still there for the next --retry-errors.
+    server = lone_queue.server
+    assert isinstance(server, RedisServer)
+    server.stop()
+    retry = batch_process(lone_queue, inp, out, "--progress", "none", "--retry-errors")
+    stderr = finish(retry)
+    assert retry.returncode == 1, stderr
+    assert error_keys(tmp_path / "out.errors.jsonl") == ["c0"]
+    server.start()
+    with inprocess_worker(lone_queue, engine):
+        retry = batch_process(lone_queue, inp, out, "--progress", "none", "--retry-errors")
+        stderr = finish(retry)
+    assert retry.returncode == 0, stderr
+    assert sorted(r["custom_id"] for r in records(out)) == ["c0", "c1", "c2"]
+    assert not records(tmp_path / "out.errors.jsonl")
+
+
+def test_a_resume_after_overwrite_finds_the_jobs_it_queued(lone_queue: Ctx, engine: Any, tmp_path: Path) -> None:
+    """``--overwrite`` gives the run's job ids a fresh nonce (the old answers must not be read back); a rerun
+    without the flag made ids without it, so the jobs the interrupted run had queued ran for nothing and
+    every line was queued again. The nonce is kept in Redis: the rerun queues the same 3 ids again."""
+    inp, out = three_lines(tmp_path), tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"custom_id": "c0", "response": {}}) + "\n")  # an earlier run's answer
+
+    def queued_ids() -> Counter[str]:
+        return Counter(json.loads(f["job"])["id"] for _, f in lone_queue.redis.xrange(lone_queue.keys.jobs))
+
+    with queued(lone_queue, inp, out, "--progress", "none", "--overwrite") as first:
+        first.terminate()
+        stderr = finish(first)
+        assert first.returncode == 130, stderr
+    assert not records(out)  # emptied by --overwrite
+    first_ids = queued_ids()
+    assert len(first_ids) == 3
+    resume = batch_process(lone_queue, inp, out, "--progress", "none")
+    wait_for(lambda: sum(queued_ids().values()) == 6 or resume.poll() is not None, timeout=60, what="requeued")
+    assert set(queued_ids()) == set(first_ids)  # the same jobs: a worker answers each id once
+    with inprocess_worker(lone_queue, engine):
+        stderr = finish(resume)
+    assert resume.returncode == 0, stderr
+    assert sorted(r["custom_id"] for r in records(out)) == ["c0", "c1", "c2"]
 
 
 def test_retry_errors_runs_failed_lines_again(lone_queue: Ctx, engine: Any, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ model and, when the worker's model folder is readable here, writes real token te
 
 from __future__ import annotations
 
+import hashlib
 import json
 import queue
 import sys
@@ -41,6 +42,11 @@ class Backend(Protocol):
 
     def forget(self, job_ids: Collection[str]) -> None:
         """Drop what is stored for these jobs (their failed results), so that they run again."""
+        ...
+
+    def generation(self, output: Path, fresh: bool) -> str:
+        """The nonce of ``output``'s current run (part of every job id): a new one when ``fresh``
+        (``--overwrite``), else the one the last fresh start chose, so that a resume finds its jobs."""
         ...
 
     def wait(self, ids: Collection[str], timeout_s: float) -> list[TerminalEvent]: ...
@@ -95,6 +101,8 @@ class QueueBackend:
     def __init__(self, url: str, settings: Settings, tokenizer: str | None) -> None:
         self.client = connect(url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30)
         self.keys = Keys(settings.namespace, settings.queue, settings.queue_shards)
+        self._namespace = settings.namespace
+        self._result_ttl_s = settings.result_ttl_s
         self.default_model = settings.model or "pagedq"
         self._tokenizer = tokenizer  # --tokenizer: chosen by the user, so it wins over what workers report
         self._fallback_tokenizer = settings.model
@@ -128,6 +136,19 @@ class QueueBackend:
         for job_id in job_ids:
             pipe.delete(self.keys.result(job_id), self.keys.reply(job_id))
         pipe.execute()
+
+    def generation(self, output: Path, fresh: bool) -> str:
+        """Kept at ``<ns>:batch-output:<hash of OUTPUT's path>`` for as long as workers keep results: the
+        results an ``--overwrite`` run left are under ids with its nonce, and a rerun without the flag must
+        make the same ids to read them back instead of queueing every job again (the old jobs would still
+        run, their answers never read). Expired together with those results, it makes no difference."""
+        key = f"{self._namespace}:batch-output:{hashlib.sha256(str(output).encode()).hexdigest()[:32]}"
+        if fresh:
+            nonce = uuid.uuid4().hex
+            self.client.set(key, nonce, ex=self._result_ttl_s)
+            return nonce
+        stored = self.client.getex(key, ex=self._result_ttl_s)
+        return stored if isinstance(stored, str) else ""
 
     def lost_jobs(self) -> bool:
         """True when Redis's count of this run's submissions fell below the one it acknowledged: jobs
@@ -246,6 +267,10 @@ class LocalBackend:
 
     def forget(self, job_ids: Collection[str]) -> None:
         """Nothing outlives the process here."""
+
+    def generation(self, output: Path, fresh: bool) -> str:
+        """Nothing outlives the process here, so no run can find another's jobs."""
+        return ""
 
     def served_model(self, event: TerminalEvent) -> str:
         return self._served

@@ -25,7 +25,6 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
@@ -138,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
             return _fail(problem, 2)
     if args.max_in_flight is not None and args.max_in_flight < 1:
         return _fail("--max-in-flight must be at least 1", 2)
+    if args.timeout_s is not None and not args.timeout_s > 0:  # not every line's error, after the model loads
+        return _fail(f"--timeout-s must be above 0, got {args.timeout_s}", 2)
     try:
         settings = settings_from_args(args, **{flag: getattr(args, flag) for flag in ENGINE_FLAGS})
         url = None if args.local else resolve_redis_url(settings)
@@ -189,12 +190,10 @@ def _run_locked(args: argparse.Namespace, settings: Settings, url: str | None, s
     done_ids, _ = read_done(out)
     err_ids, err_lines = read_done(errors)
     retried = failed_request_ids(errors) if args.retry_errors else set()
-    if args.retry_errors:
-        errors.unlink(missing_ok=True)
+    if args.retry_errors:  # the file itself goes once their stored failures are gone (a rerun may retry again)
         err_ids, err_lines = set(), set()
     stray = len((done_ids | err_ids) - scan.ids)
     done_ids |= err_ids
-    run_key = str(out.resolve()) + (f"#{uuid.uuid4().hex}" if args.overwrite else "")
 
     def pending_lines() -> Iterator[tuple[int, str | None]]:
         for line_no, text in iter_lines(inp):
@@ -221,11 +220,17 @@ def _run_locked(args: argparse.Namespace, settings: Settings, url: str | None, s
         progress.note(f"resuming: {skipped} of {scan.total} lines already in {out.name} / {errors.name}")
     if stray:
         progress.note(f"warning: {stray} custom_id(s) in the output files are not in {inp.name} (another input?)")
-    writer = Writer(out, errors)
     interrupted = _install_sigterm()
+    writer = Writer(out, errors)
     code = 0
     try:
         backend.forget(retried)  # their failures stored under their ids would be read back, not retried
+        if args.retry_errors:
+            errors.unlink(missing_ok=True)  # before the first write: the Writer opens it at the first error
+        # Job ids hash OUTPUT's path and the nonce of its last --overwrite (kept by the backend), so a
+        # resume reads back the results of the jobs its earlier run queued, even after --overwrite.
+        nonce = backend.generation(out.resolve(), args.overwrite)
+        run_key = str(out.resolve()) + (f"#{nonce}" if nonce else "")
         if isinstance(backend, QueueBackend) and backend.live_workers() == 0:
             progress.note(f"warning: no live worker on queue {settings.queue!r}; jobs wait until one starts")
         code = _process(pending_lines(), backend, writer, progress, args, run_key, max_in_flight)
@@ -298,15 +303,13 @@ def _process(
                 progress.update(False)
                 continue
             try:
-                line = parse_line(text, line_no, run_key=run_key, default_max_tokens=args.default_max_tokens)
-                if args.timeout_s is not None:
-                    line = BatchLine(
-                        line.line_no,
-                        line.custom_id,
-                        line.kind,
-                        line.model,
-                        line.job.model_copy(update={"timeout_s": args.timeout_s}),
-                    )
+                line = parse_line(
+                    text,
+                    line_no,
+                    run_key=run_key,
+                    default_max_tokens=args.default_max_tokens,
+                    timeout_s=args.timeout_s,
+                )
             except LineError as exc:
                 writer.write(False, error_record(exc.custom_id, line_no, exc.code, exc.message))
                 progress.update(False)

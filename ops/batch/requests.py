@@ -115,8 +115,12 @@ def job_id_for(run_key: str, custom_id: str, fields: dict[str, Any]) -> str:
     return "batch-" + hashlib.sha256(blob.encode()).hexdigest()[:40]
 
 
-def parse_line(raw: str, line_no: int, *, run_key: str, default_max_tokens: int) -> BatchLine:
-    """Validate one input line into a :class:`BatchLine`; every problem is a :class:`LineError`."""
+def parse_line(
+    raw: str, line_no: int, *, run_key: str, default_max_tokens: int, timeout_s: float | None = None
+) -> BatchLine:
+    """Validate one input line into a :class:`BatchLine`; every problem is a :class:`LineError`.
+    ``timeout_s`` (``--timeout-s``) is a job field like the body's, so it is part of the job id: a rerun
+    with another deadline runs the line again instead of reading back an answer (or a timeout) of the old."""
     try:
         data = loads_strict(raw)
     except (ValueError, RecursionError) as exc:
@@ -143,6 +147,8 @@ def parse_line(raw: str, line_no: int, *, run_key: str, default_max_tokens: int)
         if not isinstance(body, dict):
             raise LineError("body must be an object")
         fields = body_to_fields(kind, body, default_max_tokens)
+        if timeout_s is not None:
+            fields["timeout_s"] = timeout_s
         job_id = job_id_for(run_key, cid, fields)
         try:
             job = JobRequest.model_validate({**fields, "id": job_id, "stream": False})

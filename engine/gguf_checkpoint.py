@@ -4,15 +4,19 @@
 package's reader (a memory map; nothing is converted on disk). Each tensor of a llama-architecture file is
 mapped onto pagedq's modules by its llama.cpp name:
 
-- ``Q8_0``, ``Q4_0`` and ``Q4_1`` decoder linears are repacked into :class:`pagedq_kernels.int8_linear.Int8Weight`
-  (blocks of 32 along K; ``Q4_0``'s codes stored as ``q - 8``, ``Q4_1``'s minimum as the offset). Exact:
-  ``dequantize()`` equals gguf's own. The C kernel then streams one byte per weight;
+- quantised decoder linears (``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, the K-quants ``Q2_K`` to
+  ``Q6_K`` and ``IQ4_NL`` / ``IQ4_XS``: every type of llama.cpp's Q2_K to Q8_0 files, ``Q4_K_M`` included) are
+  repacked into :class:`pagedq_kernels.int8_linear.Int8Weight`, groups of 16 or 32 along K with an fp32 scale
+  and, for formats with a minimum, an offset (:mod:`engine.gguf_quants`). Exact: ``dequantize()`` equals
+  gguf's own. The C kernel then streams one byte per weight; a merged linear whose parts differ in group
+  (``Q4_K_M``'s Q4_K q/k beside a Q6_K v) is held at the finer group, which is exact too;
 - ``F32``, ``F16`` and ``BF16`` tensors, and quantised embeddings / lm_head / norms, are loaded as floats
   in the activation dtype (the embedding is a lookup and the lm_head stays in the activation dtype);
 - llama.cpp stores q and k rows permuted for its rotary layout: they are permuted back (for quantised
   weights, rows of values, scales and offsets move together, which is exact).
 
-Anything else (K-quants, IQ types, another architecture, a truncated or corrupt file) is a
+Anything else (the lattice IQ1/IQ2/IQ3 types, ternary or fp4 types, another architecture, a truncated or
+corrupt file) is a
 :class:`GGUFError` naming the file, the tensor and its type. The tokenizer and chat template come from the
 metadata through transformers' GGUF tokenizer support (:func:`load_tokenizer`).
 """
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 
 from engine.checkpoint import gguf_file
+from engine.gguf_quants import FORMATS, to_int8_weight
 from engine.kernel_dispatch import get_ops
 from engine.layers import Linear
 from engine.model_config import ModelConfig
@@ -36,9 +41,7 @@ from pagedq_kernels.int8_linear import Int8Weight
 if TYPE_CHECKING:
     from engine.loader import Target
 
-QUANTISED_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 FLOAT_TYPES = ("F32", "F16", "BF16")
-BLOCK = 32  # elements per block of every supported quantised type
 
 # llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -118,30 +121,6 @@ def read_gguf_config(path: Path) -> ModelConfig:
     return read_config(_reader(path), path)
 
 
-def repack_quantised(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Int8Weight:
-    """A ``[rows, cols]`` tensor of ``Q8_0`` / ``Q4_0`` / ``Q4_1`` blocks as an exact :class:`Int8Weight`."""
-    blocks = np.ascontiguousarray(raw).reshape(rows, cols // BLOCK, -1)
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
-    offsets: np.ndarray | None = None
-    if type_name == "Q8_0":
-        codes = blocks[..., 2:].copy().view(np.int8)
-    else:
-        start = 2 if type_name == "Q4_0" else 4
-        if type_name == "Q4_1":
-            offsets = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
-        packed = blocks[..., start : start + BLOCK // 2]
-        # Element i of a block is the low nibble of byte i, element 16 + i the high one (gguf's order).
-        codes = np.concatenate((packed & 0x0F, packed >> 4), axis=-1).astype(np.int8)
-        if type_name == "Q4_0":
-            codes = codes - np.int8(8)
-    return Int8Weight(
-        torch.from_numpy(codes.reshape(rows, cols).copy()),
-        torch.from_numpy(d.copy()),
-        None if offsets is None else torch.from_numpy(offsets.copy()),
-        BLOCK,
-    )
-
-
 def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     """Row order that undoes llama.cpp's rotary permutation of q / k (transformers' reverse_permute)."""
     rows = torch.arange(n_rows)
@@ -176,15 +155,15 @@ def load_gguf_model(
         shape = tuple(int(s) for s in reversed([int(x) for x in tensor.shape]))  # ggml lists K first
         is_linear = name.startswith("model.layers.") and ("_proj." in name)
         try:
-            if type_name in QUANTISED_TYPES:
-                if len(shape) != 2 or shape[1] % BLOCK:
+            if type_name in FORMATS:
+                if len(shape) != 2 or shape[1] % FORMATS[type_name].elements:
                     raise GGUFError(f"{path}: tensor {tensor.name} ({type_name}) has shape {shape}")
-                quantised = repack_quantised(np.asarray(tensor.data), type_name, shape[0], shape[1])
+                quantised = to_int8_weight(np.asarray(tensor.data), type_name, shape[0], shape[1])
                 items[name] = quantised if is_linear else quantised.dequantize()
             elif type_name in FLOAT_TYPES:
                 items[name] = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type)).reshape(shape))
             else:
-                supported = ", ".join((*QUANTISED_TYPES, *FLOAT_TYPES))
+                supported = ", ".join((*FORMATS, *FLOAT_TYPES))
                 raise GGUFError(
                     f"{path}: tensor {tensor.name} has type {type_name}, which pagedq does not load "
                     f"(supported: {supported})"
@@ -284,4 +263,4 @@ def load_tokenizer(path: Path) -> Any:
     return tokenizer
 
 
-__all__ = ["GGUFError", "gguf_file", "load_gguf_model", "load_tokenizer", "read_config", "repack_quantised"]
+__all__ = ["GGUFError", "gguf_file", "load_gguf_model", "load_tokenizer", "read_config"]

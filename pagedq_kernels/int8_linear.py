@@ -7,9 +7,11 @@ with ``g = k // group_size``. One layout covers every source exactly:
 - ``quantization="int8"`` on an fp checkpoint: symmetric per-output-channel (``group_size = K``,
   ``scale = absmax / 127``, no offset), :func:`quantize_per_channel`;
 - GGUF ``Q8_0`` (``w = d * q``), ``Q4_0`` (``w = d * (q - 8)``, stored as ``q - 8``) and ``Q4_1``
-  (``w = d * q + m``), blocks of 32 along K (:mod:`engine.gguf_checkpoint`). Their fp16 ``d``/``m`` widen
-  to fp32 exactly, and a 4-bit code fits int8, so the repacking loses nothing: :meth:`Int8Weight.dequantize`
-  equals gguf's own ``dequantize()`` bit for bit (both compute ``d * q`` then ``+ m`` in fp32).
+  (``w = d * q + m``), blocks of 32 along K, and likewise Q5_0/Q5_1, the K-quants (groups of 16 or 32 with
+  ``scale = d * sc``, ``offset = -(dmin * m)``) and IQ4 (:mod:`engine.gguf_quants`). Their fp16 ``d``/``m``
+  widen to fp32 exactly, and every code fits int8, so the repacking loses nothing:
+  :meth:`Int8Weight.dequantize` equals gguf's own ``dequantize()`` bit for bit (both compute ``scale * q``
+  then ``+ offset`` in fp32).
 
 Holding 4-bit codes in a byte costs Q4 files twice their bytes in memory; in exchange one kernel serves
 every format, and a decode step still streams a quarter of fp32's weight bytes.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -98,16 +101,28 @@ class Int8Weight:
             self.group_size,
         )
 
+    def regrouped(self, group_size: int) -> Int8Weight:
+        """The same weight in groups of ``group_size`` (which divides this one's): each scale and offset
+        repeated over its finer groups, so every element keeps its value exactly."""
+        if self.group_size % group_size:
+            raise ValueError(f"group size {group_size} does not divide {self.group_size}")
+        repeat = self.group_size // group_size
+        offsets = None if self.offsets is None else self.offsets.repeat_interleave(repeat, dim=1)
+        return Int8Weight(self.values, self.scales.repeat_interleave(repeat, dim=1), offsets, group_size)
+
     @staticmethod
     def concat(parts: list[Int8Weight]) -> Int8Weight:
-        """Row-wise concatenation (merged qkv / gate_up), which needs one group size and offset kind."""
-        sizes = {p.group_size for p in parts}
-        if len(sizes) != 1 or len({p.offsets is None for p in parts}) != 1:
-            raise ValueError("cannot merge int8 weights of different group sizes or offset kinds")
-        offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts if p.offsets is not None])
-        return Int8Weight(
-            torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]), offsets, sizes.pop()
-        )
+        """Row-wise concatenation (merged qkv / gate_up). Parts of different groups (a GGUF's Q4_K q and k
+        beside a Q6_K v) are held at the finest group that divides them all, and a symmetric part beside
+        asymmetric ones gets zero offsets: ``scale * q + 0`` is ``scale * q``, so the merge is exact."""
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("cannot merge int8 weights of different in_features")
+        group = math.gcd(*(p.group_size for p in parts))
+        parts = [p.regrouped(group) for p in parts]
+        offsets = None
+        if any(p.offsets is not None for p in parts):
+            offsets = torch.cat([p.offsets if p.offsets is not None else torch.zeros_like(p.scales) for p in parts])
+        return Int8Weight(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]), offsets, group)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> Int8Weight:

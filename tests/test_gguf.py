@@ -114,7 +114,10 @@ def _logits(model: LlamaForCausalLM, config: ModelConfig, ids: list[int]) -> tor
 
 def test_tiny_gguf_logits_match_transformers_on_dequantised_weights(tiny_gguf: tuple[Path, Path]) -> None:
     """The C int8 kernel on the repacked blocks vs transformers' fp32 forward on gguf's dequantisation."""
-    path, folder = tiny_gguf
+    _assert_logits_match_transformers(*tiny_gguf)
+
+
+def _assert_logits_match_transformers(path: Path, folder: Path) -> None:
     model, config = load_gguf_model(path, torch.float32, CPU, "torch")
     model.prepack_cpu_weights()
     ref = _gguf_reference(path, config)
@@ -135,6 +138,61 @@ def test_tiny_gguf_logits_match_transformers_on_dequantised_weights(tiny_gguf: t
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(_logits(model, config, ids), want, atol=2e-4, rtol=1e-4)
+
+
+# A Q4_K_M-like file (llama.cpp's most downloaded kind): Q4_K linears, Q6_K v and down in layer 0, and in
+# layer 1 the other K-quants and IQ4 types, a Q6_K embedding. K-quants need rows of whole 256-element
+# super-blocks, so this tiny model is 256 wide (4 heads of 64) with a 512-wide MLP.
+K_TYPES = {
+    **{f"blk.0.{n}.weight": "Q4_K" for n in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")},
+    "blk.0.attn_v.weight": "Q6_K",
+    "blk.0.ffn_down.weight": "Q6_K",
+    "blk.1.attn_q.weight": "Q5_K",
+    "blk.1.attn_k.weight": "Q5_K",
+    "blk.1.attn_v.weight": "Q5_1",
+    "blk.1.attn_output.weight": "Q2_K",
+    "blk.1.ffn_gate.weight": "Q3_K",
+    "blk.1.ffn_up.weight": "IQ4_XS",
+    "blk.1.ffn_down.weight": "IQ4_NL",
+    "token_embd.weight": "Q6_K",
+}
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from tests.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("k-quant-hf"), "llama_mqa_tied", hidden_size=256, intermediate_size=512, head_dim=64
+    )
+    state = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if k != "lm_head.weight"}
+    path = tmp_path_factory.mktemp("k-quant") / "tiny-Q4_K_M.gguf"
+    write_tiny_gguf(path, state, ModelConfig.from_pretrained(folder), K_TYPES)
+    return path, folder
+
+
+def test_k_quants_load_as_int8_equal_to_gguf_dequantize(k_quant_gguf: tuple[Path, Path]) -> None:
+    """K-quant and IQ4 linears stay int8 (one byte per weight), merged across groups of 16 and 32, and every
+    weight equals gguf's dequantisation bit for bit; the logits then match transformers on those weights."""
+    path, folder = k_quant_gguf
+    model, config = load_gguf_model(path, torch.float32, CPU, "torch")
+    assert model.source_quantization == "gguf:Q4_K"
+    ref = _gguf_reference(path, config)
+    layer0, layer1 = cast(LlamaDecoderLayer, model.layers[0]), cast(LlamaDecoderLayer, model.layers[1])
+    qkv0 = layer0.self_attn.qkv_proj.int8
+    assert qkv0 is not None and qkv0.group_size == 16 and qkv0.offsets is not None  # Q4_K q/k beside Q6_K v
+    for layer in (layer0, layer1):
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert linear.int8 is not None
+    for i, layer in enumerate((layer0, layer1)):
+        qkv = torch.cat([ref[f"blk.{i}.attn_{p}.weight"] for p in "qkv"])
+        assert torch.equal(_dense(layer.self_attn.qkv_proj), qkv)
+        assert torch.equal(_dense(layer.self_attn.o_proj), ref[f"blk.{i}.attn_output.weight"])
+        gate_up = torch.cat([ref[f"blk.{i}.ffn_gate.weight"], ref[f"blk.{i}.ffn_up.weight"]])
+        assert torch.equal(_dense(layer.mlp.gate_up_proj), gate_up)
+        assert torch.equal(_dense(layer.mlp.down_proj), ref[f"blk.{i}.ffn_down.weight"])
+    assert torch.equal(model.embed_tokens.weight.detach(), ref["token_embd.weight"])
+    _assert_logits_match_transformers(path, folder)
 
 
 def test_folder_with_one_gguf_resolves_to_it(tiny_gguf: tuple[Path, Path], tmp_path: Path) -> None:
@@ -161,11 +219,11 @@ def test_unsupported_quant_type_names_tensor_and_type(tiny_model: Callable[[str]
     state = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if k != "lm_head.weight"}
     config = ModelConfig.from_pretrained(folder)
     del state["model.layers.1.mlp.down_proj.weight"]
-    # A K-quant (256 elements in 176 bytes per block): 32 blocks, as many elements as down_proj's 64 x 128.
-    raw = np.zeros((32, 176), dtype=np.uint8)
-    path = tmp_path / "q5k.gguf"
-    write_tiny_gguf(path, state, config, {}, {"blk.1.ffn_down.weight": (raw, GGMLQuantizationType.Q5_K)})
-    with pytest.raises(GGUFError, match=r"tensor blk\.1\.ffn_down\.weight has type Q5_K"):
+    # A lattice type (256 elements in 66 bytes per block): 32 blocks, as many elements as down_proj's 64 x 128.
+    raw = np.zeros((32, 66), dtype=np.uint8)
+    path = tmp_path / "iq2.gguf"
+    write_tiny_gguf(path, state, config, {}, {"blk.1.ffn_down.weight": (raw, GGMLQuantizationType.IQ2_XXS)})
+    with pytest.raises(GGUFError, match=r"tensor blk\.1\.ffn_down\.weight has type IQ2_XXS"):
         load_gguf_model(path, torch.float32, CPU, "torch")
 
 

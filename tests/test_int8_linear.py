@@ -30,7 +30,15 @@ def _weight(n: int, k: int, group: int, offsets: bool, seed: int) -> int8_linear
 @pytest.mark.usefixtures("isa_variant")
 @pytest.mark.parametrize(
     ("n", "k", "group", "offsets"),
-    [(200, 96, 96, False), (49, 64, 32, True), (17, 1536, 32, False), (1, 32, 32, True), (64, 576, 576, False)],
+    [
+        (200, 96, 96, False),
+        (49, 64, 32, True),
+        (17, 1536, 32, False),
+        (1, 32, 32, True),
+        (64, 576, 576, False),
+        (33, 512, 16, True),  # a GGUF Q4_K_M qkv: Q4_K and Q6_K merged at groups of 16
+        (20, 256, 16, False),  # Q6_K, Q3_K
+    ],
 )
 def test_c_kernel_matches_reference(n: int, k: int, group: int, offsets: bool) -> None:
     # 200 and 17 outputs: partial last panels; rows 1..13: every tile height of both SIMD builds; 400: two blocks

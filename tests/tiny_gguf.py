@@ -1,12 +1,14 @@
 """Tiny llama GGUF files written with gguf's own ``GGUFWriter``, from a tiny Hugging Face checkpoint.
 
-Each weight goes in the type asked for (quantised by gguf's reference quantisers), q and k rows permuted as
+Each weight goes in the type asked for (quantised by gguf's reference quantisers, or random blocks for the
+types gguf cannot write: K-quants and IQ4), q and k rows permuted as
 llama.cpp's converter does (``convert_hf_to_gguf.py``'s ``permute``), so the loader's un-permutation is
 tested against the real convention. No tokenizer metadata: tests load the model, not an engine.
 """
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +51,35 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_LAYER[module]}.{suffix}"
 
 
+FP16_FIELDS = {
+    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,),
+    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+}  # fmt: skip
+"""Byte offsets of each block's fp16 fields (d, and dmin / m where the format has one), per ggml type."""
+
+NO_QUANTIZER = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+"""Types gguf-py reads but cannot write: :func:`write_tiny_gguf` fills them with :func:`random_blocks`."""
+
+
+LARGEST_FACTOR = {"Q2_K": 45, "Q3_K": 128, "Q4_K": 945, "Q5_K": 1953, "Q6_K": 4096, "IQ4_NL": 127, "IQ4_XS": 4064}
+"""The largest ``|w / d|`` of a block (its code times its integer scale): random blocks of a model are written
+with ``d`` up to 0.1 / this, so that weights stay within 0.1 as a trained model's do."""
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int, d_max: float = 0.02) -> np.ndarray:
+    """``[rows, bytes per row]`` of ``type_name`` blocks: random codes and small integer factors (every bit
+    pattern is a valid block) with finite fp16 ``d`` / ``dmin`` of either sign, up to ``d_max``."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    elements, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * cols // elements, type_size), dtype=np.uint8)
+    for offset in FP16_FIELDS[type_name]:
+        d = np.asarray(rng.uniform(-d_max, d_max, blocks.shape[0]), dtype=np.float16)
+        blocks[:, offset : offset + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
 def write_tiny_gguf(
     path: Path,
     state: dict[str, torch.Tensor],
@@ -81,6 +112,10 @@ def write_tiny_gguf(
         qtype = GGMLQuantizationType[types.get(name, "F32")]
         if qtype == GGMLQuantizationType.F32:
             writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+        elif qtype.name in NO_QUANTIZER:
+            d_max = 0.1 / LARGEST_FACTOR[qtype.name]
+            blocks = random_blocks(qtype.name, data.shape[0], data.shape[1], zlib.crc32(name.encode()), d_max)
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
         else:
             writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
     for name, (raw, qtype) in (raw_extra or {}).items():

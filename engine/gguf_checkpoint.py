@@ -1,8 +1,8 @@
 """Load a GGUF checkpoint (llama.cpp's format) as it ships: quantised weights stay quantised.
 
 ``LLM("model.gguf")``, or a folder holding one ``.gguf`` and no ``config.json``, is read with the ``gguf``
-package's reader (a memory map; nothing is converted on disk). Each tensor of a llama-architecture file is
-mapped onto pagedq's modules by its llama.cpp name:
+package's reader (a memory map; nothing is converted on disk). Each tensor of a ``llama``, ``qwen2`` or
+``qwen3`` file (:data:`GGUF_ARCHITECTURES`) is mapped onto pagedq's modules by its llama.cpp name:
 
 - quantised decoder linears (``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, the K-quants ``Q2_K`` to
   ``Q6_K`` and ``IQ4_NL`` / ``IQ4_XS``: every type of llama.cpp's Q2_K to Q8_0 files, ``Q4_K_M`` included) are
@@ -12,8 +12,10 @@ mapped onto pagedq's modules by its llama.cpp name:
   (``Q4_K_M``'s Q4_K q/k beside a Q6_K v) is held at the finer group, which is exact too;
 - ``F32``, ``F16`` and ``BF16`` tensors, and quantised embeddings / lm_head / norms, are loaded as floats
   in the activation dtype (the embedding is a lookup and the lm_head stays in the activation dtype);
-- llama.cpp stores q and k rows permuted for its rotary layout: they are permuted back (for quantised
-  weights, rows of values, scales and offsets move together, which is exact).
+- llama.cpp's ``llama`` converter stores q and k rows permuted for its rotary layout: they are permuted back
+  (for quantised weights, rows of values, scales and offsets move together, which is exact);
+- rotary scaling comes from ``rope.scaling.type`` (linear) or, for Llama 3.1's, from the ``rope_freqs``
+  tensor (:func:`read_config`).
 
 Anything else (the lattice IQ1/IQ2/IQ3 types, ternary or fp4 types, another architecture, a truncated or
 corrupt file) is a
@@ -24,6 +26,7 @@ metadata through transformers' GGUF tokenizer support (:func:`load_tokenizer`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,7 +37,7 @@ from engine.checkpoint import gguf_file
 from engine.gguf_quants import FORMATS, to_int8_weight
 from engine.kernel_dispatch import get_ops
 from engine.layers import Linear
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, RopeScaling
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from pagedq_kernels.int8_linear import Int8Weight
 
@@ -54,6 +57,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -85,35 +90,64 @@ def _float32_to_decimal(value: float) -> float:
     return float(str(np.float32(value)))
 
 
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+"""GGUF ``general.architecture`` -> the Hugging Face architecture pagedq builds (Mistral files say ``llama``).
+Only llama.cpp's ``llama`` converter permutes q/k rows for its rotary layout; Qwen2/Qwen3 files are as the
+checkpoint was, their q/k/v biases (Qwen2) and per-head q/k norms (Qwen3) named like the other tensors."""
+
+
 def read_config(reader: Any, path: Path) -> ModelConfig:
-    """The model's config from the GGUF metadata (llama architecture: Llama 2/3, SmolLM2, Mistral-style)."""
+    """The model's config from the GGUF metadata (``llama``: Llama 2/3, SmolLM2, Mistral; ``qwen2``; ``qwen3``).
+
+    Rotary scaling: ``rope.scaling.type`` ``linear`` is position interpolation; Llama 3.1's scaling has no
+    metadata key at all: llama.cpp's converter stores it as the ``rope_freqs`` tensor, one divisor per
+    frequency, which is read here (a file loaded without it would run with the wrong rotary everywhere)."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported (pagedq loads 'llama' GGUF files)")
-    names = {t.name for t in reader.tensors}
-    hidden = int(_field(reader, "llama.embedding_length"))
-    heads = int(_field(reader, "llama.attention.head_count"))
+    if arch not in GGUF_ARCHITECTURES:
+        loads = ", ".join(map(repr, GGUF_ARCHITECTURES))
+        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported (pagedq loads {loads})")
+    tensors = {t.name: t for t in reader.tensors}
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    head_dim = _field(reader, f"{arch}.attention.key_length", _field(reader, f"{arch}.rope.dimension_count"))
     raw: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
         "hidden_size": hidden,
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
-        "vocab_size": int(_field(reader, "llama.vocab_size", len(tokens))),
-        "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
-        "rms_norm_eps": _float32_to_decimal(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _float32_to_decimal(_field(reader, "llama.rope.freq_base", 10000.0)),
-        "tie_word_embeddings": "output.weight" not in names,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(head_dim if head_dim is not None else hidden // heads),
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "rms_norm_eps": _float32_to_decimal(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _float32_to_decimal(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
-    if _field(reader, "llama.rope.scaling.type") not in (None, "none"):
-        raise GGUFError(f"{path}: rope scaling {_field(reader, 'llama.rope.scaling.type')!r} is not supported")
-    return ModelConfig.from_dict(raw)
+    if arch != "qwen2":  # Qwen2's q/k/v biases go with the architecture; Llama's and Qwen3's with a flag
+        raw["attention_bias"] = "blk.0.attn_output.bias" in tensors
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        raw["rope_parameters"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported (supported: none, linear, rope_freqs)")
+    config = ModelConfig.from_dict(raw)
+    freqs = tensors.get("rope_freqs.weight")
+    if freqs is not None:
+        from gguf.quants import dequantize
+
+        divisors = tuple(float(x) for x in np.asarray(dequantize(freqs.data, freqs.tensor_type)).reshape(-1))
+        if config.rope_scaling is not None or len(divisors) != config.head_dim // 2:
+            raise GGUFError(
+                f"{path}: rope_freqs holds {len(divisors)} values for head_dim {config.head_dim}"
+                + (f" beside rope scaling {scaling!r}" if config.rope_scaling is not None else "")
+            )
+        config = dataclasses.replace(config, rope_scaling=RopeScaling("frequency_divisors", divisors=divisors))
+    return config
 
 
 def read_gguf_config(path: Path) -> ModelConfig:
@@ -138,6 +172,7 @@ def load_gguf_model(
 
     reader = _reader(path)
     config = read_config(reader, path)
+    permuted = _field(reader, "general.architecture") == "llama"  # llama.cpp's rotary row order (q, k)
     model = LlamaForCausalLM(config, get_ops(ops_name), dtype=dtype, device=device)
     from engine.loader import CheckpointMismatchError, weight_targets
 
@@ -153,7 +188,7 @@ def load_gguf_model(
             continue
         type_name = GGMLQuantizationType(tensor.tensor_type).name
         shape = tuple(int(s) for s in reversed([int(x) for x in tensor.shape]))  # ggml lists K first
-        is_linear = name.startswith("model.layers.") and ("_proj." in name)
+        is_linear = name.startswith("model.layers.") and name.endswith("_proj.weight")
         try:
             if type_name in FORMATS:
                 if len(shape) != 2 or shape[1] % FORMATS[type_name].elements:
@@ -174,7 +209,7 @@ def load_gguf_model(
             raise GGUFError(f"{path}: tensor {tensor.name} ({type_name}) is unreadable ({exc})") from None
         if is_linear:
             linear_types[type_name] += 1
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             order = _unpermute_rows(shape[0], heads)
             item = items[name]

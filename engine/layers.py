@@ -193,6 +193,10 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: RopeScaling | 
         return inv_freq
     if rope_scaling.rope_type == "linear":
         return inv_freq / rope_scaling.factor
+    if rope_scaling.rope_type == "frequency_divisors":  # a GGUF's rope_freqs, as llama.cpp applies it
+        if len(rope_scaling.divisors) != inv_freq.numel():
+            raise ValueError(f"{len(rope_scaling.divisors)} rope divisors for {inv_freq.numel()} frequencies")
+        return inv_freq / torch.tensor(rope_scaling.divisors, dtype=torch.float32)
     if rope_scaling.rope_type == "llama3":
         factor = rope_scaling.factor
         low_freq_factor = rope_scaling.low_freq_factor

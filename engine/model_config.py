@@ -41,16 +41,19 @@ class UnsupportedModelError(ValueError):
 class RopeScaling:
     """Rotary scaling folded into the cos/sin cache when it is built (see ``engine.layers``).
 
-    ``rope_type`` is ``"linear"`` (position interpolation: every frequency divided by ``factor``) or
+    ``rope_type`` is ``"linear"`` (position interpolation: every frequency divided by ``factor``),
     ``"llama3"`` (Llama 3.1's wavelength-dependent interpolation, which also needs the low/high
-    frequency factors and the pretraining context length).
+    frequency factors and the pretraining context length) or ``"frequency_divisors"`` (each inverse
+    frequency divided by its own entry of ``divisors``: how a GGUF file stores Llama 3.1's scaling, the
+    ``rope_freqs`` tensor llama.cpp's converter computes from the same four parameters).
     """
 
     rope_type: str
-    factor: float
+    factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    divisors: tuple[float, ...] = ()
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -193,6 +193,41 @@ def test_k_quants_load_as_int8_equal_to_gguf_dequantize(k_quant_gguf: tuple[Path
         assert torch.equal(_dense(layer.mlp.down_proj), ref[f"blk.{i}.ffn_down.weight"])
     assert torch.equal(model.embed_tokens.weight.detach(), ref["token_embd.weight"])
     _assert_logits_match_transformers(path, folder)
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("llama3_scaled", {}),  # Llama 3.1 rope scaling: no metadata key, a rope_freqs tensor
+        ("llama_gqa", {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}),
+        ("qwen2", {}),  # q/k/v biases, rows not permuted
+        ("qwen3", {}),  # per-head q/k norms, head_dim (16 x 8 heads) apart from hidden (64): key_length
+    ],
+)
+def test_gguf_architectures_and_rope_scaling_match_transformers(
+    arch: str, overrides: dict[str, Any], tmp_path: Path
+) -> None:
+    """A GGUF written as llama.cpp's converter writes each kind (F32 tensors: the weights are the checkpoint's)
+    gives transformers' logits on the checkpoint. A Llama 3.1 file loaded without its rope_freqs tensor ran
+    the plain rotary: logits off by far more than the tolerance at every position past the first."""
+    from tests.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "hf", arch, **overrides)
+    config = ModelConfig.from_pretrained(folder)
+    state = load_file(str(folder / "model.safetensors"))
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_gguf(path, state, config, {})
+    model, loaded = load_gguf_model(path, torch.float32, CPU, "torch")
+    assert loaded.architecture == config.architecture and loaded.head_dim == config.head_dim
+    assert (loaded.qkv_bias, loaded.qk_norm) == (config.qkv_bias, config.qk_norm)
+    want_scaling = {"llama3_scaled": "frequency_divisors", "llama_gqa": "linear"}.get(arch)
+    assert (loaded.rope_scaling.rope_type if loaded.rope_scaling else None) == want_scaling
+    model.prepack_cpu_weights()
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = torch.randint(3, config.vocab_size, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(model, loaded, ids), want, atol=2e-4, rtol=1e-4)
 
 
 def test_folder_with_one_gguf_resolves_to_it(tiny_gguf: tuple[Path, Path], tmp_path: Path) -> None:

@@ -8,12 +8,13 @@ tested against the real convention. No tokenizer metadata: tests load the model,
 
 from __future__ import annotations
 
+import math
 import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 
 from engine.model_config import ModelConfig
@@ -28,7 +29,36 @@ _LAYER = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
+
+
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def llama3_rope_divisors(config: ModelConfig) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp's converter writes for Llama 3.1 rope scaling (its
+    ``LlamaModel.generate_extra_tensors``, transcribed): one divisor per rotary frequency."""
+    scaling = config.rope_scaling
+    assert scaling is not None and scaling.rope_type == "llama3"
+    dim = config.head_dim
+    freqs = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    divisors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            divisors.append(1.0)
+        elif wavelen > low_wavelen:
+            divisors.append(scaling.factor)
+        else:
+            smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+                scaling.high_freq_factor - scaling.low_freq_factor
+            )
+            divisors.append(1 / ((1 - smooth) / scaling.factor + smooth))
+    return np.array(divisors, dtype=np.float32)
 
 
 def permute_like_llama_cpp(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -89,7 +119,8 @@ def write_tiny_gguf(
 ) -> None:
     """``state`` (HF names) written to ``path``; ``types[gguf name]`` picks each tensor's type (default F32).
     ``raw_extra``: tensors written as given bytes of a given type (e.g. a Q5_K block the loader must refuse)."""
-    writer = GGUFWriter(str(path), "llama")
+    arch = GGUF_ARCH[config.architecture]
+    writer = GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -97,6 +128,14 @@ def write_tiny_gguf(
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_rope_dimension_count(config.head_dim)
+    writer.add_key_length(config.head_dim)  # the converter writes it whenever config.json names head_dim
+    writer.add_value_length(config.head_dim)
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling.factor)
+    elif scaling is not None and scaling.rope_type == "llama3":  # no key: a tensor of divisors
+        writer.add_tensor("rope_freqs.weight", llama3_rope_divisors(config))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_vocab_size(config.vocab_size)
@@ -105,9 +144,9 @@ def write_tiny_gguf(
     for hf_name, tensor in state.items():
         name = gguf_name(hf_name)
         data = tensor.float().numpy()
-        if ".attn_q." in name:
+        if arch == "llama" and ".attn_q." in name:  # only llama.cpp's llama converter permutes
             data = permute_like_llama_cpp(data, config.num_heads)
-        elif ".attn_k." in name:
+        elif arch == "llama" and ".attn_k." in name:
             data = permute_like_llama_cpp(data, config.num_kv_heads)
         qtype = GGMLQuantizationType[types.get(name, "F32")]
         if qtype == GGMLQuantizationType.F32:

@@ -135,7 +135,10 @@ def read_config(reader: Any, path: Path) -> ModelConfig:
         raw["rope_parameters"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported (supported: none, linear, rope_freqs)")
-    config = ModelConfig.from_dict(raw)
+    # End of turn and end of message stop generation as EOS does (llama.cpp's end-of-generation set): an
+    # instruct file whose eos is <|endoftext|> ends its chat turns with eot (<|eot_id|>, <|im_end|>).
+    end_ids = [_field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eot", "eom")]
+    config = ModelConfig.from_dict(raw, {"eos_token_id": [i for i in end_ids if i is not None]})
     freqs = tensors.get("rope_freqs.weight")
     if freqs is not None:
         from gguf.quants import dequantize

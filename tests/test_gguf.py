@@ -216,8 +216,9 @@ def test_gguf_architectures_and_rope_scaling_match_transformers(
     config = ModelConfig.from_pretrained(folder)
     state = load_file(str(folder / "model.safetensors"))
     path = tmp_path / f"{arch}.gguf"
-    write_tiny_gguf(path, state, config, {})
+    write_tiny_gguf(path, state, config, {}, eot_token_id=5)
     model, loaded = load_gguf_model(path, torch.float32, CPU, "torch")
+    assert loaded.eos_token_ids == [2, 5]  # end of turn stops generation as EOS does
     assert loaded.architecture == config.architecture and loaded.head_dim == config.head_dim
     assert (loaded.qkv_bias, loaded.qk_norm) == (config.qkv_bias, config.qk_norm)
     want_scaling = {"llama3_scaled": "frequency_divisors", "llama_gqa": "linear"}.get(arch)

@@ -116,6 +116,7 @@ def write_tiny_gguf(
     config: ModelConfig,
     types: dict[str, str],
     raw_extra: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
+    eot_token_id: int | None = None,
 ) -> None:
     """``state`` (HF names) written to ``path``; ``types[gguf name]`` picks each tensor's type (default F32).
     ``raw_extra``: tensors written as given bytes of a given type (e.g. a Q5_K block the loader must refuse)."""
@@ -141,6 +142,8 @@ def write_tiny_gguf(
     writer.add_vocab_size(config.vocab_size)
     writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
     writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    if eot_token_id is not None:
+        writer.add_uint32("tokenizer.ggml.eot_token_id", eot_token_id)
     for hf_name, tensor in state.items():
         name = gguf_name(hf_name)
         data = tensor.float().numpy()

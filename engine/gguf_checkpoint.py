@@ -131,8 +131,11 @@ def read_config(reader: Any, path: Path) -> ModelConfig:
     if arch != "qwen2":  # Qwen2's q/k/v biases go with the architecture; Llama's and Qwen3's with a flag
         raw["attention_bias"] = "blk.0.attn_output.bias" in tensors
     scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling == "linear":
-        raw["rope_parameters"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if scaling == "linear" and isinstance(factor, int | float) and factor > 0:
+        raw["rope_parameters"] = {"rope_type": "linear", "factor": float(factor)}
+    elif scaling == "linear":
+        raise GGUFError(f"{path}: linear rope scaling without a positive {arch}.rope.scaling.factor ({factor!r})")
     elif scaling not in (None, "none"):
         raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported (supported: none, linear, rope_freqs)")
     # End of turn and end of message stop generation as EOS does (llama.cpp's end-of-generation set): an

@@ -202,6 +202,9 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         params = params or SamplingParams()
         self.scheduler.check_n(params.n)  # before any work: n > max_num_seqs could never be scheduled
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and (bad := sorted(t for t in params.logit_bias if t >= vocab)):
+            raise ValueError(f"logit_bias: token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(len(ids), self.max_model_len)

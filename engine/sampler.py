@@ -89,11 +89,12 @@ class GreedyChoice:
 
 def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a row of these params is sampled from the argmax alone (:class:`GreedyChoice` serves it):
-    greedy, no penalties (they rewrite the logits), no logprobs (they read them), and past ``min_tokens``
+    greedy, no penalties or logit_bias (they rewrite the logits), no logprobs (they read them), and past ``min_tokens``
     (before it, EOS and the stop tokens are masked out of the logits first)."""
     return (
         params.greedy
         and not params.has_penalties
+        and params.logit_bias is None
         and params.logprobs is None
         and (num_output_tokens >= params.min_tokens)
     )
@@ -182,6 +183,22 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits -= freq_t * counts + pres_t * (counts > 0).to(logits.dtype)
 
 
+def apply_logit_bias(logits: torch.Tensor, row_idx: list[int], rows: list[SamplingRow]) -> None:
+    """Add each listed row's ``logit_bias`` to its logits in place: one scatter for the whole batch (OpenAI's
+    semantics: -100 all but bans a token, +100 all but forces it; a -inf logit stays -inf)."""
+    flat_rows: list[int] = []
+    flat_tokens: list[int] = []
+    flat_bias: list[float] = []
+    for i in row_idx:
+        bias = rows[i].params.logit_bias or {}
+        flat_rows.extend([i] * len(bias))
+        flat_tokens.extend(bias.keys())
+        flat_bias.extend(bias.values())
+    device = logits.device
+    index = (torch.tensor(flat_rows, device=device), torch.tensor(flat_tokens, device=device))
+    logits.index_put_(index, torch.tensor(flat_bias, dtype=logits.dtype, device=device), accumulate=True)
+
+
 def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> None:
     """Keep each row's ``k`` largest logits (ties at the k-th value kept); k <= 0 means off."""
     vocab = logits.shape[1]
@@ -235,7 +252,7 @@ class Sampler:
         """Sample one token per row of ``logits`` [M, V]; ``rows[i]`` describes row ``i``. A
         :class:`GreedyChoice` stands for the logits of rows that are all :func:`plain_greedy`.
 
-        Stage order: penalties -> min_tokens masking -> greedy argmax -> temperature -> top-k -> top-p
+        Stage order: penalties -> logit_bias -> min_tokens masking -> greedy argmax -> temperature -> top-k -> top-p
         -> min-p -> multinomial draw. ``logits`` is not modified. A row that cannot be sampled (see
         ``_choose``) is reported in ``failed`` rather than raising.
         """
@@ -245,8 +262,9 @@ class Sampler:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         x = logits.float()
         pen_idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
         ban_rows, ban_toks = self._min_tokens_bans(rows, x.shape[1])
-        if (pen_idx or ban_rows) and x is logits:
+        if (pen_idx or biased or ban_rows) and x is logits:
             x = x.clone()  # never modify the caller's logits (.float() already copied non-fp32 input)
 
         if pen_idx:
@@ -254,6 +272,8 @@ class Sampler:
             sub = x.index_select(0, sel)
             apply_penalties(sub, [rows[i] for i in pen_idx])
             x[sel] = sub
+        if biased:
+            apply_logit_bias(x, biased, rows)
         if ban_rows:
             rows_t = torch.tensor(ban_rows, dtype=torch.long, device=x.device)
             toks_t = torch.tensor(ban_toks, dtype=torch.long, device=x.device)

@@ -17,7 +17,7 @@ PASSTHROUGH_FIELDS = (
     "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
     # vLLM's extras that pagedq's engine has
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "priority", "stop_token_ids",
-    "skip_special_tokens", "response_format", "guided_regex", "guided_choice",
+    "skip_special_tokens", "response_format", "guided_regex", "guided_choice", "logit_bias",
 )  # fmt: skip
 """Body fields copied onto the job as they are; the job's own validation (``schemas.jobs``) checks values."""
 

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
 
+from schemas.sampling import MAX_LOGIT_BIAS_ENTRIES
+
 if TYPE_CHECKING:
     from schemas.sampling import SamplingParams
 
@@ -43,6 +45,8 @@ LOGPROB_JSON_BYTES = 40  # {"token_id":12345,"logprob":-1.2345678}, for the samp
 
 JobId = Annotated[str, StringConstraints(pattern=JOB_ID_PATTERN)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]
+"""A token id as a JSON object key (``logit_bias``): a decimal string."""
 ReplyTo = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^\S+$")]
 
 SAMPLING_FIELDS: tuple[str, ...] = (
@@ -63,7 +67,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "logprobs",
     "skip_special_tokens",
 )
-"""Job fields passed through, flat, to the engine's ``SamplingParams``."""
+"""Job fields passed through, flat, to the engine's ``SamplingParams`` (``logit_bias`` too, its keys made ints)."""
 
 FinishReason = Literal["stop", "length", "cancelled", "deadline"]
 ErrorCode = Literal[
@@ -166,6 +170,14 @@ class JobRequest(BaseModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     ignore_eos: bool | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # OpenAI's logit_bias: token ids as JSON object keys (decimal strings), values -100 to 100.
+    logit_bias: (
+        Annotated[
+            dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]],
+            Field(max_length=MAX_LOGIT_BIAS_ENTRIES),
+        ]
+        | None
+    ) = None
     skip_special_tokens: bool | None = None
     # Structured output (at most one): OpenAI's response_format, and vLLM's guided_regex / guided_choice.
     response_format: ResponseFormat | None = None
@@ -234,6 +246,8 @@ class JobRequest(BaseModel):
             kwargs["regex"] = self.guided_regex
         if self.guided_choice is not None:
             kwargs["choice"] = list(self.guided_choice)
+        if self.logit_bias:
+            kwargs["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
         return kwargs
 
     def sampling_params(self) -> SamplingParams:

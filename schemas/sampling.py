@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 # Below this temperature, dividing logits would overflow float32 and the result is argmax anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, -100 (ban) to 100 (force)
+MAX_LOGIT_BIAS_ENTRIES = 1024  # tokens one request may bias: the sampler's per-step work stays bounded
 STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar")
 
 # The sampler computes in float32, whose largest finite value is about 3.4e38 (written out here: the
@@ -73,6 +75,11 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logit_bias: dict[int, float] | None = Field(
+        default=None,
+        max_length=MAX_LOGIT_BIAS_ENTRIES,
+        description="Token id -> value added to its logit before sampling (greedy included), -100 to 100.",
+    )
     skip_special_tokens: bool = True
     # Structured output (at most one): the output must match a JSON schema (a dict, or its JSON text), a
     # regular expression, one of a list of strings, or an EBNF grammar (xgrammar's dialect). The engine
@@ -131,6 +138,18 @@ class SamplingParams(BaseModel):
         if any(s == "" for s in value):
             raise ValueError("stop strings must be non-empty")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_in_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value is None:
+            return None
+        for token, bias in value.items():
+            if token < 0:
+                raise ValueError(f"logit_bias token ids are >= 0, got {token}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # False for NaN too
+                raise ValueError(f"logit_bias values lie in [-100, 100], got {bias} for token {token}")
+        return value or None  # an empty map biases nothing
 
     @property
     def greedy(self) -> bool:

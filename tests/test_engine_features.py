@@ -396,3 +396,19 @@ def test_chat_accepts_text_content_parts(llm: LLM) -> None:
     with pytest.raises(ValueError, match=r"messages\[0\]\.content: must be a string or a list of text parts"):
         llm.chat([{"role": "user", "content": None}])
     assert_no_leak(llm)
+
+
+def test_logit_bias_forces_and_bans_tokens(llm: LLM) -> None:
+    """OpenAI's logit_bias on the engine: +100 makes a token the greedy choice at every step, -100 takes the
+    unbiased first choice away; an id past the vocabulary is refused at submission, nothing admitted."""
+    prompt = [5, 9, 14, 3, 77]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    forced = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={42: 100.0})
+    assert llm.generate([prompt], forced)[0].outputs[0].token_ids == [42] * 6
+    first = plain.token_ids[0]
+    banned = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={first: -100.0})
+    assert llm.generate([prompt], banned)[0].outputs[0].token_ids[0] != first
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match="logit_bias: token ids out of the vocabulary"):
+        llm.engine.add_request("too-far", prompt, SamplingParams(logit_bias={vocab: 1.0}))
+    assert not llm.engine.has_unfinished()

@@ -361,6 +361,20 @@ def test_logprobs(fleet: Fleet) -> None:
     assert all(entry.token.startswith("token_id:") and len(entry.top_logprobs) == 2 for entry in content)
 
 
+def test_logit_bias_through_the_sdk(fleet: Fleet) -> None:
+    """OpenAI's logit_bias (token ids as string keys) reaches the sampler: +100 makes token 42 every greedy
+    choice. Values out of [-100, 100] and ids past the model's vocabulary are 400s naming ``logit_bias``."""
+    out = fleet.client.chat.completions.create(
+        model=fleet.model, messages=chat("hi"), max_tokens=3, temperature=0, logprobs=True, logit_bias={"42": 100}
+    )
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and [entry.token for entry in content] == ["token_id:42"] * 3
+    for bias in ({"42": 101}, {"100000": 5}):  # the gateway's check; the worker's (the model's vocabulary)
+        with pytest.raises(openai.BadRequestError) as info:
+            fleet.client.completions.create(model=fleet.model, prompt="hi", max_tokens=2, logit_bias=bias)
+        assert info.value.param == "logit_bias", info.value.body
+
+
 def test_print_config_masks_keys_and_password() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "ops.cli", "serve", "--print-config", "--api-keys", "sk-one,sk-two"],
@@ -944,7 +958,9 @@ def test_request_mapping_refuses_by_name_and_accepts_neutral_values() -> None:
     messages = parse(messages=[{"role": "developer", "content": parts}])["messages"]
     assert messages == [{"role": "system", "content": "a\nb"}]
     for body, param in (
-        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
         ({"top_logprobs": 2}, "top_logprobs"),

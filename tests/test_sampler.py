@@ -22,6 +22,7 @@ from engine.sampler import (
     apply_penalties,
     make_generator,
     min_tokens_blocked,
+    plain_greedy,
 )
 from schemas.sampling import SamplingParams
 
@@ -236,6 +237,31 @@ def test_penalties_change_the_greedy_choice() -> None:
     assert Sampler({EOS}).sample(logits, rows).token_ids == [2]
     rows = [_row(temperature=0, output=[1, 1, 1, 1], presence_penalty=1.5)]  # once: 5 -> 3.5
     assert Sampler({EOS}).sample(logits, rows).token_ids == [2]
+
+
+def test_logit_bias_bans_forces_and_shifts_only_its_own_row() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0]])
+    before = logits.clone()
+    rows = [
+        _row(temperature=0, logit_bias={1: -100}),  # the argmax banned: the runner-up wins
+        _row(temperature=0, logit_bias={3: 4.5}),  # 1 + 4.5 > 5
+        _row(temperature=0),  # no bias: untouched by the others'
+    ]
+    out = Sampler({EOS}).sample(logits, rows)
+    assert out.token_ids == [2, 3, 1]
+    assert torch.equal(logits, before)  # the caller's logits are not modified
+    forced = _draw_many(torch.tensor([3.0, 2.0, 1.0, 0.0]), 500, temperature=1.0, logit_bias={3: 100})
+    assert set(forced) == {3}  # +100 all but forces a token when sampling too
+    banned = _draw_many(torch.tensor([3.0, 2.0, 1.0, 0.0]), 500, temperature=1.0, logit_bias={0: -100})
+    assert 0 not in banned and set(banned) <= {1, 2, 3}
+    assert not plain_greedy(SamplingParams(temperature=0, logit_bias={1: 1.0}), 0)  # needs the logits
+
+
+def test_logit_bias_is_validated() -> None:
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad in ({-1: 1.0}, {5: 100.5}, {5: float("nan")}, {i: 1.0 for i in range(1025)}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
 
 
 # ---------------------------------------------------------------- min_tokens

@@ -217,7 +217,7 @@ def count_scheduled_tokens(llm: LLM) -> list[int]:
 def test_greedy_output_is_unchanged_by_speculation(tiny_model: Callable[[str], Path], arch: str) -> None:
     """Same tokens, text, finish reasons and logprobs with drafts as without, across the stops that
     can land inside a run of accepted drafts (max_tokens, stop tokens, stop strings) and the
-    sampling stages that depend on earlier output (penalties, min_tokens)."""
+    sampling stages that depend on earlier output (penalties, min_tokens), or rewrite logits (logit_bias)."""
     model = tiny_model(arch)
     prompts = repetitive_prompts(12, seed=3)
     variants = [
@@ -227,6 +227,7 @@ def test_greedy_output_is_unchanged_by_speculation(tiny_model: Callable[[str], P
         SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=40, frequency_penalty=0.5, min_tokens=20),
         SamplingParams(top_k=1, max_tokens=33),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias={5: 2.0, 17: -100.0, 200: 1.0}),
     ]
     params = [variants[i % len(variants)] for i in range(len(prompts))]
     spec = speculating_llm(model)

@@ -2,8 +2,8 @@
 
 Requests are read as plain JSON objects, field by field, instead of through a permissive model: a field
 pagedq does not support must be refused by name (400, ``param`` = the field), never dropped in silence, or a
-client asking for tools or logit biases would get an answer that ignored what it asked for. Fields OpenAI's
-SDKs may send with a neutral value (``logit_bias: {}``, ``store: false``...) pass when neutral.
+client asking for tools would get an answer that ignored what it asked for. Fields OpenAI's SDKs may send
+with a neutral value (``tools: []``, ``store: false``...) pass when neutral.
 
 Every response's ``id`` is the job id, so a request can be looked up in Redis (``<ns>:{<id>}:result``) and
 in the workers' ``job.finished`` lines.
@@ -55,7 +55,6 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 
 # Fields accepted only with these values (what the SDKs send, or the behaviour pagedq has anyway).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),

@@ -11,7 +11,7 @@
  * panel once into a private fp32 [K][16] buffer (L1/L2-resident) and runs gemm_tile.h's register tile
  * over it: the tile is the one the fp32 panel kernel uses, and the dequantisation is paid once per MB
  * rows, not per tile. With glu the panel holds 8 gate and 8 up columns (cpu_gemm.c's glu layout) and the
- * tile's epilogue emits silu(gate) * up. Calls of one to four rows (a decode step of a lone sequence) skip the
+ * tile's epilogue emits silu(gate) * up. Calls of one to six rows (a decode step of a lone sequence) skip the
  * buffer on AVX2 and dequantise in registers (fused_tile, below).
  *
  * Three builds (pagedq_kernels/c_build.py): AVX-512 (16 int8 widened per instruction), AVX2 (two halves of 8)
@@ -89,17 +89,20 @@ static void tile_rows_generic(int rows, const float *x, int64_t ldx, const float
 
 #if defined(PAGEDQ_AVX2) && !defined(PAGEDQ_AVX512)
 /* Decode-sized calls (m <= FUSED_ROWS): the panel is dequantised in registers as the tile walks it, with no
- * fp32 buffer. Why: at one to four rows the buffer path is bound by writing and re-reading a panel of fp32
+ * fp32 buffer. Why: at one to six rows the buffer path is bound by writing and re-reading a panel of fp32
  * per call (four times the int8 bytes), not by the weights' memory traffic; 30 layers of SmolLM2's linears
  * at one row took 12.4 ms against 8.5 ms for the same weights dense in fp32 (cache-warm). Streamed from
- * memory (30 distinct layers, 133 MB of codes, scales and offsets), 2-vCPU AMD EPYC Zen 3: one row 13.5-13.7 ->
- * 8.6-8.7 ms, two 13.8 -> 9.5-9.6, four 14.4-15.2 -> 11.8-12.0; eight rows stay buffered (20.4-21.2 either
- * way). Five or more rows would need more than the 16 ymm registers. Same arithmetic, same order:
+ * memory (30 distinct layers, 133 MB of codes, scales and offsets), 2-vCPU AMD EPYC Zen 3, buffered ->
+ * fused: one row 13.5-13.7 -> 8.0 ms, two 13.8 -> 8.4, four 14.4-15.2 -> 10.2, five 15.1-15.5 -> 11.2, six
+ * 16.4-16.6 -> 13.0-13.2; eight rows stay buffered (21 ms either way). Six rows hold 12 accumulators and two
+ * weight vectors in the 16 ymm registers; the scales and offsets are read from L1 as operands. The codes
+ * come in as two 8-byte loads folded into their sign extensions (one row 8.7-9.5 -> 8.0 ms against one
+ * 16-byte load and a shift). Same arithmetic, same order:
  * each weight is scale * q + offset as dequant_panel writes it, and each output sums x * w over k in order
  * into one accumulator, as the tile does, so both paths give the same floats.
  * AVX2 only for now: the AVX-512 build keeps the buffer path until it is measured on such a CPU. */
 #ifndef FUSED_ROWS
-#define FUSED_ROWS 4
+#define FUSED_ROWS 6
 #endif
 
 static inline __attribute__((always_inline)) void fused_tile(int rows, const float *x, int64_t ldx,
@@ -109,7 +112,8 @@ static inline __attribute__((always_inline)) void fused_tile(int rows, const flo
                                                              int glu)
 {
     __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a, c3a = c0a, c3b = c0a;
-    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
+    __m256 c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
+    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
 #define ROW(r, ca, cb)                                   \
     if (rows > r) {                                      \
         const __m256 b = _mm256_broadcast_ss(x##r + kk); \
@@ -124,16 +128,17 @@ static inline __attribute__((always_inline)) void fused_tile(int rows, const flo
         const __m256 o0 = o ? _mm256_loadu_ps(o) : _mm256_setzero_ps(), o1 = o ? _mm256_loadu_ps(o + 8) : o0;
         for (int64_t kk = g0; kk < g1; kk++) {
             _mm_prefetch((const char *)(q + (kk + PF) * NR), _MM_HINT_T0);
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(q + kk * NR));
-            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
+            /* Two 8-byte loads: each folds into its sign extension (vpmovsxbd ymm, m64), no shuffle. */
+            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + kk * NR))));
+            const __m256 q1 =
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + kk * NR + 8))));
             const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(q0, s0), o0);
             const __m256 w1 = _mm256_add_ps(_mm256_mul_ps(q1, s1), o1);
-            ROW(0, c0a, c0b) ROW(1, c1a, c1b) ROW(2, c2a, c2b) ROW(3, c3a, c3b)
+            ROW(0, c0a, c0b) ROW(1, c1a, c1b) ROW(2, c2a, c2b) ROW(3, c3a, c3b) ROW(4, c4a, c4b) ROW(5, c5a, c5b)
         }
     }
 #undef ROW
-    const __m256 acc[4][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}};
+    const __m256 acc[6][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
     float tmp[NR] = {0};
     __m256 b0 = _mm256_setzero_ps(), b1 = b0;
     if (bias) {
@@ -160,6 +165,8 @@ static void fused_rows(int rows, const float *x, int64_t ldx, const int8_t *q, c
                        int ncols, int glu)
 {
     switch (rows) {
+    case 6: fused_tile(6, x, ldx, q, scales, offsets, k, group, y, ldy, bias, ncols, glu); break;
+    case 5: fused_tile(5, x, ldx, q, scales, offsets, k, group, y, ldy, bias, ncols, glu); break;
     case 4: fused_tile(4, x, ldx, q, scales, offsets, k, group, y, ldy, bias, ncols, glu); break;
     case 3: fused_tile(3, x, ldx, q, scales, offsets, k, group, y, ldy, bias, ncols, glu); break;
     case 2: fused_tile(2, x, ldx, q, scales, offsets, k, group, y, ldy, bias, ncols, glu); break;

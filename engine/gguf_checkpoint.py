@@ -11,7 +11,9 @@ package's reader (a memory map; nothing is converted on disk). Each tensor of a 
   gguf's own. The C kernel then streams one byte per weight; a merged linear whose parts differ in group
   (``Q4_K_M``'s Q4_K q/k beside a Q6_K v) is held at the finer group, which is exact too;
 - ``F32``, ``F16`` and ``BF16`` tensors, and quantised embeddings / lm_head / norms, are loaded as floats
-  in the activation dtype (the embedding is a lookup and the lm_head stays in the activation dtype);
+  in the activation dtype (the embedding is a lookup and the lm_head stays in the activation dtype); a
+  quantised lm_head (or the tied embedding) is kept as int8 as well, for decode-sized calls on the CPU
+  (``LlamaForCausalLM.lm_head_int8``);
 - llama.cpp's ``llama`` converter stores q and k rows permuted for its rotary layout: they are permuted back
   (for quantised weights, rows of values, scales and offsets move together, which is exact);
 - rotary scaling comes from ``rope.scaling.type`` (linear) or, for Llama 3.1's, from the ``rope_freqs``
@@ -185,6 +187,7 @@ def load_gguf_model(
     targets = weight_targets(model)
     items: dict[str, torch.Tensor | Int8Weight] = {}
     linear_types: collections.Counter[str] = collections.Counter()
+    head_int8: Int8Weight | None = None
     unexpected: list[str] = []
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
@@ -201,6 +204,8 @@ def load_gguf_model(
                     raise GGUFError(f"{path}: tensor {tensor.name} ({type_name}) has shape {shape}")
                 quantised = to_int8_weight(np.asarray(tensor.data), type_name, shape[0], shape[1])
                 items[name] = quantised if is_linear else quantised.dequantize()
+                if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and config.tie_word_embeddings):
+                    head_int8 = quantised  # the lm_head's values as int8 too (LlamaForCausalLM.lm_head_int8)
             elif type_name in FLOAT_TYPES:
                 items[name] = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type)).reshape(shape))
             else:
@@ -227,6 +232,8 @@ def load_gguf_model(
         raise CheckpointMismatchError(f"GGUF {path} does not match {config.architecture}: " + "; ".join(problems))
     with torch.no_grad():
         _fill(model, config, items, targets, device, path)
+    if device.type == "cpu":
+        model.lm_head_int8 = head_int8
     model.source_quantization = f"gguf:{linear_types.most_common(1)[0][0]}" if linear_types else "gguf"
     return model.eval(), config
 

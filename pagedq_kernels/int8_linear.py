@@ -170,6 +170,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.gemm_int8_panels.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32]
     lib.gemm_int8_panels.restype = ctypes.c_int
+    lib.gemm_int8_fused_rows.argtypes = []
+    lib.gemm_int8_fused_rows.restype = ctypes.c_int
 
 
 def _bind_amx(lib: ctypes.CDLL) -> None:
@@ -189,6 +191,16 @@ def amx_available() -> bool:
     """Whether per-channel int8 weights can run on AMX bf16 tiles here: AMX probed runnable and allowed by
     the ``PAGEDQ_CPU_ISA`` cap, the avx512 kernel build, and the kernel's permission for tile data."""
     return not os.environ.get("PAGEDQ_DISABLE_INT8_KERNEL") and c_build.amx_runnable() and _amx_lib() is not None
+
+
+def fused_rows() -> int:
+    """The most rows a :func:`linear` call dequantises in registers, with no fp32 panel buffer (0: never, as in
+    the generic and AVX-512 builds or without the kernel). Up to there a row's int8 product streams a quarter
+    of fp32's bytes at no extra arithmetic: a caller holding both forms of a weight picks int8 then."""
+    if not kernel_available():
+        return 0
+    lib = c_build.load("cpu_int8_gemm", _bind)
+    return int(lib.gemm_int8_fused_rows()) if lib is not None else 0
 
 
 def kernel_available() -> bool:

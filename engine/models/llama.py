@@ -248,6 +248,12 @@ class LlamaForCausalLM(nn.Module):
             )
         )
         self.lm_head_packed: cpu_linear.PackedWeight | None = None
+        # A GGUF's quantised lm_head (or tied embedding) as int8 (the loader sets it), packed beside the dense
+        # copy: calls of up to int8_linear.fused_rows() rows run on it (a lone sequence's decode step streams
+        # a quarter of the bytes), larger ones on the dense panels, whose greedy argmax needs no logits.
+        self.lm_head_int8: int8_linear.Int8Weight | None = None
+        self.lm_head_int8_packed: int8_linear.PackedInt8 | None = None
+        self.lm_head_int8_rows = 0
         # The greedy argmax over an fp32 lm_head, screened in bf16 (pagedq_kernels/argmax_screen.py), or None.
         self.lm_head_screen: argmax_screen.ScreenedHead | None = None
         # The forward as prepared C kernel calls, once every weight is packed for them (prepack_cpu_weights).
@@ -269,6 +275,12 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, Linear) and (m.weight.numel() or m.int8 is not None)
         )
         self.lm_head_packed = cpu_linear.pack(self.lm_head_weight, dtype=dtype)
+        fp32_head = self.lm_head_weight.dtype == torch.float32 and dtype in (None, torch.float32)
+        if self.lm_head_int8 is not None and self.tp.size == 1 and fp32_head:
+            self.lm_head_int8_rows = int8_linear.fused_rows() if self.lm_head_packed is not None else 0
+            if self.lm_head_int8_rows:
+                self.lm_head_int8_packed = int8_linear.pack(self.lm_head_int8)
+        self.lm_head_int8 = None
         if self.tp.size == 1:  # compute_greedy's only case; built before a dense lm_head is freed
             self.lm_head_screen = argmax_screen.build(self.lm_head_weight, self.lm_head_packed)
         if self.lm_head_packed is not None and not self.config.tie_word_embeddings:
@@ -313,6 +325,8 @@ class LlamaForCausalLM(nn.Module):
             total += self.lm_head_packed.data.numel() * self.lm_head_packed.data.element_size()
         if self.lm_head_screen is not None:
             total += self.lm_head_screen.screen.data.numel() * self.lm_head_screen.screen.data.element_size()
+        if self.lm_head_int8_packed is not None:
+            total += self.lm_head_int8_packed.nbytes
         return total
 
     def forward(
@@ -362,18 +376,25 @@ class LlamaForCausalLM(nn.Module):
         """``compute_logits(hidden).max(dim=1)`` (values, indices) without the logits, where the lm_head's
         kernel has that epilogue (``cpu_linear.argmax_linear``; one rank); else None. An fp32 lm_head with a bf16
         screen (``argmax_screen``) gives the same answer in about half the time."""
-        if self.lm_head_packed is None or self.tp.size != 1:
+        if self.lm_head_packed is None or self.tp.size != 1 or self._int8_head(hidden) is not None:
             return None
         if self.lm_head_screen is not None and hidden.dim() == 2:
             return argmax_screen.argmax(hidden, self.lm_head_screen)
         return cpu_linear.argmax_linear(hidden, self.lm_head_packed)
+
+    def _int8_head(self, hidden: torch.Tensor) -> int8_linear.PackedInt8 | None:
+        """The int8 lm_head where it serves ``hidden``'s rows (see ``lm_head_int8``), else None."""
+        rows = hidden.shape[0] if hidden.dim() == 2 else 0
+        return self.lm_head_int8_packed if 1 <= rows <= self.lm_head_int8_rows else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [M, hidden]`` -> float32 logits ``[M, vocab]`` (matmul in the model dtype, like HF).
 
         Under tensor parallelism each rank computes its vocabulary band and rank 0 gathers them all
         (the other ranks get an empty tensor: only rank 0 samples)."""
-        if self.lm_head_packed is not None:
+        if (int8_head := self._int8_head(hidden)) is not None:
+            logits = int8_linear.linear(hidden, int8_head, None).float()  # the same floats as the dense panels
+        elif self.lm_head_packed is not None:
             logits = cpu_linear.linear(hidden, self.lm_head_packed, None).float()
         else:
             logits = F.linear(hidden, self.lm_head_weight).float()

@@ -175,6 +175,17 @@ static void fused_rows(int rows, const float *x, int64_t ldx, const int8_t *q, c
 }
 #endif
 
+/* The most rows a call takes on the fused path (0: this build has none): a caller choosing between this layout
+ * and a dense one for a given row count asks it (LlamaForCausalLM's lm_head). */
+int gemm_int8_fused_rows(void)
+{
+#if defined(PAGEDQ_AVX2) && !defined(PAGEDQ_AVX512)
+    return FUSED_ROWS;
+#else
+    return 0;
+#endif
+}
+
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T + bias, W as described above; with glu,
  * y [m, n] = silu(x @ gate^T) * (x @ up^T) and no bias. Returns 0, or -1 if a buffer could not be had. */
 int gemm_int8_panels(const float *x, int64_t ldx, const int8_t *values, const float *scales, const float *offsets,

@@ -338,3 +338,44 @@ def test_prefix_cache_after_speculation(tiny_model: Callable[[str], Path]) -> No
     assert hot.num_cached_tokens >= (len(follow) - 1) // 16 * 16 - 16
     cold = LLM(str(model), enable_prefix_caching=False, num_speculative_tokens=0).generate([follow], greedy)[0]
     assert hot.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_a_lone_sequence_over_int8_linears_drafts_within_the_fused_rows(tiny_model: Callable[[str], Path]) -> None:
+    """Over int8 linears whose kernel dequantises up to ``fused_rows`` rows in registers, a lone sequence drafts
+    at most ``fused_rows - 1`` tokens a step (its verification stays on that path), with the same greedy output;
+    several sequences keep ``num_speculative_tokens``."""
+    from pagedq_kernels import int8_linear
+
+    model = tiny_model("llama_gqa")
+    llm = LLM(
+        str(model),
+        max_num_batched_tokens=512,
+        num_speculative_tokens=8,  # more than a lone sequence may take (fused_rows - 1 is 5 on AVX2)
+        prompt_lookup_min=1,
+        enable_prefix_caching=False,
+        quantization="int8",
+    )
+    fused = llm.engine.int8_fused_rows
+    assert fused == int8_linear.fused_rows()
+    if fused < 2:
+        pytest.skip("this kernel build has no fused int8 path (generic or AVX-512): drafts are not capped")
+    engine = llm.engine
+    propose = engine._propose_drafts
+    seen: list[tuple[int, int]] = []  # (running sequences, most drafts of one)
+
+    def spy() -> None:
+        propose()
+        running = engine.scheduler.running
+        seen.append((len(running), max((len(s.spec_token_ids) for s in running), default=0)))
+
+    engine._propose_drafts = spy  # type: ignore[method-assign]
+    prompts = repetitive_prompts(3, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    lone = [most for running, most in seen if running == 1]
+    assert lone and max(lone) == fused - 1  # drafted, and capped
+    seen.clear()
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert max(most for running, most in seen if running > 1) > fused - 1  # not capped for several
+    _, plain = generate(model, prompts, params, num_speculative_tokens=0, quantization="int8")
+    assert alone == together == [o.outputs[0].token_ids for o in plain]

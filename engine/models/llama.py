@@ -288,6 +288,21 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_plan = LlamaCpuPlan.build(self)
         return count + (self.lm_head_packed is not None)
 
+    def int8_fused_rows(self) -> int:
+        """Rows a step may have while its decoder linears stay on the int8 kernel's fused path (dequantised in
+        registers; ``int8_linear.fused_rows``), or 0 where they are not int8 panels. Past it each call writes
+        and re-reads an fp32 copy of every panel: the engine keeps a lone sequence's drafts within it."""
+        packs: list[int8_linear.PackedInt8 | None] = []
+        for module in self.layers:
+            layer = cast(LlamaDecoderLayer, module)
+            mlp = layer.mlp
+            gate_up = mlp.gated_int8 if mlp.gated_int8 is not None else mlp.gate_up_proj.int8_packed
+            packs += [layer.self_attn.qkv_proj.int8_packed, layer.self_attn.o_proj.int8_packed, gate_up]
+            packs.append(mlp.down_proj.int8_packed)
+        if not packs or any(p is None or p.amx for p in packs):
+            return 0
+        return int8_linear.fused_rows()
+
     def quantize_int8(self, int8_activations: bool = False) -> int:
         """Every decoder linear to symmetric per-output-channel int8 (``quantization="int8"``), before
         :meth:`prepack_cpu_weights`; returns how many. The lm_head (and the embedding it may share) stays in

@@ -180,7 +180,7 @@ def load_gguf_model(
 
     reader = _reader(path)
     config = read_config(reader, path)
-    permuted = _field(reader, "general.architecture") == "llama"  # llama.cpp's rotary row order (q, k)
+    permuted = config.architecture == GGUF_ARCHITECTURES["llama"]  # llama.cpp's rotary row order (q, k)
     model = LlamaForCausalLM(config, get_ops(ops_name), dtype=dtype, device=device)
     from engine.loader import CheckpointMismatchError, weight_targets
 

@@ -106,6 +106,8 @@ class Int8Weight:
         repeated over its finer groups, so every element keeps its value exactly."""
         if self.group_size % group_size:
             raise ValueError(f"group size {group_size} does not divide {self.group_size}")
+        if group_size == self.group_size:
+            return self
         repeat = self.group_size // group_size
         offsets = None if self.offsets is None else self.offsets.repeat_interleave(repeat, dim=1)
         return Int8Weight(self.values, self.scales.repeat_interleave(repeat, dim=1), offsets, group_size)

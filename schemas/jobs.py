@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
 
-from schemas.sampling import MAX_LOGIT_BIAS_ENTRIES
+from schemas.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
 
 if TYPE_CHECKING:
     from schemas.sampling import SamplingParams
@@ -173,7 +173,7 @@ class JobRequest(BaseModel):
     # OpenAI's logit_bias: token ids as JSON object keys (decimal strings), values -100 to 100.
     logit_bias: (
         Annotated[
-            dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]],
+            dict[TokenIdKey, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
             Field(max_length=MAX_LOGIT_BIAS_ENTRIES),
         ]
         | None

@@ -20,12 +20,26 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "gemm_tile.h"
 
 #ifndef MB
 #define MB 384 /* rows of x per block, as cpu_gemm.c: the dequantised panel is reused across them */
+#endif
+
+#if defined(PAGEDQ_AVX2) && !defined(PAGEDQ_AVX512)
+/* One k row of a panel, 16 codes, as two vectors of 8 weights: scale * q + offset. Shared by the buffer and the
+ * fused path, so both compute each weight alike. The codes come in as two 8-byte loads folded into their sign
+ * extensions (vpmovsxbd ymm, m64), no shuffle: 30 layers at one row on the fused path 8.7-9.5 -> 8.0 ms against
+ * one 16-byte load and a shift. */
+static inline __attribute__((always_inline)) void dequant_row(const int8_t *q, __m256 s0, __m256 s1, __m256 o0,
+                                                              __m256 o1, __m256 *w0, __m256 *w1)
+{
+    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8))));
+    *w0 = _mm256_add_ps(_mm256_mul_ps(q0, s0), o0);
+    *w1 = _mm256_add_ps(_mm256_mul_ps(q1, s1), o1);
+}
 #endif
 
 /* buf[kk][0:16] = scale * q + offset for one panel; offsets may be NULL (symmetric). */
@@ -47,11 +61,10 @@ static void dequant_panel(const int8_t *q, const float *scales, const float *off
         const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
         const __m256 o0 = o ? _mm256_loadu_ps(o) : _mm256_setzero_ps(), o1 = o ? _mm256_loadu_ps(o + 8) : o0;
         for (int64_t kk = g0; kk < g1; kk++) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(q + kk * NR));
-            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
-            _mm256_storeu_ps(buf + kk * NR, _mm256_add_ps(_mm256_mul_ps(w0, s0), o0));
-            _mm256_storeu_ps(buf + kk * NR + 8, _mm256_add_ps(_mm256_mul_ps(w1, s1), o1));
+            __m256 w0, w1;
+            dequant_row(q + kk * NR, s0, s1, o0, o1, &w0, &w1);
+            _mm256_storeu_ps(buf + kk * NR, w0);
+            _mm256_storeu_ps(buf + kk * NR + 8, w1);
         }
 #else
         for (int64_t kk = g0; kk < g1; kk++)
@@ -95,11 +108,10 @@ static void tile_rows_generic(int rows, const float *x, int64_t ldx, const float
  * memory (30 distinct layers, 133 MB of codes, scales and offsets), 2-vCPU AMD EPYC Zen 3, buffered ->
  * fused: one row 13.5-13.7 -> 8.0 ms, two 13.8 -> 8.4, four 14.4-15.2 -> 10.2, five 15.1-15.5 -> 11.2, six
  * 16.4-16.6 -> 13.0-13.2; eight rows stay buffered (21 ms either way). Six rows hold 12 accumulators and two
- * weight vectors in the 16 ymm registers; the scales and offsets are read from L1 as operands. The codes
- * come in as two 8-byte loads folded into their sign extensions (one row 8.7-9.5 -> 8.0 ms against one
- * 16-byte load and a shift). Same arithmetic, same order:
- * each weight is scale * q + offset as dequant_panel writes it, and each output sums x * w over k in order
- * into one accumulator, as the tile does, so both paths give the same floats.
+ * weight vectors in the 16 ymm registers; the scales and offsets are read from L1 as operands. Same
+ * arithmetic, same order: each weight is dequant_row's scale * q + offset, as dequant_panel writes it, and each
+ * output sums x * w over k in order into one accumulator and ends in the tile's epilogue (tile_store), as the
+ * tile does, so both paths give the same floats.
  * AVX2 only for now: the AVX-512 build keeps the buffer path until it is measured on such a CPU. */
 #ifndef FUSED_ROWS
 #define FUSED_ROWS 6
@@ -128,35 +140,14 @@ static inline __attribute__((always_inline)) void fused_tile(int rows, const flo
         const __m256 o0 = o ? _mm256_loadu_ps(o) : _mm256_setzero_ps(), o1 = o ? _mm256_loadu_ps(o + 8) : o0;
         for (int64_t kk = g0; kk < g1; kk++) {
             _mm_prefetch((const char *)(q + (kk + PF) * NR), _MM_HINT_T0);
-            /* Two 8-byte loads: each folds into its sign extension (vpmovsxbd ymm, m64), no shuffle. */
-            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + kk * NR))));
-            const __m256 q1 =
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + kk * NR + 8))));
-            const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(q0, s0), o0);
-            const __m256 w1 = _mm256_add_ps(_mm256_mul_ps(q1, s1), o1);
+            __m256 w0, w1;
+            dequant_row(q + kk * NR, s0, s1, o0, o1, &w0, &w1);
             ROW(0, c0a, c0b) ROW(1, c1a, c1b) ROW(2, c2a, c2b) ROW(3, c3a, c3b) ROW(4, c4a, c4b) ROW(5, c5a, c5b)
         }
     }
 #undef ROW
-    const __m256 acc[6][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
-    float tmp[NR] = {0};
-    __m256 b0 = _mm256_setzero_ps(), b1 = b0;
-    if (bias) {
-        memcpy(tmp, bias, (size_t)ncols * sizeof(float));
-        b0 = _mm256_loadu_ps(tmp);
-        b1 = _mm256_loadu_ps(tmp + 8);
-    }
-    for (int r = 0; r < rows; r++) {
-        float *yr = y + r * ldy;
-        if (glu) { /* 8 outputs: silu(gate lanes) * up lanes, as the tile's epilogue */
-            _mm256_storeu_ps(tmp, silu_mul8(acc[r][0], acc[r][1]));
-            memcpy(yr, tmp, (size_t)ncols * sizeof(float));
-            continue;
-        }
-        _mm256_storeu_ps(tmp, _mm256_add_ps(acc[r][0], b0));
-        _mm256_storeu_ps(tmp + 8, _mm256_add_ps(acc[r][1], b1));
-        memcpy(yr, tmp, (size_t)ncols * sizeof(float));
-    }
+    const __m256 acc[MR][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
+    tile_store(acc, rows, y, ldy, bias, ncols, glu); /* the tile's own epilogue */
 }
 
 /* One inlined copy per row count (constant counts keep the accumulators in registers, as tile_rows). */

@@ -144,34 +144,11 @@ static inline __attribute__((always_inline)) void tile_pair(int rows, const floa
 
 #elif defined(PAGEDQ_AVX2)
 
-/* rows x 16 tile: acc[r] += x[r, :] * panel[:, 0:16], then stored (+bias) into y (ncols valid). `ahead` (or
- * NULL): ahead_lines cache lines from there prefetched into L2 over the k steps, as tile_pair's. */
-static inline __attribute__((always_inline)) void tile(int rows, const float *x, int64_t ldx,
-                                                       const float *panel, int64_t ldw, int64_t k, float *y,
-                                                       int64_t ldy, const float *bias, int ncols, int glu,
-                                                       const char *ahead, int64_t ahead_lines)
+/* The tile's epilogue: rows of acc (+ bias) into y, ncols valid columns; with glu, 8 outputs per row:
+ * silu(gate lanes 0-7) * up lanes 8-15, no bias. Shared with the int8 kernel's fused tile (cpu_int8_gemm.c). */
+static inline __attribute__((always_inline)) void tile_store(const __m256 acc[MR][2], int rows, float *y, int64_t ldy,
+                                                             const float *bias, int ncols, int glu)
 {
-    /* Named accumulators, not an array: gcc spills an accumulator array to the stack every step. */
-    __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a;
-    __m256 c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
-    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx,
-                *x5 = x + 5 * ldx;
-#define ROW(r, ca, cb)                                          \
-    if (rows > r) {                                             \
-        const __m256 b = _mm256_broadcast_ss(x##r + kk);        \
-        ca = _mm256_fmadd_ps(b, w0, ca);                        \
-        cb = _mm256_fmadd_ps(b, w1, cb);                        \
-    }
-    int64_t due = 0;
-    for (int64_t kk = 0; kk < k; kk++) {
-        const float *wp = panel + kk * ldw;
-        _mm_prefetch((const char *)(wp + PF * ldw), PF_HINT);
-        ahead_step(&ahead, &due, ahead_lines, k);
-        const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
-        ROW(0, c0a, c0b) ROW(1, c1a, c1b) ROW(2, c2a, c2b) ROW(3, c3a, c3b) ROW(4, c4a, c4b) ROW(5, c5a, c5b)
-    }
-#undef ROW
-    const __m256 acc[MR][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
     __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
     float tmp[NR];
     if (bias) {
@@ -208,6 +185,37 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *x,
             memcpy(yr, tmp, (size_t)ncols * sizeof(float));
         }
     }
+}
+
+/* rows x 16 tile: acc[r] += x[r, :] * panel[:, 0:16], then stored (+bias) into y (ncols valid). `ahead` (or
+ * NULL): ahead_lines cache lines from there prefetched into L2 over the k steps, as tile_pair's. */
+static inline __attribute__((always_inline)) void tile(int rows, const float *x, int64_t ldx,
+                                                       const float *panel, int64_t ldw, int64_t k, float *y,
+                                                       int64_t ldy, const float *bias, int ncols, int glu,
+                                                       const char *ahead, int64_t ahead_lines)
+{
+    /* Named accumulators, not an array: gcc spills an accumulator array to the stack every step. */
+    __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a;
+    __m256 c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
+    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx,
+                *x5 = x + 5 * ldx;
+#define ROW(r, ca, cb)                                          \
+    if (rows > r) {                                             \
+        const __m256 b = _mm256_broadcast_ss(x##r + kk);        \
+        ca = _mm256_fmadd_ps(b, w0, ca);                        \
+        cb = _mm256_fmadd_ps(b, w1, cb);                        \
+    }
+    int64_t due = 0;
+    for (int64_t kk = 0; kk < k; kk++) {
+        const float *wp = panel + kk * ldw;
+        _mm_prefetch((const char *)(wp + PF * ldw), PF_HINT);
+        ahead_step(&ahead, &due, ahead_lines, k);
+        const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
+        ROW(0, c0a, c0b) ROW(1, c1a, c1b) ROW(2, c2a, c2b) ROW(3, c3a, c3b) ROW(4, c4a, c4b) ROW(5, c5a, c5b)
+    }
+#undef ROW
+    const __m256 acc[MR][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
+    tile_store(acc, rows, y, ldy, bias, ncols, glu);
 }
 
 #endif

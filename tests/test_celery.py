@@ -30,6 +30,7 @@ from uuid import UUID
 import pytest
 import redis
 from celery import Celery
+from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
 from engine.outputs import RequestDelta
@@ -265,6 +266,38 @@ def test_revoke_cancels_a_running_generation(celery_worker: CeleryWorker) -> Non
     stats = app.send_task("pagedq.stats").get(timeout=60)
     assert stats["running"] == 0 and stats["in_flight"] == 0, stats
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+
+@pytest.mark.slow  # a second generation revoked mid-run (~4 s); the plain revoke test stays default
+def test_revoke_with_terminate_stops_the_job_and_ends_the_task_revoked(celery_worker: CeleryWorker) -> None:
+    """``terminate=True``, the revoke Celery users reach for: the worker says it terminated the task (the stock
+    threads pool answered an error, NotImplementedError, and logged a traceback), the task ends REVOKED as
+    under prefork, the job stops in the engine (its KV blocks freed), and the state stays REVOKED after the
+    task's thread has finished (its cancelled event is not stored over it)."""
+    app = celery_worker.client
+    log_start = len(celery_worker.log())  # the module's worker logged other tests' tracebacks before
+    result = app.send_task(
+        "pagedq.generate",
+        kwargs={"prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "temperature": 1.0, "seed": 1},
+    )
+    wait_for(lambda: result.state == "STARTED", timeout=120, what="the task to start")
+    replies = app.control.revoke(result.id, terminate=True, signal="KILL", reply=True, timeout=10)
+    assert [list(reply.values()) for reply in replies] == [[{"ok": f"terminate: {result.id}"}]], replies
+    with pytest.raises(TaskRevokedError):
+        result.get(timeout=60)
+
+    def stopped() -> bool:
+        lines = celery_worker.log().splitlines()
+        return any('"celery.terminated"' in line and result.id in line for line in lines)
+
+    wait_for(stopped, timeout=60, what="the task's thread to stop its job")
+    assert AsyncResult(result.id, app=app).state == "REVOKED"
+    stats = app.send_task("pagedq.stats").get(timeout=60)
+    assert stats["running"] == 0 and stats["in_flight"] == 0, stats
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    own_log = celery_worker.log()[log_start:]
+    assert "NotImplementedError" not in own_log and "Traceback" not in own_log, own_log
+    assert celery_worker.proc.poll() is None  # signal="KILL" ended nothing but the job
 
 
 def test_results_are_stored_in_the_producers_result_backend(celery_worker: CeleryWorker) -> None:

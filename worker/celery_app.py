@@ -47,9 +47,12 @@ Trade-offs chosen (worker/CELERY.md has the longer version):
 * **Job fields are kwargs only**: positional ``args`` are answered with error ``invalid_request``, and any
   kwarg name (``task`` and ``self`` included) is a job field, checked like the others.
 * **Cancellation** is Celery's: ``app.control.revoke(task_id)`` stops a running generation within
-  ``REVOKE_POLL_S`` (the task polls the worker's revoked set; the threads pool cannot kill a thread), with
-  ``finish_reason`` ``cancelled`` and the partial text. ``timeout_s`` counts from when the engine thread
-  received the job. ``priority`` orders jobs inside the engine only.
+  ``REVOKE_POLL_S`` (the task polls the worker's revoked set), with ``finish_reason`` ``cancelled`` and the
+  partial text. ``revoke(task_id, terminate=True)`` stops it the same way and ends the task ``REVOKED``, as
+  prefork's kill would: no thread is killed (Python cannot, and the engine must free the job's KV blocks), so
+  the worker runs :class:`ThreadPool`, Celery's threads pool whose ``terminate_job`` leaves the stopping to
+  that poll instead of refusing. ``timeout_s`` counts from when the engine thread received the job.
+  ``priority`` orders jobs inside the engine only.
 * Everything the task needs comes from the same ``PAGEDQ_*`` settings as ``pagedq worker`` (model, engine
   size, ``redis_url`` for the broker, ``celery_result_backend`` for the result backend (the broker's URL
   when unset: it must be the backend the producers' apps name), ``result_ttl_s`` for result expiry,
@@ -64,8 +67,10 @@ import uuid
 from typing import Any
 
 import structlog
-from celery import Celery, Task, signals
-from celery.exceptions import WorkerShutdown
+from celery import Celery, Task, signals, states
+from celery.concurrency import get_implementation
+from celery.concurrency.thread import TaskPool as CeleryThreadPool
+from celery.exceptions import Ignore, WorkerShutdown
 from celery.platforms import EX_FAILURE
 from pydantic import ValidationError
 
@@ -185,6 +190,33 @@ def make_app(settings: Settings | None = None) -> Celery:
     app.task(name=TASK_NAME, bind=True, acks_late=True, base=PagedqTask)(generate)
     app.task(name=STATS_TASK_NAME, bind=True, base=PagedqTask)(stats)
     return app
+
+
+class ThreadPool(CeleryThreadPool):
+    """Celery's threads pool, able to take ``revoke(..., terminate=True)``.
+
+    Celery's control thread answers a terminating revoke by adding the task id to the worker's revoked set,
+    then calling ``terminate_job`` and, when that returns, marking the task ``REVOKED`` in the result backend
+    and acking its message. The stock threads pool raises ``NotImplementedError`` there (a thread cannot be
+    killed), so the producer's revoke got an error reply and the worker logged a traceback, though the job
+    stopped anyway. Nothing needs killing: every ``pagedq.generate`` task polls the revoked set and cancels
+    its own job (``generate``), which stops it within ``REVOKE_POLL_S`` and frees its KV blocks, and then
+    leaves the ``REVOKED`` state Celery stored in place. The process id Celery passes names no task here
+    (every thread shares it), and a signal would end the whole worker, so both are ignored.
+    """
+
+    def terminate_job(self, pid: int, signal: int | None = None) -> None:
+        return None
+
+
+def use_terminable_threads(pool_cls: Any) -> Any:
+    """The pool class a worker started with ``pool_cls`` runs: :class:`ThreadPool` for Celery's threads pool
+    (``--pool threads`` names Celery's class, whatever the app's ``worker_pool`` says), else ``pool_cls``."""
+    try:
+        resolved = get_implementation(pool_cls)
+    except (ImportError, AttributeError, ValueError):
+        return pool_cls  # an unknown pool: Celery itself reports it, right after worker_init
+    return ThreadPool if resolved is CeleryThreadPool else pool_cls
 
 
 # --------------------------------------------------------------------------------- the engine thread
@@ -348,8 +380,27 @@ def generate(task: Any, /, *args: Any, **fields: Any) -> dict[str, Any]:
                 cancelled = True
                 log.info("celery.revoked", task_id=task_id, job_id=job.id)
                 et.cancel(handle)
+    if cancelled and _terminated(task, task_id):
+        # Celery already stored REVOKED and acked the message; storing the cancelled event now would turn the
+        # state the producer may have read into SUCCESS. Ignore leaves it as the terminating revoke set it.
+        log.info("celery.terminated", task_id=task_id, job_id=job.id)
+        raise Ignore()
     result: dict[str, Any] = json.loads(event.to_json())
     return result
+
+
+def _terminated(task: Any, task_id: str | None) -> bool:
+    """Whether a revoked running task was revoked with ``terminate=True``: only that path stores ``REVOKED``
+    for a task that has started (a plain revoke of a running task leaves its state to the task). A terminate
+    that lands after this check finds the cancelled event stored, and a backend that cannot answer counts
+    as no: the task then ends with its cancelled event, a complete answer either way."""
+    if not task_id:
+        return False
+    try:
+        return bool(task.AsyncResult(task_id).state == states.REVOKED)
+    except Exception as exc:  # the backend's own errors vary by backend; the event is stored instead
+        log.warning("celery.revoked_state_unread", task_id=task_id, error=str(exc))
+        return False
 
 
 def stats(task: Any, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -374,6 +425,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
 
     settings: Settings = getattr(app, "pagedq_settings", None) or load_settings()
     configure_logging(settings)
+    if sender is not None and getattr(sender, "pool_cls", None) is not None:
+        sender.pool_cls = use_terminable_threads(sender.pool_cls)  # resolved by Celery right after this signal
     pool = str(getattr(sender, "pool_cls", "") or "")
     if "thread" in pool.lower() or "solo" in pool.lower():
         try:

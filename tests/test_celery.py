@@ -459,6 +459,48 @@ def test_a_killed_workers_task_is_redelivered_after_the_visibility_timeout(
             reap(second)
 
 
+@pytest.mark.slow  # waits for kombu's restore sweep (every 10 s with the default timeout)
+def test_a_message_given_back_after_its_task_ended_is_not_run_again(celery_worker: CeleryWorker) -> None:
+    """A task whose ack was lost (the broker connection broke as it ended: kombu keeps the message in its
+    ``unacked`` index, and once the visibility timeout has passed a sweep gives it back, flagged redelivered)
+    ran a second time: a second generation for nothing (the backend kept the first result, Celery's Redis
+    backend does not overwrite a SUCCESS). The state a lost ack leaves is made here as kombu leaves it: the
+    task's own message in ``unacked`` / ``unacked_index``, delivered more than a visibility timeout ago."""
+    app, broker = celery_worker.client, redis.Redis.from_url(celery_worker.broker_url)
+    parked = "pagedq-test-parked"  # a queue no worker reads: the producer's message, byte for byte
+    try:
+        jobs_before = app.send_task("pagedq.stats").get(timeout=60)["jobs_final"]
+        sent = app.send_task(
+            "pagedq.generate", kwargs={"prompt": "once only", "max_tokens": 3, "temperature": 0}, queue=parked
+        )
+        raw = broker.lpop(parked)
+        assert raw is not None
+        broker.lpush("celery", raw)  # its first delivery, to the worker's queue
+        first = sent.get(timeout=120)
+        assert first["type"] == "final" and first["attempt"] == 1, first
+        wait_for(lambda: broker.hlen("unacked") == 0, timeout=60, what="the first delivery's ack")
+
+        payload = json.loads(raw)
+        exchange = routing_key = "celery"  # where kombu's restore puts it back: the worker's queue
+        tag = "lost-ack-" + sent.id
+        broker.hset("unacked", tag, json.dumps([payload, exchange, routing_key]))
+        broker.zadd("unacked_index", {tag: time.time() - 2 * 3600})  # delivered 2 h ago, beyond the 1 h timeout
+
+        def redelivery_handled() -> bool:
+            # Given back by the sweep (gone from the index), received (the log says so twice) and acked.
+            received = celery_worker.log().count(f"pagedq.generate[{sent.id}] received")
+            return received == 2 and broker.zcard("unacked_index") == 0 and broker.hlen("unacked") == 0
+
+        wait_for(redelivery_handled, timeout=90, what="the given-back message to be received and acked")
+        assert broker.llen("celery") == 0
+        again = AsyncResult(sent.id, app=app)
+        assert again.state == "SUCCESS" and again.result == first, again.result
+        assert app.send_task("pagedq.stats").get(timeout=60)["jobs_final"] == jobs_before + 1  # generated once
+    finally:
+        broker.delete(parked)
+        broker.close()
+
+
 def test_the_visibility_timeout_is_a_setting() -> None:
     from worker.celery_app import make_app
     from worker.settings import load_settings

@@ -31,9 +31,10 @@ Trade-offs chosen (worker/CELERY.md has the longer version):
   worker of a pool is never starved by a busy one hoarding reserved messages. The cost: a task longer than
   the broker's ``visibility_timeout`` (``celery_visibility_timeout_s``, 1 h by default) is redelivered while
   still running, and a redelivered task generates again from the start (no idempotency key check as in the
-  streams worker). Kombu's Redis transport redelivers a dead worker's message only once that timeout has
-  passed since the message was delivered; the rerun's events say ``attempt`` 2 (kombu flags a redelivery,
-  it does not count them).
+  streams worker, except for a task whose result is already stored: a redelivered message of an ended task
+  is acked without running it again). Kombu's Redis transport redelivers a dead worker's message only once
+  that timeout has passed since the message was delivered; the rerun's events say ``attempt`` 2 (kombu
+  flags a redelivery, it does not count them).
 * **A model that cannot load stops the worker at start** (threads/solo pools: non-zero exit, before
   "ready"), rather than consuming tasks it can only fail. Where the engine is built lazily (other pools),
   the failure is remembered and every task is answered with error ``internal``, without loading again.
@@ -166,6 +167,11 @@ def make_app(settings: Settings | None = None) -> Celery:
         result_accept_content=["json"],
         task_acks_late=True,
         task_reject_on_worker_lost=True,
+        # A message given back after its task had ended (its ack lost with a broker connection that broke, or
+        # a worker killed between storing the result and acking) is not run again when the backend holds the
+        # task's SUCCESS (every pagedq result, error events included): one terminal event per job, as on the
+        # streams path. One GET per redelivered message; a task still running when it comes back runs again.
+        worker_deduplicate_successful_tasks=True,
         worker_prefetch_multiplier=1,
         worker_pool="threads",
         worker_concurrency=settings.max_num_seqs + settings.prefetch,

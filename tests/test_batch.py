@@ -24,12 +24,14 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from ops import batch
-from ops.batch import BatchLine, LineError, Progress, parse_line, read_done, response_body
+from ops.batch import BatchLine, LineError, Progress, QueueBackend, parse_line, read_done, response_body
+from ops.batch.backends import output_key
 from ops.batch.command import LINES_FAILED
 from ops.batch.files import iter_lines
-from schemas.jobs import Choice, FinalEvent, Logprob, Timings, TopLogprob, Usage
-from tests.redis_servers import RedisServer, make_server
+from schemas.jobs import Choice, ErrorEvent, FinalEvent, Logprob, Timings, TopLogprob, Usage
+from tests.redis_servers import ClusterServers, RedisServer, make_server, redis_cluster  # noqa: F401
 from tests.worker_harness import ENGINE_KW, REPO, Ctx, WorkerProcess, inprocess_worker, make_engine, wait_for
+from worker.client import CANCEL_TTL_S
 
 ENGINE_FLAGS = [
     "--max-num-seqs", str(ENGINE_KW["max_num_seqs"]),
@@ -617,10 +619,105 @@ def test_a_resume_after_overwrite_finds_the_jobs_it_queued(lone_queue: Ctx, engi
     resume = batch_process(lone_queue, inp, out, "--progress", "none")
     wait_for(lambda: sum(queued_ids().values()) == 6 or resume.poll() is not None, timeout=60, what="requeued")
     assert set(queued_ids()) == set(first_ids)  # the same jobs: a worker answers each id once
+    inflight = output_key(lone_queue.ns, "inflight", out.resolve())
+    assert lone_queue.redis.smembers(inflight) == set(first_ids)  # kept by a resume: nothing to cancel
     with inprocess_worker(lone_queue, engine):
         stderr = finish(resume)
     assert resume.returncode == 0, stderr
     assert sorted(r["custom_id"] for r in records(out)) == ["c0", "c1", "c2"]
+    assert not lone_queue.redis.exists(inflight)  # every id left the set as its end was read
+
+
+def test_overwrite_cancels_the_jobs_an_interrupted_run_left_queued(
+    lone_queue: Ctx, engine: Any, tmp_path: Path
+) -> None:
+    """A run interrupted with jobs queued, rerun with ``--overwrite``: the rerun's ids carry a fresh nonce, so
+    the old jobs' answers are never read, yet they ran on the workers all the same. Now the rerun cancels
+    every id still in OUTPUT's in-flight set before it queues its own (the set then holds only those), the
+    old jobs end ``cancelled`` and the rerun answers every line. 5 lines, 3 in flight: each run has 3 queued."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(completion(f"c{i}", f"the sea {i}", max_tokens=2, temperature=0) + "\n" for i in range(5)))
+    inflight = output_key(lone_queue.ns, "inflight", out.resolve())
+
+    def queued_ids() -> set[str]:
+        return {json.loads(f["job"])["id"] for _, f in lone_queue.redis.xrange(lone_queue.keys.jobs)}
+
+    with queued(lone_queue, inp, out, "--progress", "none", "--max-in-flight", "3") as first:
+        first.terminate()
+        stderr = finish(first)
+        assert first.returncode == 130, stderr
+    old = queued_ids()
+    assert len(old) == 3 and lone_queue.redis.smembers(inflight) == old  # the interruption cancels nothing
+    assert not any(lone_queue.redis.exists(lone_queue.keys.cancel(i)) for i in old)
+
+    rerun = batch_process(lone_queue, inp, out, "--progress", "log", "--max-in-flight", "3", "--overwrite")
+    try:
+        # Its 3 jobs queued: the cancel came before them (the set gets the new ids with their entries).
+        wait_for(lambda: lone_queue.backlog() == 6 or rerun.poll() is not None, timeout=60, what="6 jobs queued")
+        new = queued_ids() - old
+        assert len(new) == 3
+        assert [lone_queue.redis.get(lone_queue.keys.cancel(i)) for i in sorted(old)] == ["1"] * 3
+        assert 0 < lone_queue.redis.ttl(lone_queue.keys.cancel(min(old))) <= CANCEL_TTL_S
+        assert not any(lone_queue.redis.exists(lone_queue.keys.cancel(i)) for i in new)
+        assert lone_queue.redis.smembers(inflight) == new
+        with inprocess_worker(lone_queue, engine):
+            stderr = finish(rerun)
+            wait_for(lambda: all(lone_queue.result(i) for i in old), timeout=60, what="the old jobs to end")
+    finally:
+        if rerun.poll() is None:  # an assertion above failed: not left running
+            rerun.kill()
+            rerun.communicate()
+    assert rerun.returncode == 0, stderr
+    assert "cancelled 3 unfinished job(s) of an earlier run on out.jsonl" in stderr
+    assert sorted(r["custom_id"] for r in records(out)) == [f"c{i}" for i in range(5)]
+    ended = [lone_queue.result(i) for i in old]
+    assert all(isinstance(e, ErrorEvent) and e.code == "cancelled" for e in ended), ended
+    assert not lone_queue.redis.exists(inflight)
+
+
+@pytest.mark.slow  # a cluster of six redis-server processes
+def test_overwrite_cancels_on_a_cluster(redis_cluster: ClusterServers, tmp_path: Path) -> None:  # noqa: F811
+    """On a Redis Cluster, where each job's cancel key has its own slot and a pipeline refuses PUBLISH: every
+    id in the in-flight set gets its cancel key and its notice on the cancel channel, and leaves the set."""
+    ctx = Ctx(redis_cluster, shards=3)
+    out = tmp_path / "out.jsonl"
+    pubsub = ctx.redis.pubsub()
+    try:
+        pubsub.subscribe(ctx.keys.cancel_channel)
+        wait_for(lambda: pubsub.get_message(timeout=0.1), what="the subscription confirmed")
+        first = QueueBackend(redis_cluster.url, ctx.settings(), None)
+        try:
+            run_key = f"{out}#{first.generation(out, fresh=True)}"
+            jobs = [
+                parse_line(completion(f"c{i}", "p"), 1, run_key=run_key, default_max_tokens=2).job for i in range(5)
+            ]
+            first.submit(jobs)
+        finally:
+            first.close()
+        ids = {job.id for job in jobs}
+        inflight = output_key(ctx.ns, "inflight", out)
+        assert ctx.redis.smembers(inflight) == ids
+        second = QueueBackend(redis_cluster.url, ctx.settings(), None)
+        try:
+            assert second.cancel_earlier(out) == 5
+            assert second.cancel_earlier(out) == 0  # the set is cleared: nothing is cancelled twice
+        finally:
+            second.close()
+        assert all(ctx.redis.get(ctx.keys.cancel(i)) == "1" for i in ids)
+        assert not ctx.redis.exists(inflight)
+        notices: list[str] = []
+
+        def all_notices() -> bool:
+            while (msg := pubsub.get_message(timeout=0.1)) is not None:
+                if msg["type"] == "message":
+                    notices.append(msg["data"])
+            return len(notices) >= 5
+
+        wait_for(all_notices, timeout=30, what="5 cancel notices")
+        assert sorted(notices) == sorted(ids)
+    finally:
+        pubsub.close()
+        ctx.close()
 
 
 def test_retry_errors_runs_failed_lines_again(lone_queue: Ctx, engine: Any, tmp_path: Path) -> None:

@@ -22,7 +22,9 @@ Two ways to run the jobs, same output:
 * ``--local``: an engine in this process (on an :class:`~worker.engine_thread.EngineThread`), no Redis.
 
 Rerunning the same command resumes: every custom_id already in OUTPUT or the errors file is skipped, so a
-run killed at any point ends, once rerun, with each custom_id exactly once; ``--overwrite`` starts afresh.
+run killed at any point ends, once rerun, with each custom_id exactly once; ``--overwrite`` starts afresh,
+first cancelling the jobs an interrupted run left queued or running (queue mode: each run keeps the ids of its
+outstanding jobs in ``<ns>:batch-inflight:<hash of OUTPUT's path>``), which would otherwise run for nothing.
 
 Exit codes: 0 every line has an output line, 3 every line has an output or error line but some are errors
 (``--retry-errors`` runs them again), 1 Redis failed or stayed unreachable for 5 minutes

@@ -26,7 +26,7 @@ from ops.batch.responses import TerminalEvent, TokenText, load_token_text, token
 from schemas.affinity import shard_for_job
 from schemas.jobs import ErrorEvent, JobRequest
 from schemas.keys import JOB_FIELD, Keys
-from worker.client import stored_end
+from worker.client import CANCEL_TTL_S, stored_end
 from worker.redis_url import connect, is_cluster_client
 from worker.settings import Settings
 
@@ -42,6 +42,11 @@ class Backend(Protocol):
 
     def forget(self, job_ids: Collection[str]) -> None:
         """Drop what is stored for these jobs (their failed results), so that they run again."""
+        ...
+
+    def cancel_earlier(self, output: Path) -> int:
+        """Cancel the jobs earlier runs on ``output`` queued and never saw end (an ``--overwrite`` start, before
+        :meth:`generation`: their answers would never be read); returns how many were asked to stop."""
         ...
 
     def generation(self, output: Path, fresh: bool) -> str:
@@ -72,8 +77,14 @@ def heartbeat_model(raw: str | bytes | None) -> str | None:
 
 
 MARKER_TTL_S = 7 * 86400
-"""Life of a run's submission count in Redis, renewed at each submission and check (a week: a batch may wait
-that long behind a backlog; the count of a run that ended expires on its own)."""
+"""Life of a run's submission count and of OUTPUT's set of outstanding job ids in Redis, renewed as they are
+used (a week: a batch may wait that long behind a backlog; those of a run that ended expire on its own)."""
+
+
+def output_key(namespace: str, kind: str, output: Path) -> str:
+    """``<ns>:batch-<kind>:<hash of OUTPUT's path>``: what runs on one OUTPUT hand on to the next (the path
+    hashed: it may be long, and it is nobody else's business)."""
+    return f"{namespace}:batch-{kind}:{hashlib.sha256(str(output).encode()).hexdigest()[:32]}"
 
 
 def _stored_outcome(job_id: str, raw: str | bytes) -> TerminalEvent:
@@ -110,6 +121,10 @@ class QueueBackend:
         # (restarted without persistence, a failover to a replica without them) has a lower count or none.
         self._marker = f"{settings.namespace}:batch-run:{uuid.uuid4().hex}"
         self._submitted = 0  # the count Redis acknowledged
+        # OUTPUT's in-flight set: the ids of the jobs runs on OUTPUT queued (this one, and an interrupted one
+        # it resumes) whose end none has read yet, for an --overwrite start to cancel. Named by generation(),
+        # which the run calls before it submits anything.
+        self._inflight: str | None = None
         self._worker_models: dict[str, str] = {}  # worker name -> the model its heartbeat named
         self._texts: dict[str, TokenText] = {}  # tokenizer source -> token texts (token_id_text if it failed)
 
@@ -121,10 +136,14 @@ class QueueBackend:
             return
         # All or nothing on one server: a retry after an error adds no duplicates. A cluster cannot make one
         # transaction of several shards' streams; there a retry may queue a job twice, which its id makes
-        # harmless (one terminal event per id).
+        # harmless (one terminal event per id). The ids join OUTPUT's in-flight set in the same transaction as
+        # their entries: no job is queued that a later --overwrite could not find to cancel.
         pipe = self.client.pipeline(transaction=not is_cluster_client(self.client))
         for job in jobs:
             pipe.xadd(self.keys.jobs_shard(shard_for_job(job, self.keys.shards)), {JOB_FIELD: job.to_json()})
+        if self._inflight is not None:
+            pipe.sadd(self._inflight, *(job.id for job in jobs))
+            pipe.expire(self._inflight, MARKER_TTL_S)
         pipe.incr(self._marker)
         pipe.expire(self._marker, MARKER_TTL_S)
         self._submitted = int(pipe.execute()[-2])
@@ -137,12 +156,42 @@ class QueueBackend:
             pipe.delete(self.keys.result(job_id), self.keys.reply(job_id))
         pipe.execute()
 
+    def cancel_earlier(self, output: Path) -> int:
+        """Cancels every id in ``<ns>:batch-inflight:<hash of OUTPUT's path>`` (the jobs earlier runs on
+        OUTPUT queued and never saw end: an interrupted run leaves up to ``--max-in-flight`` of them), as
+        :meth:`~worker.client.PagedqClient.cancel` does: the cancel key, then a notice on the cancel channel
+        (a queued job ends ``cancelled`` when a worker reaches it, a running one stops within a second).
+        The set is cleared only once every cancel is in: a Redis error before that keeps it, and the next
+        ``--overwrite`` cancels them again (a cancel of a job that has ended meanwhile changes nothing)."""
+        key = output_key(self._namespace, "inflight", output)
+        ids = sorted(self.client.smembers(key))
+        if not ids:
+            return 0
+        cluster = is_cluster_client(self.client)
+        # Not a transaction: each job's cancel key has its own slot. A cluster pipeline refuses PUBLISH, so
+        # there the notices go one command each, after every flag is set (workers also poll the flags).
+        pipe = self.client.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
+            if not cluster:
+                pipe.publish(self.keys.cancel_channel, job_id)
+        pipe.execute()
+        if cluster:
+            for job_id in ids:
+                self.client.publish(self.keys.cancel_channel, job_id)
+        self.client.srem(key, *ids)  # not DEL: only what was cancelled leaves the set
+        return len(ids)
+
     def generation(self, output: Path, fresh: bool) -> str:
         """Kept at ``<ns>:batch-output:<hash of OUTPUT's path>`` for as long as workers keep results: the
         results an ``--overwrite`` run left are under ids with its nonce, and a rerun without the flag must
         make the same ids to read them back instead of queueing every job again (the old jobs would still
-        run, their answers never read). Expired together with those results, it makes no difference."""
-        key = f"{self._namespace}:batch-output:{hashlib.sha256(str(output).encode()).hexdigest()[:32]}"
+        run, their answers never read). Expired together with those results, it makes no difference.
+
+        Also names OUTPUT's in-flight set (:meth:`cancel_earlier`), which a resume keeps: it queues the same
+        ids again, and waits for them."""
+        self._inflight = output_key(self._namespace, "inflight", output)
+        key = output_key(self._namespace, "output", output)
         if fresh:
             nonce = uuid.uuid4().hex
             self.client.set(key, nonce, ex=self._result_ttl_s)
@@ -158,6 +207,8 @@ class QueueBackend:
         pipe = self.client.pipeline(transaction=False)
         pipe.get(self._marker)
         pipe.expire(self._marker, MARKER_TTL_S)
+        if self._inflight is not None:  # renewed while the run waits behind a backlog (called when none came)
+            pipe.expire(self._inflight, MARKER_TTL_S)
         count = int(pipe.execute()[0] or 0)
         if count >= self._submitted:
             return False
@@ -177,10 +228,22 @@ class QueueBackend:
         return out
 
     def wait(self, ids: Collection[str], timeout_s: float) -> list[TerminalEvent]:
-        """Terminal events of some of ``ids`` (none after ``timeout_s``), their workers' models looked up."""
+        """Terminal events of some of ``ids`` (none after ``timeout_s``), their workers' models looked up,
+        their ids out of OUTPUT's in-flight set (an ended job has nothing left to cancel)."""
         events = self._wait(list(ids), timeout_s)
         self._learn_models(events)
+        self._ended(events)
         return events
+
+    def _ended(self, events: list[TerminalEvent]) -> None:
+        """SREM the ended jobs' ids. Done inside :meth:`wait`, so that a Redis outage here is waited out like
+        any other: the events are read again on the next call (before their lines are written)."""
+        if not events or self._inflight is None:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        pipe.srem(self._inflight, *{e.id for e in events})
+        pipe.expire(self._inflight, MARKER_TTL_S)
+        pipe.execute()
 
     def _wait(self, wanted: list[str], timeout_s: float) -> list[TerminalEvent]:
         found = self._results(wanted)
@@ -267,6 +330,10 @@ class LocalBackend:
 
     def forget(self, job_ids: Collection[str]) -> None:
         """Nothing outlives the process here."""
+
+    def cancel_earlier(self, output: Path) -> int:
+        """Nothing to cancel: an earlier run's jobs ran in its own process, and ended with it."""
+        return 0
 
     def generation(self, output: Path, fresh: bool) -> str:
         """Nothing outlives the process here, so no run can find another's jobs."""

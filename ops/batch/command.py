@@ -227,6 +227,8 @@ def _run_locked(args: argparse.Namespace, settings: Settings, url: str | None, s
         backend.forget(retried)  # their failures stored under their ids would be read back, not retried
         if args.retry_errors:
             errors.unlink(missing_ok=True)  # before the first write: the Writer opens it at the first error
+        if args.overwrite:  # before the new nonce: an earlier run's unfinished jobs would run for nothing
+            _cancel_earlier(backend, out, progress)
         # Job ids hash OUTPUT's path and the nonce of its last --overwrite (kept by the backend), so a
         # resume reads back the results of the jobs its earlier run queued, even after --overwrite.
         nonce = backend.generation(out.resolve(), args.overwrite)
@@ -257,6 +259,29 @@ def _run_locked(args: argparse.Namespace, settings: Settings, url: str | None, s
         summary += f"; {failed} line(s) failed (see {errors}): exit {LINES_FAILED}"
     progress.close(summary)
     return code
+
+
+def _cancel_earlier(backend: Backend, out: Path, progress: Progress) -> None:
+    """An ``--overwrite`` start cancels the jobs earlier runs on ``out`` left queued or running (an
+    interrupted run leaves up to ``--max-in-flight``), which would otherwise run on the workers for nothing.
+
+    A Redis error here is noted and the run goes on, not exit 1: the cancel only saves GPU time, it decides
+    no answer (the new run's ids carry a fresh nonce, so an old job's answer is never read as a new line's),
+    and OUTPUT is already emptied as ``--overwrite`` asked, so stopping would leave the user nothing where
+    going on gives every answer. The ids to cancel are not lost either: the backend clears them only once
+    every cancel is in, so the next ``--overwrite`` tries again. A Redis that is down fails the next step
+    (the new nonce) and the run exits 1 as before; one that refuses the cancel for good (an ACL without
+    PUBLISH, say) would otherwise make every ``--overwrite`` fail."""
+    try:
+        cancelled = backend.cancel_earlier(out.resolve())
+    except redis.RedisError as exc:
+        progress.note(
+            f"warning: could not cancel the jobs an earlier run on {out.name} left unfinished (Redis error: {exc});"
+            " they run on the workers for nothing, and the next --overwrite tries again"
+        )
+        return
+    if cancelled:
+        progress.note(f"cancelled {cancelled} unfinished job(s) of an earlier run on {out.name}")
 
 
 def _install_sigterm() -> Callable[[], None]:

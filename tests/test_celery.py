@@ -474,7 +474,7 @@ def test_a_message_given_back_after_its_task_ended_is_not_run_again(celery_worke
             "pagedq.generate", kwargs={"prompt": "once only", "max_tokens": 3, "temperature": 0}, queue=parked
         )
         raw = broker.lpop(parked)
-        assert raw is not None
+        assert isinstance(raw, bytes), raw
         broker.lpush("celery", raw)  # its first delivery, to the worker's queue
         first = sent.get(timeout=120)
         assert first["type"] == "final" and first["attempt"] == 1, first

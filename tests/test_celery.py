@@ -548,6 +548,41 @@ def test_a_task_received_while_the_result_backend_is_down_runs_once_it_is_back(
         backend.stop()
 
 
+@pytest.mark.slow  # a Redis restarted under a running task, and the worker's reconnect (~12 s)
+def test_a_worker_lives_through_a_broker_restart_and_serves_again(model_dir: Path, tmp_path: Path) -> None:
+    """Redis restarted (an upgrade, a failover) while a task ran: Celery 5.7 closed the broken connection
+    after unlinking it from its address, kombu then failed to build a client ("Unrecoverable error:
+    AttributeError: 'NoneType' object has no attribute 'hostname'") and the worker exited; kept alive past
+    that, the running task's ack on the dead channel ended it the same way. Now the worker reconnects, the
+    running task's answer is stored (its ack skipped: the broker gives the message back after the visibility
+    timeout, and it is then acked without running), and the next task is served."""
+    server = make_server("debian", tmp_path / "redis")  # broker and result backend, as one Redis serves both
+    worker = start_worker(model_dir, with_db(server.url, 1), with_db(server.url, 2), tmp_path / "celery.log")
+    try:
+        wait_ready(worker)
+        running = worker.client.send_task(
+            "pagedq.generate",
+            kwargs={"prompt": "go on", "max_tokens": 400, "ignore_eos": True, "temperature": 1.0, "seed": 2},
+        )
+        wait_for(lambda: running.state == "STARTED", timeout=120, what="the task to start")
+        server.stop()
+        wait_for(lambda: "Connection to broker lost" in worker.log(), timeout=60, what="the worker to see it")
+        server.start()
+        first = running.get(timeout=120)
+        assert first["type"] == "final" and first["usage"]["completion_tokens"] == 400, first
+        after = worker.client.send_task("pagedq.generate", kwargs={"prompt": "again", "max_tokens": 3})
+        second = after.get(timeout=120)
+        assert second["type"] == "final" and second["usage"]["completion_tokens"] == 3, second
+        assert worker.proc.poll() is None
+        log = worker.log()
+        assert "Unrecoverable error" not in log, log[-5000:]
+        assert f'"task_id": "{running.id}", "action": "ack"' in log  # its delivery left to the visibility timeout
+        stop_worker(worker)
+    finally:
+        reap(worker)
+        server.stop()
+
+
 # ------------------------------------------------------------------------------ stats after a stop
 
 

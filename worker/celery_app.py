@@ -41,6 +41,9 @@ Trade-offs chosen (worker/CELERY.md has the longer version):
 * **A result backend out of reach is waited out** (``result_backend_always_retry``, for up to about the
   visibility timeout) rather than ending the task outside its body, unacked, its producer waiting for the
   visibility timeout; a warm shutdown waits on those retries too.
+* **A broker that restarts is lived through**: the worker reconnects and goes on (:class:`Consumer`); the
+  tasks running then finish and store their results, their acks impossible on the closed channel
+  (:class:`Request`), and once the visibility timeout gives their messages back they are acked unrun.
 * **JSON only**: ``accept_content=["json"]``; a message in any other serializer is refused by the worker,
   never deserialized.
 * **No token streaming** through Celery (a result backend stores one value); use the Redis-streams
@@ -73,6 +76,10 @@ from celery.concurrency import get_implementation
 from celery.concurrency.thread import TaskPool as CeleryThreadPool
 from celery.exceptions import Ignore, WorkerShutdown
 from celery.platforms import EX_FAILURE
+from celery.utils.threads import bound_open_broker_sockets
+from celery.worker.consumer.consumer import COLLECT_SOCKET_TIMEOUT
+from celery.worker.consumer.consumer import Consumer as CeleryConsumer
+from celery.worker.request import Request as CeleryRequest
 from pydantic import ValidationError
 
 from schemas.jobs import JOB_ID_PATTERN, ErrorCode, ErrorEvent, describe_validation_error
@@ -135,14 +142,47 @@ def broker_transport_options(settings: Settings) -> dict[str, Any]:
     }
 
 
+class Request(CeleryRequest):
+    """Celery's task request, which leaves a message alone once the channel it came on is closed.
+
+    A delivery tag belongs to its channel: once a broken broker connection closed that channel
+    (:class:`Consumer`), the tasks still running (or waiting for a thread) can no longer ack or reject their
+    messages, and trying builds a Redis client from a transport unlinked from its address (AttributeError,
+    which ended the worker). Kombu's Redis transport keeps such a message in its unacked index and gives it
+    back once the visibility timeout has passed; a task that ended by then stored its result, and the
+    redelivery is acked without running again (``worker_deduplicate_successful_tasks``).
+    """
+
+    def _channel_closed(self, action: str) -> bool:
+        channel = getattr(self._message, "channel", None)
+        if channel is None or not getattr(channel, "closed", False):
+            return False
+        self.acknowledged = True  # nothing more can be sent for this delivery
+        log.warning("celery.stale_delivery", task_id=self.id, action=action, reason="its broker channel is closed")
+        return True
+
+    def acknowledge(self) -> None:
+        if not self.acknowledged and self._channel_closed("ack"):
+            return
+        super().acknowledge()
+
+    def reject(self, requeue: bool = False) -> None:
+        if not self.acknowledged and self._channel_closed("reject"):
+            return
+        super().reject(requeue=requeue)
+
+
 class PagedqTask(Task):
     """The tasks' class: only so that a kwarg named ``self`` reaches the task as a job field.
 
     Celery's own ``Task.__call__(self, *args, **kwargs)`` (and the worker's wrapper of it) raise a TypeError
     for such a call before any task code runs: a task FAILURE instead of the error event producers are
     promised. Here ``self`` is positional-only. In a worker the request (delivery info included) is already
-    on the stack, pushed by Celery's tracer, and ``run`` is called directly, as Celery's wrapper does.
+    on the stack, pushed by Celery's tracer, and ``run`` is called directly, as Celery's wrapper does. Its
+    requests are :class:`Request`: a broker connection that broke must not end the worker at the next ack.
     """
+
+    Request = f"{__name__}:Request"
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         request = self.request_stack.top
@@ -174,6 +214,7 @@ def make_app(settings: Settings | None = None) -> Celery:
         worker_deduplicate_successful_tasks=True,
         worker_prefetch_multiplier=1,
         worker_pool="threads",
+        worker_consumer=f"{__name__}:Consumer",
         worker_concurrency=settings.max_num_seqs + settings.prefetch,
         task_track_started=True,
         result_expires=settings.result_ttl_s,
@@ -223,6 +264,31 @@ def use_terminable_threads(pool_cls: Any) -> Any:
     except (ImportError, AttributeError, ValueError):
         return pool_cls  # an unknown pool: Celery itself reports it, right after worker_init
     return ThreadPool if resolved is CeleryThreadPool else pool_cls
+
+
+class Consumer(CeleryConsumer):
+    """Celery's consumer, surviving a broker connection that breaks (a Redis restart, a failover).
+
+    Celery 5.7 answers a lost broker connection by ``collect()``-ing the kombu connection and then closing it.
+    The collect unlinks kombu's Redis transport from the connection's address; the close then closes the
+    channel, which puts back the unacked messages it holds and for that builds a Redis client from the
+    unlinked address: ``AttributeError: 'NoneType' object has no attribute 'hostname'``, not an error the
+    close ignores, so the worker ended ("Unrecoverable error") instead of reconnecting. Here the broken
+    connection is closed first, while the transport still knows its address (its sockets bounded, as
+    Celery's own teardown does, so that a silent peer cannot hang it): the put-back is tried against the
+    broker (it fails while Redis is away; kombu's visibility timeout gives those messages back later), and
+    Celery's collect and close then find the channel closed already.
+    """
+
+    def on_connection_error_after_connected(self, exc: Exception) -> None:
+        connection = self.connection
+        if connection is not None:
+            bound_open_broker_sockets(connection, COLLECT_SOCKET_TIMEOUT)
+            try:
+                connection.close()
+            except Exception as close_error:  # a teardown: whatever it raises, Celery's reconnect must run
+                log.warning("celery.broker_close_failed", error=repr(close_error))
+        super().on_connection_error_after_connected(exc)
 
 
 # --------------------------------------------------------------------------------- the engine thread

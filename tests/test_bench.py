@@ -427,7 +427,10 @@ def test_quick_structured_workload_outputs_validate(tmp_path: Path) -> None:
         jsonschema.validate(json.loads(text), wl.STRUCTURED_SCHEMAS[name])
 
 
-@pytest.mark.parametrize("plan", ["on", "off"])
+@pytest.mark.parametrize(
+    "plan",
+    ["on", pytest.param("off", marks=pytest.mark.slow)],  # ~7 s each: the default plan stays default
+)
 def test_profile_splits_attention_by_kernel(tmp_path: Path, plan: str) -> None:
     """``--profile`` times the KV write, the decode kernel and the prefill kernel apart, inside attention's total:
     with the whole-step plan on (it makes the calls outside ``attention.forward``: the total is their sum) and

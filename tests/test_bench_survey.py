@@ -101,6 +101,7 @@ def test_versions_name_each_peers_software() -> None:
     assert version_map({"meta": {"torch": "2.13.0+cpu", "transformers": None}})["transformers"] == "absent"
 
 
+@pytest.mark.slow  # six bench processes (~14 s); version_map and the table's parts stay default
 def test_survey_runs_the_benches_and_tabulates_their_reports(tmp_path: Path) -> None:
     """Two rows end to end in --quick (tiny model; vLLM's venv pointed away): each bench runs as its own
     process, and survey.md carries the CPU, the commit and each report's own figures."""

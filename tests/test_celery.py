@@ -425,6 +425,7 @@ def test_tasks_reaching_an_engine_that_cannot_load_get_error_events(redis_server
 # ------------------------------------------------------------------------------ a killed worker
 
 
+@pytest.mark.slow  # two Celery workers and a visibility timeout (~10 s)
 def test_a_killed_workers_task_is_redelivered_after_the_visibility_timeout(
     model_dir: Path, redis_server: RedisServer, tmp_path: Path
 ) -> None:

@@ -300,6 +300,38 @@ def test_revoke_with_terminate_stops_the_job_and_ends_the_task_revoked(celery_wo
     assert celery_worker.proc.poll() is None  # signal="KILL" ended nothing but the job
 
 
+def test_a_celery_time_limit_is_the_jobs_deadline(celery_worker: CeleryWorker) -> None:
+    """``send_task(..., soft_time_limit=...)``: the threads pool enforces no time limit, so the generation ran
+    to its 1000 tokens whatever the producer set. Now the earlier limit is the job's deadline."""
+    result = celery_worker.client.send_task(
+        "pagedq.generate",
+        kwargs={"prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "temperature": 1.0, "seed": 3},
+        soft_time_limit=0.3,
+        time_limit=600,
+    )
+    event = result.get(timeout=120)
+    if event["type"] == "error":  # the deadline passed before the first token (a machine far busier than this)
+        assert event["code"] == "deadline_exceeded", event
+    else:
+        assert event["choices"][0]["finish_reason"] == "deadline", event
+        assert 0 < event["usage"]["completion_tokens"] < 1000, event["usage"]
+
+
+def test_the_earlier_time_limit_is_taken() -> None:
+    from worker.celery_app import time_limit_s
+
+    class Request:
+        def __init__(self, timelimit: object) -> None:
+            self.timelimit = timelimit
+
+    assert time_limit_s(Request((None, None))) is None
+    assert time_limit_s(Request(None)) is None
+    assert time_limit_s(Request((30, 10))) == 10.0
+    assert time_limit_s(Request([5, None])) == 5.0
+    assert time_limit_s(Request((0, 2.5))) == 2.5  # 0 is Celery's "no limit"
+    assert time_limit_s(Request((True, "7"))) is None  # not numbers a producer's Celery sends
+
+
 def test_results_are_stored_in_the_producers_result_backend(celery_worker: CeleryWorker) -> None:
     """The producer's backend (db 2) holds the result and its state; the broker's database (db 1) none."""
     sent = celery_worker.client.send_task("pagedq.generate", kwargs={"prompt": "state", "max_tokens": 2})

@@ -48,6 +48,7 @@ Trade-offs chosen (worker/CELERY.md has the longer version):
   never deserialized.
 * **No token streaming** through Celery (a result backend stores one value); use the Redis-streams
   protocol to stream. ``reply_to`` is therefore refused. ``stream`` is accepted and ignored.
+* **Celery's time limits are the job's deadline** (:func:`time_limit_s`): the threads pool enforces none.
 * **Job fields are kwargs only**: positional ``args`` are answered with error ``invalid_request``, and any
   kwarg name (``task`` and ``self`` included) is a job field, checked like the others.
 * **Cancellation** is Celery's: ``app.control.revoke(task_id)`` stops a running generation within
@@ -376,6 +377,24 @@ def delivery_attempt(request: Any) -> int:
     return 2 if isinstance(info, dict) and info.get("redelivered") else 1
 
 
+def time_limit_s(request: Any) -> float | None:
+    """The earlier of the task's Celery time limits (``apply_async(time_limit=..., soft_time_limit=...)``,
+    or the producer app's ``task_time_limit`` / ``task_soft_time_limit``), or None.
+
+    The threads pool enforces neither (it cannot interrupt a thread), so a limit the producer set was silently
+    ignored: a generation ran on past it, its producer's deadline long gone. It becomes the job's deadline
+    instead (the earlier one wins when the job has a ``timeout_s`` of its own): the job stops there and the
+    result is its ``final`` event, ``finish_reason`` ``deadline``, with the text so far (or error
+    ``deadline_exceeded`` before its first token), rather than Celery's TimeLimitExceeded failure, which would
+    throw that text away.
+    """
+    limits = getattr(request, "timelimit", None)
+    if not isinstance(limits, (list, tuple)):
+        return None
+    given = [float(x) for x in limits if isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0]
+    return min(given) if given else None
+
+
 def _is_revoked(task_id: str | None) -> bool:
     if not task_id:
         return False
@@ -437,6 +456,9 @@ def generate(task: Any, /, *args: Any, **fields: Any) -> dict[str, Any]:
             job.metadata,
             attempt=attempt,
         )
+    limit = time_limit_s(task.request)
+    if limit is not None and (job.timeout_s is None or limit < job.timeout_s):
+        job = job.model_copy(update={"timeout_s": limit})
     try:
         et = engine_thread()
     except EngineUnavailable as exc:

@@ -199,17 +199,20 @@ def fused_rows() -> int:
     """The most rows a :func:`linear` call dequantises in registers, with no fp32 panel buffer (0: never, as in
     the generic and AVX-512 builds or without the kernel). Up to there a row's int8 product streams a quarter
     of fp32's bytes at no extra arithmetic: a caller holding both forms of a weight picks int8 then."""
-    if not kernel_available():
-        return 0
-    lib = c_build.load("cpu_int8_gemm", _bind)
+    lib = _library()
     return int(lib.gemm_int8_fused_rows()) if lib is not None else 0
 
 
 def kernel_available() -> bool:
     """Whether the C kernel runs here (a compiler, and not switched off by ``PAGEDQ_DISABLE_INT8_KERNEL``)."""
+    return _library() is not None
+
+
+def _library() -> ctypes.CDLL | None:
+    """The loaded kernel library (cached by c_build), or None where it does not run or is switched off."""
     if os.environ.get("PAGEDQ_DISABLE_INT8_KERNEL"):
-        return False
-    return c_build.load("cpu_int8_gemm", _bind) is not None
+        return None
+    return c_build.load("cpu_int8_gemm", _bind)
 
 
 def _panel_rows(out_features: int, glu: bool) -> torch.Tensor:

@@ -32,6 +32,7 @@ from typing import Any
 
 import redis
 from pydantic import ValidationError
+from redis.exceptions import RedisClusterException
 
 from schemas.jobs import DeadLetter, FinalEvent, describe_validation_error, salvage_reply_target
 from schemas.keys import GROUP, JOB_FIELD, OWNER_FIELD, Keys, entry_ref, split_entry_ref
@@ -81,6 +82,12 @@ def resolve_redis_url(settings: Settings) -> str:
     raise SettingsError(
         f"no Redis: pass --redis-url or set PAGEDQ_REDIS_URL (no embedded Redis socket at {embedded.socket_path})"
     )
+
+
+REDIS_ERRORS = (redis.RedisError, RedisClusterException)
+"""What a Redis that cannot be used raises. A cluster client's "no node answers" (at creation, which
+connects at once, or later) is a ``RedisClusterException``, which is not a ``RedisError``: caught with the
+rest, so an unreachable ``redis+cluster://`` URL is one line and exit 1, as an unreachable server is."""
 
 
 def connect(url: str, **kwargs: Any) -> redis.Redis:
@@ -201,9 +208,12 @@ def run_submit(args: argparse.Namespace) -> int:
         url = resolve_redis_url(settings)
     except SettingsError as exc:
         return _fail("submit", str(exc), 2)
-    client = PagedqClient(
-        connect(url), namespace=settings.namespace, queue=settings.queue, queue_shards=settings.queue_shards
-    )
+    try:
+        client = PagedqClient(
+            connect(url), namespace=settings.namespace, queue=settings.queue, queue_shards=settings.queue_shards
+        )
+    except REDIS_ERRORS as exc:  # a cluster client connects as it is made
+        return _fail("submit", f"cannot reach Redis at {mask_url(url)}: {exc}")
     job_id = args.id or new_job_id()  # known before the XADD, so Ctrl-C at any point can cancel it
 
     def on_sigint(signum: int, frame: object) -> None:
@@ -216,7 +226,7 @@ def run_submit(args: argparse.Namespace) -> int:
             ).cancel(job_id)
             print(f"\npagedq submit: cancelled job {job_id}", file=sys.stderr)
             code = 130
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             print(f"\npagedq submit: could not cancel job {job_id}: {exc}", file=sys.stderr)
             code = 1
         sys.stdout.flush()
@@ -229,7 +239,7 @@ def run_submit(args: argparse.Namespace) -> int:
             client.submit(**{**_submit_fields(args), "id": job_id})
         except ValidationError as exc:
             return _fail("submit", describe_validation_error(exc), 2)
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             return _fail("submit", f"cannot reach Redis at {mask_url(url)}: {exc}")
         wait_s = args.wait_s or None  # 0: no limit
         keys = Keys(settings.namespace, settings.queue, settings.queue_shards)
@@ -242,7 +252,7 @@ def run_submit(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-        except redis.RedisError:
+        except REDIS_ERRORS:
             pass  # only a hint: waiting for the result reports a Redis that went away
         out = sys.stdout
         try:
@@ -275,7 +285,7 @@ def run_submit(args: argparse.Namespace) -> int:
             return _fail("submit", f"job {job_id} failed ({exc.code}): {exc.event.message}")
         except TimeoutError:
             return _fail("submit", f"no result for job {job_id} within {wait_s:g} s (it stays queued)", 124)
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             return _fail("submit", f"lost Redis while waiting for job {job_id}: {exc}")
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -582,7 +592,10 @@ def run_status(args: argparse.Namespace) -> int:
         url = resolve_redis_url(settings)
     except SettingsError as exc:
         return _fail("status", str(exc), 2)
-    r = connect(url)
+    try:
+        r = connect(url)
+    except REDIS_ERRORS as exc:  # a cluster client connects as it is made
+        return _fail("status", f"cannot read from Redis at {mask_url(url)}: {exc}")
     try:
         queues = [args.queue] if args.queue else queue_names(r, settings.namespace)
         if args.prune:
@@ -591,7 +604,7 @@ def run_status(args: argparse.Namespace) -> int:
                 if pruned:
                     print(f"queue {q}: deleted {len(pruned)} consumer(s): {', '.join(pruned)}", file=sys.stderr)
         statuses = [queue_status(r, Keys(settings.namespace, q, settings.queue_shards)) for q in queues]
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         return _fail("status", f"cannot read from Redis at {mask_url(url)}: {exc}")
     finally:
         r.close()
@@ -676,6 +689,18 @@ def _format_status(namespace: str, st: dict[str, Any]) -> list[str]:
 # ------------------------------------------------------------------------------------------- dead
 
 
+def _count(text: str) -> int:
+    """``--count``: an integer >= 0. A negative one showed nothing (and said so as if the stream were
+    empty of what was asked); argparse makes this error a usage error, exit 2."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (all) or more, got {value}")
+    return value
+
+
 def add_dead_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Dead letters of a queue: invalid jobs and jobs out of attempts."
     sub = parser.add_subparsers(dest="dead_command", required=True, metavar="{list,replay}")
@@ -683,7 +708,7 @@ def add_dead_arguments(parser: argparse.ArgumentParser) -> None:
         "list", help="show dead letters, oldest first", description="Show the dead letters of a queue, oldest first."
     )
     add_connection_arguments(p)
-    p.add_argument("--count", type=int, default=20, help="show at most this many (default 20; 0: all)")
+    p.add_argument("--count", type=_count, default=20, help="show at most this many (default 20; 0: all)")
     p.add_argument("--json", action="store_true", help="one JSON object per dead letter, with the raw job")
     p = sub.add_parser(
         "replay",
@@ -705,36 +730,78 @@ def run_dead(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         return _fail("dead", str(exc), 2)
     keys = Keys(settings.namespace, settings.queue, settings.queue_shards)
-    r = connect(url)
+    try:
+        r = connect(url)
+    except REDIS_ERRORS as exc:  # a cluster client connects as it is made
+        return _fail("dead", f"Redis error at {mask_url(url)}: {exc}")
     try:
         if args.dead_command == "list":
             return _dead_list(r, keys, args)
         return _dead_replay(r, keys, args)
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         return _fail("dead", f"Redis error at {mask_url(url)}: {exc}")
     finally:
         r.close()
 
 
-def _letters(r: redis.Redis, keys: Keys, count: int | None) -> list[tuple[str, DeadLetter]]:
-    """Dead letters of every shard, shard 0 first, each named by its ref (``<entry id>@<k>`` on shard k)."""
-    out: list[tuple[str, DeadLetter]] = []
+class MalformedDeadLetter(ValueError):
+    """A dead-letter entry whose fields do not make a :class:`DeadLetter`: written by something other than a
+    pagedq worker (anyone who may ``XADD`` can), or edited by hand.
+
+    Why a value of its own rather than pydantic's error: one such entry ended ``dead list`` and ``dead replay
+    --all`` in a traceback, hiding every good letter behind it. Named by its ref, with what is wrong and its
+    raw fields, it is shown as what it is, and left where it is (nothing of it is lost or replayed)."""
+
+    def __init__(self, ref: str, fields: dict[str, str], problem: str) -> None:
+        super().__init__(f"dead letter {ref} is malformed ({problem})")
+        self.ref = ref
+        self.fields = fields
+        self.problem = problem
+
+
+Letter = DeadLetter | MalformedDeadLetter
+"""One entry of a dead-letter stream as read: a dead letter, or the reason it is not one."""
+
+
+def read_dead_letter(ref: str, fields: dict[str, str]) -> DeadLetter:
+    """``fields`` of the dead-letter entry ``ref`` as a :class:`DeadLetter`; :class:`MalformedDeadLetter`
+    when they are not one."""
+    try:
+        return DeadLetter.from_fields(fields)
+    except ValidationError as exc:
+        raise MalformedDeadLetter(ref, dict(fields), describe_validation_error(exc)) from None
+
+
+def _read_letter(ref: str, fields: dict[str, str]) -> Letter:
+    try:
+        return read_dead_letter(ref, fields)
+    except MalformedDeadLetter as exc:
+        return exc
+
+
+def _letters(r: redis.Redis, keys: Keys, count: int | None) -> list[tuple[str, Letter]]:
+    """Entries of every dead-letter shard, shard 0 first, each named by its ref (``<entry id>@<k>`` on shard
+    k): a :class:`DeadLetter`, or a :class:`MalformedDeadLetter` for an entry that is not one."""
+    out: list[tuple[str, Letter]] = []
     for shard, dead in enumerate(keys.dead_streams):
         left = None if count is None else count - len(out)
         if left is not None and left <= 0:
             break
         entries: Any = r.xrange(dead, count=left)
-        out += [(entry_ref(shard, entry_id), DeadLetter.from_fields(fields)) for entry_id, fields in entries]
+        for entry_id, fields in entries:
+            ref = entry_ref(shard, entry_id)
+            out.append((ref, _read_letter(ref, fields)))
     return out
 
 
 def find_dead_letter(r: redis.Redis, keys: Keys, ref: str) -> DeadLetter | None:
-    """The dead letter a ref names (as ``dead list`` shows it), or None."""
+    """The dead letter a ref names (as ``dead list`` shows it), or None; :class:`MalformedDeadLetter` (a
+    ``ValueError``) when that entry is not a dead letter."""
     shard, entry_id = split_entry_ref(ref)
     if shard >= keys.shards:
         return None
     found: Any = r.xrange(keys.dead_shard(shard), min=entry_id, max=entry_id)
-    return DeadLetter.from_fields(found[0][1]) if found else None
+    return read_dead_letter(ref, found[0][1]) if found else None
 
 
 def dead_streams_label(keys: Keys) -> str:
@@ -765,13 +832,21 @@ def dead_letter_json(entry_id: str, d: DeadLetter) -> dict[str, Any]:
     return row
 
 
+def malformed_letter_json(bad: MalformedDeadLetter) -> dict[str, Any]:
+    """A malformed dead-letter entry as a JSON-ready object: its ref, what is wrong, and its raw fields (valid
+    Unicode, as in :func:`dead_letter_json`), so a reader can tell it from a dead letter by ``malformed``."""
+    fields = {_valid_text(k, "replace"): _valid_text(v, "replace") for k, v in bad.fields.items()}
+    return {"entry": _valid_text(bad.ref, "replace"), "malformed": bad.problem, "fields": fields}
+
+
 def _dead_list(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
     total = sum(int(r.xlen(dead)) for dead in keys.dead_streams)
     letters = _letters(r, keys, args.count or None)
     if args.json:
         for entry_id, d in letters:
+            row = malformed_letter_json(d) if isinstance(d, MalformedDeadLetter) else dead_letter_json(entry_id, d)
             # ASCII (\u escapes) whatever the terminal's locale: every line is UTF-8 and JSON anywhere.
-            print(json.dumps(dead_letter_json(entry_id, d)))
+            print(json.dumps(row))
         return 0
     shown = f" (showing the first {len(letters)})" if len(letters) < total else ""
     print(f"{total} dead letter(s) in {dead_streams_label(keys)}{shown}")
@@ -779,14 +854,22 @@ def _dead_list(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
         return 0
     rows = [["ENTRY", "TIME (UTC)", "JOB ID", "CODE", "ATTEMPTS", "REASON"]]
     for entry_id, d in letters:
+        if isinstance(d, MalformedDeadLetter):
+            job_id = d.fields.get("job_id") or "-"
+            cells = [entry_id, "-", job_id, "malformed", "-"]
+            rows.append([*(_valid_text(c, "backslashreplace") for c in cells), _short(d.problem)])
+            continue
         when = datetime.fromtimestamp(d.ts_ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
         # Anyone can write a dead-letter stream: show its bytes that are not UTF-8 as \xNN, never raw.
-        reason = _valid_text(d.reason, "backslashreplace")
-        reason = reason if len(reason) <= 70 else reason[:67] + "..."
+        reason = _short(_valid_text(d.reason, "backslashreplace"))
         cells = [entry_id, when, d.job_id or "-", d.code, str(d.attempts)]
         rows.append([*(_valid_text(c, "backslashreplace") for c in cells), reason])
     print("\n".join(_table(rows, indent="")))
     return 0
+
+
+def _short(text: str, width: int = 70) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _owned_by(r: redis.Redis, stream: str, entry_id: str) -> bool:
@@ -875,8 +958,13 @@ def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
         letters = _letters(r, keys, None)
     else:
         letters = []
-        for entry_id in args.entries:
-            letter = find_dead_letter(r, keys, entry_id)
+        for entry_id in dict.fromkeys(args.entries):  # once each: a ref named twice would queue its job twice
+            try:
+                letter = find_dead_letter(r, keys, entry_id)
+            except MalformedDeadLetter as exc:
+                # Before anything is replayed, as for an id that names nothing: the command did not do
+                # what it was asked, and the entry stays for the operator to fix or delete.
+                return _fail("dead replay", f"{exc}: not replayed, nothing was (`pagedq dead list` shows it)", 1)
             if letter is None:
                 shard = split_entry_ref(entry_id)[0]
                 beyond = (
@@ -887,8 +975,12 @@ def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
                 )
                 return _fail("dead replay", f"no dead letter {entry_id} in {dead_streams_label(keys)}{beyond}", 1)
             letters.append((entry_id, letter))
-    replayed = 0
+    replayed = malformed = 0
     for entry_id, d in letters:
+        if isinstance(d, MalformedDeadLetter):
+            print(f"warning: {d}; not replayed, left in place", file=sys.stderr)
+            malformed += 1
+            continue
         if d.truncated:
             print(
                 f"warning: {entry_id} keeps only {len(d.job.encode('utf-8', 'surrogateescape'))} of the job's "
@@ -906,6 +998,9 @@ def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
         print(f"{entry_id} -> {stream} {', '.join(new_ids)}" + (f" (job {d.job_id})" if d.job_id else "") + split)
         replayed += 1
     print(f"replayed {replayed} dead letter(s)", file=sys.stderr)
+    if malformed:
+        # Non-zero, so a script running `dead replay --all` sees that the stream is not empty afterwards.
+        return _fail("dead replay", f"{malformed} malformed dead letter(s) not replayed (left in place)", 1)
     return 0
 
 

@@ -28,7 +28,7 @@ import redis
 from ops import queue_commands
 from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, parse_event
 from schemas.keys import EVENT_FIELD, GROUP, JOB_FIELD, Keys
-from tests.redis_servers import RedisServer, redis_server  # noqa: F401
+from tests.redis_servers import RedisServer, free_port, redis_server  # noqa: F401
 from tests.worker_harness import REPO, Ctx, inprocess_worker, wait_for
 from worker.consumer import Worker
 from worker.reclaimer import ensure_group
@@ -587,3 +587,65 @@ def test_status_tells_exited_workers_consumers_apart_and_prunes_the_empty_ones(
         (q,) = json_in(captured.out)["queues"]
         assert sorted(c["name"] for c in q["consumers"]) == ["gone-busy", "w-live"]  # the held job keeps its owner
         assert ctx.redis.xpending_range(ctx.keys.jobs, GROUP, "-", "+", 10, "gone-busy")[0]["times_delivered"] == 1
+
+
+@DEBIAN
+def test_malformed_dead_letters_are_shown_and_left_in_place(ctx: Ctx, capsys: pytest.CaptureFixture[str]) -> None:
+    """Anyone who may XADD can write a dead-letter stream: an entry that is no dead letter (a field missing,
+    ``attempts`` not a number) ended ``dead list``, ``dead list --json`` and ``dead replay --all`` in a
+    pydantic traceback, hiding every good letter. Now it is listed as ``malformed`` with what is wrong, a
+    replay of it is one line and exit 1 with nothing replayed, ``--all`` replays the good ones and leaves it."""
+    good = DeadLetter(
+        job=json.dumps({"id": "fine-1", "prompt": "hi"}), reason="r", code="invalid_request", attempts=1, worker="w"
+    )
+    good_entry = ctx.redis.xadd(ctx.keys.dead, good.to_fields())
+    missing = ctx.redis.xadd(ctx.keys.dead, {"foo": "bar"})
+    not_int = ctx.redis.xadd(ctx.keys.dead, {**good.to_fields(), "attempts": "many", "job_id": "odd-1"})
+
+    assert queue_commands.main(cli(ctx, "dead", "list")) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert set(rows) == {good_entry, missing, not_int}
+    assert rows[missing][3] == "malformed" and "job: Field required" in " ".join(rows[missing])
+    assert rows[not_int][2:4] == ["odd-1", "malformed"] and "attempts:" in " ".join(rows[not_int])
+
+    assert queue_commands.main(cli(ctx, "dead", "list", "--json")) == 0
+    by_entry = {row["entry"]: row for row in json_lines(capsys.readouterr().out)}
+    assert by_entry[good_entry]["job_id"] == "" and "malformed" not in by_entry[good_entry]
+    assert by_entry[missing]["fields"] == {"foo": "bar"} and "job: Field required" in by_entry[missing]["malformed"]
+    assert by_entry[not_int]["fields"]["attempts"] == "many" and "attempts" in by_entry[not_int]["malformed"]
+
+    # Named: refused before anything is replayed (the good one named with it included).
+    assert queue_commands.main(cli(ctx, "dead", "replay", good_entry, not_int)) == 1
+    err = capsys.readouterr().err
+    assert f"dead letter {not_int} is malformed (attempts:" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert ctx.redis.xlen(ctx.keys.dead) == 3 and not ctx.redis.exists(ctx.keys.jobs)
+
+    # A ref named twice is replayed once (its job queued once).
+    assert queue_commands.main(cli(ctx, "dead", "replay", good_entry, good_entry, "--keep")) == 0
+    capsys.readouterr()
+    assert ctx.redis.xlen(ctx.keys.jobs) == 1
+    ctx.redis.delete(ctx.keys.jobs)
+
+    # --all: the good one replayed, the malformed ones warned about, kept, and the exit code says so.
+    assert queue_commands.main(cli(ctx, "dead", "replay", "--all")) == 1
+    err = capsys.readouterr().err
+    assert "replayed 1 dead letter(s)" in err and "2 malformed dead letter(s) not replayed (left in place)" in err
+    assert [e for e, _ in ctx.redis.xrange(ctx.keys.dead)] == [missing, not_int]
+    (replayed,) = ctx.redis.xrange(ctx.keys.jobs)
+    assert replayed[1] == {JOB_FIELD: good.job}
+
+    with pytest.raises(SystemExit) as exit_info:  # argparse's usage error
+        queue_commands.main(cli(ctx, "dead", "list", "--count", "-1"))
+    assert exit_info.value.code == 2 and "--count: must be 0 (all) or more" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["status"], ["dead", "list"], ["dead", "replay", "--all"], ["submit", "hi"]])
+def test_an_unreachable_cluster_is_one_line_and_exit_1(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``redis+cluster://`` client connects as it is made, and "no node answers" is a
+    ``RedisClusterException``, which is not a ``RedisError``: every command ended in a traceback."""
+    url = f"redis+cluster://:Zq8-secret@127.0.0.1:{free_port()}"
+    assert queue_commands.main([*command, "--redis-url", url]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagedq {command[0]}: ") and "Redis Cluster cannot be connected" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Zq8-secret" not in err

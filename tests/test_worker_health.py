@@ -10,6 +10,8 @@
 * ``/metrics`` follows the serving stacks' conventions (no ``*_created`` series, ``pagedq_worker_info``, a
   ``model_name`` label on the engine's metrics), and a scrape right after the last result was published
   shows an idle engine.
+* ``/healthz`` of an unreachable ``redis+cluster://`` URL is a 503 with the password masked (the probe's
+  making used to raise), and every metric family follows Prometheus' naming conventions.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from schemas.keys import JOB_FIELD
+from schemas.keys import JOB_FIELD, Keys
 from tests.ops_helpers import http_get, metric_samples, metric_sum
 from tests.redis_servers import DEBIAN_VARIANT_SLOW, RedisServer, free_port, fresh_redis_server, redis_server  # noqa: F401
 from tests.worker_harness import Ctx, WorkerProcess, job_counts, logs_shown_on_failure, wait_for
-from worker.health import PROBE_CACHE_S
+from worker.health import PROBE_CACHE_S, HealthServer, RedisProbe
+from worker.metrics import WorkerMetrics
 
 SECRET = "zebra-quasar-7731"  # in every prompt; must never reach the log
 
@@ -285,3 +290,52 @@ def test_metrics_conventions_and_gauges_current_right_after_the_work(ctx: Ctx, m
             assert samples.get(name), name
             assert {labels.get("model_name") for labels, _ in samples[name]} == {str(model_dir)}, name
         assert proc.terminate() == 0
+
+
+def test_healthz_of_an_unreachable_cluster_is_503_with_the_password_masked() -> None:
+    """A cluster client connects as it is made and says "no node answers" with a ``RedisClusterException``,
+    which is not a ``RedisError``: the probe's making raised (a worker with --metrics-port and its cluster
+    down could not start the port), and a probe once made would drop the request instead of answering."""
+    secret = "Zq8-cluster-pw"
+    probe = RedisProbe(f"redis+cluster://:{secret}@127.0.0.1:{free_port()}", Keys("ns", "default"))
+    server = HealthServer("127.0.0.1", 0, WorkerMetrics(), probe).start()
+    try:
+        status, body = http_get(server.port, "/healthz")
+        assert status == 503 and "redis unreachable (redis+cluster://:***@127.0.0.1:" in body, body
+        assert "RedisClusterUnreachableError" in body and secret not in body
+        status, text = http_get(server.port, "/metrics")
+        assert status == 200 and "pagedq_worker_draining 0.0" in text
+        assert "pagedq_stream_backlog_entries" not in text  # unknown while Redis is away, not a made-up 0
+    finally:
+        server.stop()
+
+
+def test_every_metric_follows_the_prometheus_conventions() -> None:
+    """What an operator's recording rules assume, over every family a worker exposes once it has a status
+    and has ended jobs: ``pagedq_`` names, counters ending ``_total``, latency as ``_seconds`` histograms,
+    no per-job label, ratios within 0-1; and ``jobs_lost`` (in the heartbeat since the start) exported."""
+    metrics = WorkerMetrics()
+    metrics.set_model("m", "float32")
+    status = {
+        "state": "ready", "running": 1, "waiting": 2, "unstarted": 3, "kv_cache_usage": 0.25,
+        "prefix_cache_queries": 10, "prefix_cache_hits": 4, "num_preemptions": 1, "spec_draft_tokens": 8,
+        "spec_accepted_tokens": 5, "jobs_reconnects": 1, "jobs_duplicate": 1, "jobs_lost": 2,
+    }  # fmt: skip
+    metrics.bind(status=lambda: status, stream=lambda: (7, 3))
+    metrics.job_finished(outcome="final", reason="stop", queued_s=0.1, ttft_s=0.2, total_s=0.5, completion_tokens=4)
+    metrics.job_finished(outcome="error", reason="invalid_request", dead_lettered=True)
+    text = generate_latest(metrics.registry).decode()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    assert metric_sum(text, "pagedq_jobs_lost_total") == 2
+    assert metric_sum(text, "pagedq_stream_backlog_entries") == 7
+    for name, family in families.items():
+        assert name.startswith("pagedq_"), name
+        labels = {label for sample in family.samples for label in sample.labels}
+        assert not labels & {"id", "job", "job_id", "entry_id"}, (name, labels)
+        if family.type == "counter":
+            assert all(sample.name == name + "_total" for sample in family.samples), name
+        if family.type == "histogram":
+            assert name.endswith("_seconds"), name
+        if name.endswith("_ratio"):
+            assert all(0 <= sample.value <= 1 for sample in family.samples), name
+    assert {f.type for f in families.values()} == {"counter", "gauge", "histogram"}

@@ -22,6 +22,7 @@ from typing import Any
 
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisClusterException
 
 from schemas.keys import GROUP, Keys
 from worker.metrics import WorkerMetrics
@@ -30,6 +31,10 @@ from worker.settings import mask_url
 
 PROBE_CACHE_S = 0.5  # at most this old (the spec allows 1 s): a dead Redis shows within a second
 PROBE_TIMEOUT_S = 0.5
+PROBE_ERRORS = (redis.RedisError, OSError, RedisClusterException)
+"""What an unreachable Redis raises at the probe. A cluster client's "no node answers" is a
+``RedisClusterException``, not a ``RedisError``: uncaught, it ended the request's thread with no answer
+(and a traceback on stderr) instead of a 503."""
 
 
 class RedisProbe:
@@ -38,17 +43,28 @@ class RedisProbe:
     def __init__(self, url: str, keys: Keys | None = None) -> None:
         self.url = url
         self.keys = keys
-        self.client: Any = connect(
-            url,
-            decode_responses=True,
-            socket_timeout=PROBE_TIMEOUT_S,
-            socket_connect_timeout=PROBE_TIMEOUT_S,
-            retry_on_timeout=False,
-        )
+        # Made at the first probe, not here: a cluster client connects as it is made, so a cluster down
+        # while the worker starts would end the start (before the model loads) instead of reading as 503.
+        self._client: Any = None
+        self._client_lock = threading.Lock()
         self._lock = threading.Lock()
         self._checked_at = -1e9
         self._ok = False
         self._error = ""
+
+    @property
+    def client(self) -> Any:
+        """The probe's own client, made on first use (a cluster client's making can raise PROBE_ERRORS)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = connect(
+                    self.url,
+                    decode_responses=True,
+                    socket_timeout=PROBE_TIMEOUT_S,
+                    socket_connect_timeout=PROBE_TIMEOUT_S,
+                    retry_on_timeout=False,
+                )
+            return self._client
 
     def healthy(self) -> tuple[bool, str]:
         """(reachable, error) — from the cache when the last PING is younger than PROBE_CACHE_S."""
@@ -57,9 +73,9 @@ class RedisProbe:
             if now - self._checked_at >= PROBE_CACHE_S:
                 try:
                     self._ok, self._error = bool(self.client.ping()), ""
-                except (redis.RedisError, OSError) as exc:
+                except PROBE_ERRORS as exc:
                     self._ok, self._error = False, f"{type(exc).__name__}: {exc}"
-                    pool = getattr(self.client, "connection_pool", None)  # a cluster client has one per node
+                    pool = getattr(self._client, "connection_pool", None)  # a cluster client has one per node
                     if pool is not None:
                         pool.disconnect()
                 self._checked_at = time.monotonic()
@@ -81,11 +97,12 @@ class RedisProbe:
                 return None
             count = sum(0 if isinstance(p, Exception) else int(p["pending"]) for p in pendings)
             return sum(int(length) for length in lengths), count
-        except (redis.RedisError, OSError):
+        except PROBE_ERRORS:
             return None
 
     def close(self) -> None:
-        self.client.close()
+        if self._client is not None:
+            self._client.close()
 
 
 class HealthServer:

@@ -231,6 +231,11 @@ class _StateCollector(Collector):
                            "jobs_reconnects", engine=False)  # fmt: skip
         yield from counter("duplicate_deliveries", "Deliveries of jobs that had already ended (acked only).",
                            "jobs_duplicate", engine=False)  # fmt: skip
+        # In the heartbeat (jobs_lost) since the start, but not here: the one sign on a dashboard that a
+        # worker was presumed dead (a stall past reclaim_idle_s) and others ran its jobs. Not part of
+        # pagedq_jobs_total, whose terminal events the other delivery writes and counts.
+        yield from counter("jobs_lost", "Held jobs dropped because another delivery took over or ended them.",
+                           "jobs_lost", engine=False)  # fmt: skip
         yield GaugeMetricFamily(
             PREFIX + "worker_draining", "1 while the worker drains for shutdown.",
             value=1.0 if st.get("state") == "draining" else 0.0,

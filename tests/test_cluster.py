@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from tempfile import TemporaryDirectory
 
 import pytest
 from redis.crc import key_slot
+from redis.exceptions import RedisClusterException
 
 from schemas.jobs import FinalEvent
 from tests.redis_servers import ClusterServers, DebianServer, fresh_redis_cluster, redis_cluster  # noqa: F401
@@ -118,3 +120,56 @@ def test_cancel_notice_reaches_a_worker_on_any_node(cluster_ctx: Ctx, cluster_wo
     final = cluster_ctx.client.result(job_id, timeout=30)
     assert final.choices[0].finish_reason == "cancelled" and 0 < len(final.choices[0].token_ids) < 2000
     assert worker.terminate() == 0
+
+
+def test_a_worker_started_while_its_cluster_is_down_waits_for_it(
+    fresh_redis_cluster: ClusterServers,  # noqa: F811
+    model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """A worker and its cluster restarted together (a host reboot, a compose ``up``): the cluster client
+    reads the slot map as it is made, so the worker exited at start with a traceback, where a worker on a
+    single server waits for it. Now it waits (``redis.unavailable``) and serves once the cluster is back."""
+    cluster = fresh_redis_cluster
+    ctx = Ctx(cluster, shards=SHARDS)
+    workers = Workers(ctx, model_dir, tmp_path)
+    try:
+        cluster.stop()  # every node; AOF and nodes.conf keep the data and the topology
+        worker = workers.start("late")
+        wait_for(
+            lambda: any(line.get("event") == "redis.unavailable" for line in worker.log_lines()),
+            60,
+            what="the worker to wait for the cluster",
+        )
+        assert worker.proc.poll() is None, worker.log()
+        for node in cluster.nodes:
+            node.start()
+        cluster.wait_healthy()
+        worker.wait_ready()
+        job_id = ctx.client.submit("hello again", max_tokens=4, temperature=0)
+        final = ctx.client.result(job_id, timeout=120)
+        assert isinstance(final, FinalEvent) and len(final.choices[0].token_ids) == 4
+        assert worker.terminate() == 0
+    finally:
+        workers.close()
+        print(workers.logs())
+        ctx.close()
+
+
+def test_a_server_that_is_no_cluster_is_an_error_not_a_wait() -> None:
+    """``redis+cluster://`` naming a plain server: no wait can fix that, so the worker does not wait."""
+    import structlog
+
+    from tests.redis_servers import make_server
+    from worker.redis_link import redis_client_when_up
+
+    with TemporaryDirectory() as data:
+        server = make_server("debian", Path(data) / "plain")
+        assert isinstance(server, DebianServer)
+        try:
+            with pytest.raises(RedisClusterException, match="Cluster mode is not enabled"):
+                redis_client_when_up(
+                    f"redis+cluster://127.0.0.1:{server.port}", 1.0, backoff_max_s=0.1, log=structlog.get_logger()
+                )
+        finally:
+            server.stop()

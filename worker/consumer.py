@@ -44,7 +44,7 @@ from worker.job_run import EngineLike
 from worker.keeper import Keeper, OwnedEntries
 from worker.publisher import Outbox, Publisher
 from worker.reclaimer import Delivery, Reclaimer
-from worker.redis_link import REDIS_DOWN, RedisLink, redis_client
+from worker.redis_link import REDIS_DOWN, RedisLink, redis_client_when_up
 from worker.sender import Sender
 from worker.settings import Settings
 from worker.status import LoopTimes, WorkerIdentity, engine_load, heartbeat_snapshot
@@ -83,8 +83,10 @@ class Worker:
         self.name = settings.name
         self.model_name = model_name or settings.model or str(getattr(engine, "model_path", type(engine).__name__))
         self.keys = Keys(settings.namespace, settings.queue, settings.queue_shards)
-        self.redis = redis_client(url, settings.block_s)
         self.log = log.bind(worker=self.name, queue=settings.queue)
+        self.redis = redis_client_when_up(
+            url, settings.block_s, backoff_max_s=settings.redis_backoff_max_s, log=self.log
+        )
         self.link = RedisLink(self.redis, self.keys, backoff_max_s=settings.redis_backoff_max_s, log=self.log)
         publisher = Publisher(
             self.redis,

@@ -51,6 +51,27 @@ def redis_client(url: str, block_s: float) -> Any:
     )
 
 
+def redis_client_when_up(url: str, block_s: float, *, backoff_max_s: float, log: Any) -> Any:
+    """:func:`redis_client`, waiting for Redis as long as it takes. A single server's client connects on
+    its first command, so this returns at once and the loop's :meth:`RedisLink.join` waits; a cluster
+    client reads the slot map from the startup nodes as it is made, so with the cluster down (the worker and
+    Redis restarted together, a whole cluster rebooting) making it raised, and the worker exited with a
+    traceback where a single server's worker waits. Here it waits the same way, logging
+    ``redis.unavailable``. Nothing is held yet (no job, no stream entry), so SIGTERM or Ctrl-C simply end it."""
+    waits = Backoff(0.1, backoff_max_s, jitter=False)
+    while True:
+        try:
+            return redis_client(url, block_s)
+        except REDIS_DOWN as exc:
+            if "Cluster mode is not enabled" in str(
+                exc
+            ):  # a server that answers, and is not a cluster: no wait fixes it
+                raise
+            delay = waits.next_delay()
+            log.warning("redis.unavailable", error=str(exc), retry_in_s=delay)
+            time.sleep(delay)
+
+
 class RedisLink:
     """Redis health as the loop sees it: down since when, when to retry, and the server clock's offset."""
 

@@ -79,9 +79,46 @@ def completion_prompt(raw: Any, where: str = "prompt") -> dict[str, Any]:
     raise RequestFieldError(f"{where}: one string or one list of token ids", where)
 
 
+SEED_RANGE = 2**63
+"""OpenAI's ``seed`` is any signed 64-bit integer; a job's is unsigned, below 2**63 (``schemas.jobs``)."""
+
+
+def job_seed(seed: Any) -> Any:
+    """OpenAI's ``seed`` as a job's: a negative one (``-1`` is a common "any seed" that OpenAI takes as a seed
+    like any other) moved up by 2**63 into the job's range, so that it is still one fixed seed; anything
+    else as it is, for the job's validation to judge (``2**64``: too large, ``"5"``: not an integer)."""
+    if isinstance(seed, int) and not isinstance(seed, bool) and -SEED_RANGE <= seed < 0:
+        return seed + SEED_RANGE
+    return seed
+
+
 def passthrough_fields(body: dict[str, Any]) -> dict[str, Any]:
     """The :data:`PASSTHROUGH_FIELDS` the body sets (JSON ``null`` means "not given", as in OpenAI's API)."""
-    return {name: body[name] for name in PASSTHROUGH_FIELDS if body.get(name) is not None}
+    fields = {name: body[name] for name in PASSTHROUGH_FIELDS if body.get(name) is not None}
+    if "seed" in fields:
+        fields["seed"] = job_seed(fields["seed"])
+    return fields
+
+
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+"""OpenAI's limits on a request's ``metadata``: 16 pairs, keys of 64 characters, values of 512."""
+
+
+def openai_metadata(raw: Any, where: str = "metadata") -> dict[str, str]:
+    """OpenAI's ``metadata`` (string tags on the request), checked against OpenAI's limits: the job's own
+    ``metadata``, echoed in its result and events."""
+    if not isinstance(raw, dict):
+        raise RequestFieldError(f"{where}: must be an object of string values", where)
+    if len(raw) > METADATA_PAIRS:
+        raise RequestFieldError(f"{where}: at most {METADATA_PAIRS} key-value pairs, got {len(raw)}", where)
+    for key, value in raw.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise RequestFieldError(f"{where}: keys are at most {METADATA_KEY_CHARS} characters", where)
+        if not isinstance(value, str):
+            raise RequestFieldError(f"{where}.{key}: must be a string", where)
+        if len(value) > METADATA_VALUE_CHARS:
+            raise RequestFieldError(f"{where}.{key}: at most {METADATA_VALUE_CHARS} characters", where)
+    return dict(raw)
 
 
 def max_tokens_fields(max_tokens: Any, default_max_tokens: int) -> dict[str, Any]:

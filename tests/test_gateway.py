@@ -352,6 +352,43 @@ def test_extra_body_fields_and_user_reach_the_job(fleet: Fleet) -> None:
     assert isinstance(stored, FinalEvent) and stored.metadata == {"user": "alice"}
 
 
+def test_openai_tagging_fields_and_stream_options_of_the_current_sdk(fleet: Fleet) -> None:
+    """What the current SDK documents and a client copies: ``metadata``, ``safety_identifier`` (``user``'s
+    successor) and ``prompt_cache_key`` are taken (each used to be a 400), the first two echoed in the job's
+    metadata; ``stream_options.include_obfuscation: false`` (OpenAI's bandwidth advice) is what pagedq does
+    anyway, while ``true`` is refused by name; a negative ``seed`` (OpenAI's are signed 64-bit) is a seed."""
+    kw: dict[str, Any] = {
+        "model": fleet.model,
+        "messages": chat("Tell me about queues."),
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": -1,
+        "metadata": {"team": "search", "run": "7"},
+        "safety_identifier": "user-hash-1",
+        "prompt_cache_key": "queues-v1",
+    }
+    whole = fleet.client.chat.completions.create(**kw)
+    stored = fleet.ctx.result(whole.id)
+    assert isinstance(stored, FinalEvent)
+    assert stored.metadata == {"team": "search", "run": "7", "safety_identifier": "user-hash-1"}
+    streamed = fleet.client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True, "include_obfuscation": False}, **kw
+    )
+    chunks = list(streamed)
+    # The same seed, -1, gives the same sample: it is one fixed seed, not "random".
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    with pytest.raises(openai.BadRequestError) as refused:
+        fleet.client.chat.completions.create(stream=True, stream_options={"include_obfuscation": True}, **kw)
+    assert refused.value.body["param"] == "stream_options", refused.value.body  # type: ignore[index]
+    assert "include_obfuscation" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as too_many:
+        fleet.client.completions.create(
+            model=fleet.model, prompt="hi", max_tokens=2, extra_body={"metadata": {str(i): "x" for i in range(17)}}
+        )
+    assert too_many.value.body["param"] == "metadata", too_many.value.body  # type: ignore[index]
+
+
 def test_logprobs(fleet: Fleet) -> None:
     out = fleet.client.chat.completions.create(
         model=fleet.model, messages=chat("hi"), max_tokens=3, temperature=0, logprobs=True, top_logprobs=2
@@ -970,6 +1007,45 @@ def test_request_mapping_refuses_by_name_and_accepts_neutral_values() -> None:
         with pytest.raises(ApiError) as err:
             parse(**body)
         assert err.value.status == 400 and err.value.param == param, (body, err.value.body())
+
+
+def test_request_mapping_of_tags_seeds_and_cache_keys() -> None:
+    """``metadata``, ``user`` and ``safety_identifier`` make the job's metadata; ``prompt_cache_key`` its
+    affinity key, so it picks the shard; OpenAI's signed seeds map one to one into the job's unsigned range."""
+    from ops.gateway.openai_api import ApiError, parse_request
+    from schemas.affinity import shard_for_job, shard_for_key
+    from worker.client import build_job
+
+    def parse(**body: Any) -> dict[str, Any]:
+        base = {"model": "m", "messages": chat("hi")}
+        return parse_request("chat", {**base, **body}, default_max_tokens=32, timeout_s=60).fields
+
+    fields = parse(metadata={"a": "1"}, user="u", safety_identifier="s" * 300, prompt_cache_key="k")
+    assert fields["metadata"] == {"a": "1", "user": "u", "safety_identifier": "s" * 256}
+    assert fields["affinity"] == "k"
+    for shards in (2, 3, 8):
+        assert shard_for_job(build_job(**fields), shards) == shard_for_key("k", shards)
+    assert "affinity" not in parse(prompt_cache_key="") and "metadata" not in parse(metadata={})
+    assert parse(metadata={"user": "u"}, user="u")["metadata"] == {"user": "u"}
+    assert parse(seed=-1)["seed"] == 2**63 - 1 and parse(seed=-(2**63))["seed"] == 0
+    assert parse(seed=2**63 - 1)["seed"] == 2**63 - 1
+    for body, param in (
+        ({"metadata": {"user": "v"}, "user": "u"}, "metadata"),
+        ({"metadata": {"k": 1}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        ({"metadata": ["k"]}, "metadata"),
+        ({"safety_identifier": 5}, "safety_identifier"),
+        ({"prompt_cache_key": 5}, "prompt_cache_key"),
+        ({"prompt_cache_key": "k" * 1025}, "prompt_cache_key"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options"),
+    ):
+        with pytest.raises(ApiError) as err:
+            parse(**body)
+        assert err.value.status == 400 and err.value.param == param, (body, err.value.body())
+    assert parse(stream=True, stream_options={"include_obfuscation": False})["stream"] is True
 
 
 def test_request_mapping_messages_name_the_field_and_the_rule() -> None:

@@ -27,10 +27,12 @@ from pydantic import ValidationError
 
 from ops.openai_request import (
     PASSTHROUGH_FIELDS,
+    SEED_RANGE,
     RequestFieldError,
     chat_messages,
     completion_prompt,
     max_tokens_fields,
+    openai_metadata,
     passthrough_fields,
 )
 from schemas.jobs import (
@@ -49,7 +51,12 @@ from schemas.sampling import SamplingParams
 Kind = Literal["chat", "completion"]
 T = TypeVar("T")
 
-COMMON_FIELDS = frozenset({"model", "max_tokens", "logprobs", "stream", "stream_options", "user", *PASSTHROUGH_FIELDS})
+# Fields that tag a request rather than shape its answer: ``user`` and ``safety_identifier`` (OpenAI's newer
+# name for what ``user`` was) and ``metadata`` become the job's metadata, ``prompt_cache_key`` its affinity key.
+TAG_FIELDS = ("user", "safety_identifier", "metadata", "prompt_cache_key")
+COMMON_FIELDS = frozenset(
+    {"model", "max_tokens", "logprobs", "stream", "stream_options", *TAG_FIELDS, *PASSTHROUGH_FIELDS}
+)
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 
@@ -61,7 +68,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, False, True),
     "store": (None, False),
-    "metadata": (None, {}),
     "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]),
     "audio": (None,),
@@ -288,6 +294,11 @@ def parse_request(
         if body.get("logprobs") is not None:
             fields["logprobs"] = body["logprobs"]
     fields.update(max_tokens_fields(max_tokens, default_max_tokens))
+    seed = body.get("seed")
+    if type(seed) is int and not -SEED_RANGE <= seed < SEED_RANGE:  # the job's own message would say ">= 0"
+        raise bad_request(
+            f"seed: must be a signed 64-bit integer (from -2**63 to 2**63 - 1), got {shown(str(seed), 40)}", "seed"
+        )
     fields.update(passthrough_fields(body))
     if "stop" in fields:
         stop = _stop(fields.pop("stop"))
@@ -295,11 +306,7 @@ def parse_request(
             fields["stop"] = stop
     if "seed" not in fields:
         fields["seed"] = secrets.randbelow(RANDOM_SEED_BOUND) if random_seed is None else random_seed
-    user = body.get("user")
-    if user is not None:
-        if not isinstance(user, str):
-            raise bad_request("user: must be a string", "user")
-        fields["metadata"] = {"user": user[:256]}
+    fields.update(_tags(body))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("stream: must be a boolean", "stream")
@@ -326,19 +333,54 @@ def parse_request(
     return Request(kind, model, fields, stream, include_usage, chat_logprobs)
 
 
+def _tags(body: dict[str, Any]) -> dict[str, Any]:
+    """The job's ``metadata`` and ``affinity`` from the request's :data:`TAG_FIELDS`. ``metadata`` is taken as
+    it is (OpenAI's limits), ``user`` and ``safety_identifier`` are added to it under their names (cut to 256
+    characters); ``prompt_cache_key``, "requests that share it share a cache", is what a job's affinity key
+    is: jobs with the same one queue on the same shard, where one worker's prefix cache has their prefix."""
+    out: dict[str, Any] = {}
+    metadata = _field(openai_metadata, body["metadata"], "metadata") if "metadata" in body else {}
+    for name in ("user", "safety_identifier"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise bad_request(f"{name}: must be a string", name)
+        if metadata.get(name, value[:256]) != value[:256]:
+            raise bad_request(
+                f"metadata.{name}: the job's metadata holds the request's {name} under that key; leave it out "
+                f"of metadata or give the same value",
+                "metadata",
+            )
+        metadata[name] = value[:256]
+    if metadata:
+        out["metadata"] = metadata
+    key = body.get("prompt_cache_key")
+    if key is not None:
+        if not isinstance(key, str):
+            raise bad_request("prompt_cache_key: must be a string", "prompt_cache_key")
+        if key:  # "" asks for no particular cache: the job's own prefix makes its key
+            out["affinity"] = key
+    return out
+
+
 def _stream_options(options: Any, stream: bool) -> bool:
     """``stream_options``: whether usage is sent in a last chunk. ``continuous_usage_stats`` (vLLM: usage in
-    every chunk) is refused by name: a worker reports the prompt's token count only when the job ends."""
+    every chunk) is refused by name: a worker reports the prompt's token count only when the job ends.
+    ``include_obfuscation`` (OpenAI's random padding of chunks against length side channels, on by default
+    there) is taken when false, what pagedq does; true is refused by name: pagedq does not pad chunks."""
     if options is None:
         return False
     if not stream:
         raise bad_request("stream_options: only allowed with stream set to true", "stream_options")
     if not isinstance(options, dict):
         raise bad_request("stream_options: must be an object", "stream_options")
-    unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+    unknown = set(options) - {"include_usage", "continuous_usage_stats", "include_obfuscation"}
     if unknown:
         raise bad_request(
-            f"stream_options: pagedq supports include_usage only, not {shown(sorted(unknown)[0])!r}", "stream_options"
+            f"stream_options: pagedq supports include_usage (and include_obfuscation: false) only, not "
+            f"{shown(sorted(unknown)[0])!r}",
+            "stream_options",
         )
     for name, value in options.items():
         if value is not None and not isinstance(value, bool):
@@ -350,11 +392,23 @@ def _stream_options(options: Any, stream: bool) -> bool:
             "stream_options",
             "unsupported_field",
         )
+    if options.get("include_obfuscation"):
+        raise bad_request(
+            "stream_options.include_obfuscation: pagedq does not pad streamed chunks against length side channels "
+            "(keep the gateway on a trusted network, or behind TLS); send false or leave it out",
+            "stream_options",
+            "unsupported_field",
+        )
     return bool(options.get("include_usage"))
 
 
 # Job or SamplingParams field -> the request field it comes from, where the names differ.
-_REQUEST_NAMES = {"json_schema": "response_format", "regex": "guided_regex", "choice": "guided_choice"}
+_REQUEST_NAMES = {
+    "json_schema": "response_format",
+    "regex": "guided_regex",
+    "choice": "guided_choice",
+    "affinity": "prompt_cache_key",
+}
 
 
 def _validation_error(exc: ValidationError, names: dict[str, str]) -> ApiError:

@@ -121,6 +121,49 @@ def openai_metadata(raw: Any, where: str = "metadata") -> dict[str, str]:
     return dict(raw)
 
 
+TAG_FIELDS = ("user", "safety_identifier", "metadata", "prompt_cache_key")
+"""Fields that tag a request rather than shape its answer: ``user`` and ``safety_identifier`` (OpenAI's newer
+name for what ``user`` was) and ``metadata`` become the job's ``metadata``, ``prompt_cache_key`` its
+``affinity`` (:func:`openai_tags`)."""
+
+TAG_CHARS = 256
+"""How much of ``user`` / ``safety_identifier`` the job's metadata keeps (OpenAI's ids are shorter)."""
+
+
+def openai_tags(body: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """The job's ``metadata`` and ``affinity`` from the body's :data:`TAG_FIELDS` (``where``: the body's place,
+    prefixed to the names in errors, ``body.`` in a batch line). ``metadata`` is taken as it is (OpenAI's
+    limits), ``user`` and ``safety_identifier`` are added to it under their names (cut to :data:`TAG_CHARS`
+    characters); ``prompt_cache_key``, "requests that share it share a cache", is what a job's affinity key
+    is: jobs with the same one queue on the same shard, where one worker's prefix cache has their prefix.
+
+    One reader for the gateway and ``pagedq batch``: a tag the one takes, the other takes the same way."""
+    out: dict[str, Any] = {}
+    metadata = openai_metadata(body["metadata"], f"{where}metadata") if body.get("metadata") is not None else {}
+    for name in ("user", "safety_identifier"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise RequestFieldError(f"{where}{name}: must be a string", f"{where}{name}")
+        if metadata.get(name, value[:TAG_CHARS]) != value[:TAG_CHARS]:
+            raise RequestFieldError(
+                f"{where}metadata.{name}: the job's metadata holds the request's {name} under that key; leave it "
+                f"out of metadata or give the same value",
+                f"{where}metadata",
+            )
+        metadata[name] = value[:TAG_CHARS]
+    if metadata:
+        out["metadata"] = metadata
+    key = body.get("prompt_cache_key")
+    if key is not None:
+        if not isinstance(key, str):
+            raise RequestFieldError(f"{where}prompt_cache_key: must be a string", f"{where}prompt_cache_key")
+        if key:  # "" asks for no particular cache: the job's own prefix makes its key
+            out["affinity"] = key
+    return out
+
+
 def max_tokens_fields(max_tokens: Any, default_max_tokens: int) -> dict[str, Any]:
     """The job's ``max_tokens``: the client's own (``None``: not given) must fit in the model's context with
     the prompt, or the job is refused (``strict_max_tokens``; the gateway's 400 ``context_length_exceeded``,

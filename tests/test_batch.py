@@ -28,6 +28,8 @@ from ops.batch import BatchLine, LineError, Progress, QueueBackend, parse_line, 
 from ops.batch.backends import output_key
 from ops.batch.command import LINES_FAILED
 from ops.batch.files import iter_lines
+from ops.gateway.openai_api import parse_request
+from schemas.affinity import shard_for_job
 from schemas.jobs import Choice, ErrorEvent, FinalEvent, Logprob, Timings, TopLogprob, Usage
 from tests.redis_servers import ClusterServers, RedisServer, make_server, redis_cluster  # noqa: F401
 from tests.worker_harness import ENGINE_KW, REPO, Ctx, WorkerProcess, inprocess_worker, make_engine, wait_for
@@ -199,6 +201,34 @@ def test_chat_and_completion_lines_map_to_jobs() -> None:
     assert timed.timeout_s == 5.0 and timed.id != _parse(completion("b", "p")).job.id
 
 
+def test_openai_tags_are_taken_as_the_gateway_takes_them_and_leave_the_job_id_alone() -> None:
+    """``metadata``, ``user``, ``safety_identifier`` and ``prompt_cache_key`` (what the current SDK sends and
+    a batch file copies) were an error line (the last two) or accepted and dropped (the first two): they are
+    the job's metadata and affinity key, as the gateway's ``parse_request`` makes them. The job id is of the
+    question only: a line keeps the id it had before (pinned here), so a resumed run finds its earlier jobs."""
+    tags: dict[str, Any] = {
+        "metadata": {"team": "search", "run": "7"},
+        "user": "u",
+        "safety_identifier": "user-hash-1",
+        "prompt_cache_key": "queues-v1",
+    }
+    plain, tagged = _parse(chat("a", "Hi")).job, _parse(chat("a", "Hi", **tags)).job
+    assert tagged.metadata == {"team": "search", "run": "7", "user": "u", "safety_identifier": "user-hash-1"}
+    assert tagged.affinity == "queues-v1" and (plain.metadata, plain.affinity) == (None, None)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], **tags}
+    gateway = parse_request("chat", body, default_max_tokens=99, timeout_s=60).fields
+    assert (gateway["metadata"], gateway["affinity"]) == (tagged.metadata, tagged.affinity)
+    # The key picks the shard: another question with the same key queues beside this one.
+    other = _parse(completion("b", "Something else entirely", prompt_cache_key="queues-v1")).job
+    assert all(shard_for_job(other, k) == shard_for_job(tagged, k) for k in range(2, 9))
+    assert _parse(chat("a", "Hi", prompt_cache_key="")).job.affinity is None  # "": no particular cache
+
+    # The id a line without tags had before batch took them (run_key "k", default max_tokens 99): unchanged.
+    assert plain.id == "batch-9e5f439f41e7e355be96ec0438c3b8b261ef32ed"
+    assert tagged.id == plain.id  # and so is a tagged line's (user and metadata were accepted before)
+    assert _parse(chat("a", "Hi!", **tags)).job.id != plain.id  # the question still makes the id
+
+
 @pytest.mark.parametrize(
     ("raw", "needle", "custom_id"),
     [
@@ -219,6 +249,12 @@ def test_chat_and_completion_lines_map_to_jobs() -> None:
         (chat("x", [{"type": "image_url"}]), "text content parts only", "x"),
         (chat("x", "hi", temperature="hot"), "temperature", "x"),
         (chat("x", "hi", max_tokens=0), "max_tokens", "x"),
+        (chat("x", "hi", prompt_cache_key=5), "body.prompt_cache_key: must be a string", "x"),
+        (chat("x", "hi", prompt_cache_key="k" * 1025), "body.prompt_cache_key: String should have at most 1024", "x"),
+        (chat("x", "hi", safety_identifier=["s"]), "body.safety_identifier: must be a string", "x"),
+        (completion("x", "p", metadata={str(i): "v" for i in range(17)}), "body.metadata: at most 16", "x"),
+        (completion("x", "p", metadata={"n": 1}), "body.metadata.n: must be a string", "x"),
+        (chat("x", "hi", user="a", metadata={"user": "b"}), "body.metadata.user: the job's metadata holds", "x"),
         (chat("x", "hi", temperature=float("nan")), "not valid JSON", None),
         # Valid JSON, but no Unicode: neither a job id nor an output line can hold it (it was a traceback).
         (completion("x\ud800", "p"), "lone UTF-16 surrogate", None),

@@ -26,7 +26,7 @@ from typing import Any
 import openai
 import pytest
 
-from schemas.jobs import Choice, ErrorEvent, FinalEvent, Timings, Usage
+from schemas.jobs import Choice, DeadLetter, ErrorEvent, FinalEvent, Timings, Usage
 from tests.redis_servers import ClusterServers, RedisServer, free_port, make_server
 from tests.worker_harness import REPO, Ctx, WorkerProcess, wait_for
 
@@ -621,6 +621,46 @@ def test_dashboard_data_needs_the_key_when_keys_are_set(fleet: Fleet) -> None:
     data = http(fleet.gateway, "GET", "/dashboard/data")
     assert data.status == 200 and data.body["namespace"] == fleet.ctx.ns
     assert http(fleet.gateway, "GET", "/dashboard", key=None).status == 200  # the page itself has no data
+
+
+def test_a_malformed_dead_letter_is_listed_as_malformed_and_never_replayed(fleet: Fleet) -> None:
+    """Anyone who may XADD can write a dead-letter stream: an entry that is no dead letter (fields missing, an
+    attempts that is no integer) made the dashboard's data a 500, hiding every good letter, and its replay a
+    500 too. It is a row marked ``malformed`` beside the good letters, and its replay a 409 that leaves it
+    where it is (as ``pagedq dead list`` / ``dead replay`` treat it)."""
+    ctx = fleet.ctx
+    good = DeadLetter(job="{}", reason="r", code="invalid_job", attempts=1, worker="w", job_id="gw-good-dl")
+    written = {
+        "no-fields": ctx.redis.xadd(ctx.keys.dead, {"foo": "bar"}),
+        "bad-attempts": ctx.redis.xadd(
+            ctx.keys.dead, {**good.to_fields(), "job_id": "gw-malformed-dl", "attempts": "notanint"}
+        ),
+        "good": ctx.redis.xadd(ctx.keys.dead, good.to_fields()),
+    }
+    try:
+        data = http(fleet.gateway, "GET", "/dashboard/data")
+        assert data.status == 200, data
+        (queue,) = [q for q in data.body["queues"] if q["queue"] == ctx.keys.queue]
+        rows = {row["entry"]: row for row in queue["dead"]}
+        no_fields, bad_attempts = rows[written["no-fields"]], rows[written["bad-attempts"]]
+        assert no_fields["code"] == "malformed" and "job" in no_fields["malformed"], no_fields
+        assert no_fields["replayable"] is False and no_fields["job_id"] is None and no_fields["attempts"] is None
+        assert bad_attempts["code"] == "malformed" and "attempts" in bad_attempts["malformed"], bad_attempts
+        assert bad_attempts["job_id"] == "gw-malformed-dl" and bad_attempts["replayable"] is False
+        good_row = rows[written["good"]]  # listed beside them, as it was
+        assert good_row["malformed"] is None and good_row["code"] == "invalid_job", good_row
+        assert good_row["job_id"] == "gw-good-dl" and good_row["replayable"] is True
+
+        for name in ("no-fields", "bad-attempts"):
+            ref = written[name]
+            refused = http(fleet.gateway, "POST", f"/dashboard/replay/{ctx.keys.queue}/{ref}")
+            assert refused.status == 409 and refused.content_type == "application/json", (name, refused)
+            error = refused.body["error"]
+            assert error["code"] == "malformed_dead_letter" and error["type"] == "invalid_request_error", error
+            assert f"dead letter {ref} is malformed" in error["message"], error
+            assert ctx.redis.xrange(ctx.keys.dead, min=ref, max=ref), f"{name} was deleted"  # left in place
+    finally:
+        ctx.redis.xdel(ctx.keys.dead, *written.values())
 
 
 def test_null_fields_are_not_given(fleet: Fleet) -> None:

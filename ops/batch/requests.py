@@ -5,9 +5,11 @@ An input line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url``
 
 The mapping is strict: body fields pagedq cannot honour (``tools``, ``echo``...) make
 the line an error rather than being silently ignored, so a batch never quietly gets answers to a different
-question than it asked; ``user``, ``store``, ``metadata`` and ``service_tier`` are accepted and ignored
-(they change nothing about the answer). So is ``model``: the queue's workers serve the model they serve, and
-the answer's ``body.model`` names it (:mod:`ops.batch.responses`).
+question than it asked; ``store`` and ``service_tier`` are accepted and ignored (they change nothing about
+the answer). So is ``model``: the queue's workers serve the model they serve, and the answer's ``body.model``
+names it (:mod:`ops.batch.responses`). The tags, ``metadata``, ``user``, ``safety_identifier`` and
+``prompt_cache_key``, are taken as the gateway takes them (:func:`ops.openai_request.openai_tags`: the job's
+``metadata`` and affinity key), and are not part of the job id (:func:`job_id_for`).
 """
 
 from __future__ import annotations
@@ -22,17 +24,19 @@ from pydantic import ValidationError
 
 from ops.openai_request import (
     PASSTHROUGH_FIELDS,
+    TAG_FIELDS,
     RequestFieldError,
     chat_messages,
     completion_prompt,
     max_tokens_fields,
+    openai_tags,
     passthrough_fields,
 )
 from schemas.jobs import JobRequest, describe_validation_error, loads_strict
 
 T = TypeVar("T")
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-IGNORED_BODY_FIELDS = frozenset({"model", "user", "store", "metadata", "service_tier", "stream"})
+IGNORED_BODY_FIELDS = frozenset({"model", "store", "service_tier", "stream"})
 CHAT_BODY_FIELDS = frozenset({"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"})
 COMPLETION_BODY_FIELDS = frozenset({"prompt", "max_tokens", "logprobs", "echo", "suffix", "best_of"})
 
@@ -73,7 +77,7 @@ def body_to_fields(kind: str, body: dict[str, Any], default_max_tokens: int) -> 
     honoured. JSON ``null`` means "not given", as in OpenAI's API."""
     body = {k: v for k, v in body.items() if v is not None}
     allowed = CHAT_BODY_FIELDS if kind == "chat" else COMPLETION_BODY_FIELDS
-    unknown = set(body) - allowed - IGNORED_BODY_FIELDS - set(PASSTHROUGH_FIELDS)
+    unknown = set(body) - allowed - IGNORED_BODY_FIELDS - set(TAG_FIELDS) - set(PASSTHROUGH_FIELDS)
     if unknown:
         raise LineError(f"unsupported body field(s): {', '.join(sorted(unknown))}")
     if body.get("stream") is not False and "stream" in body:
@@ -104,14 +108,26 @@ def body_to_fields(kind: str, body: dict[str, Any], default_max_tokens: int) -> 
             fields["logprobs"] = body["logprobs"]
     fields.update(max_tokens_fields(max_tokens, default_max_tokens))
     fields.update(passthrough_fields(body))
+    fields.update(_field(openai_tags, body, "body."))
     return fields
+
+
+TAG_JOB_FIELDS = ("metadata", "affinity")
+"""The job fields :func:`ops.openai_request.openai_tags` makes of a line's tags, which :func:`job_id_for`
+leaves out."""
 
 
 def job_id_for(run_key: str, custom_id: str, fields: dict[str, Any]) -> str:
     """A job id stable across reruns of the same batch: a run killed with jobs still in the queue leaves
     their results (kept ``result_ttl_s`` by workers) for the rerun to pick up instead of generating them
-    again. ``run_key`` names the output file (plus a fresh nonce under ``--overwrite``)."""
-    blob = json.dumps([run_key, custom_id, fields], sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    again. ``run_key`` names the output file (plus a fresh nonce under ``--overwrite``).
+
+    The id is of the question, not of its tags (:data:`TAG_JOB_FIELDS`: who asked, which shard it queues on),
+    which change nothing about the answer: a line keeps the id it had when ``user`` and ``metadata`` were
+    accepted and ignored, so a run resumed across that change finds its earlier jobs, and a rerun that only
+    retags lines reads their answers back rather than generating them again."""
+    question = {name: value for name, value in fields.items() if name not in TAG_JOB_FIELDS}
+    blob = json.dumps([run_key, custom_id, question], sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return "batch-" + hashlib.sha256(blob.encode()).hexdigest()[:40]
 
 
@@ -153,6 +169,9 @@ def parse_line(
         try:
             job = JobRequest.model_validate({**fields, "id": job_id, "stream": False})
         except ValidationError as exc:
+            first = exc.errors()[0]
+            if tuple(first.get("loc", ()))[:1] == ("affinity",):  # the job's name for the line's field
+                raise LineError(f"body.prompt_cache_key: {first['msg']}") from None
             raise LineError(describe_validation_error(exc)) from None
         model = body.get("model")
         return BatchLine(line_no, cid, kind, model if isinstance(model, str) else None, job)

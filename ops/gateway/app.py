@@ -64,7 +64,7 @@ from ops.gateway.openai_api import (
 from ops.gateway.openai_api import Request as JobSpec
 from ops.gateway.redis_pool import PoolExhausted, connect_gateway
 from ops.gateway.settings import GatewaySettings
-from ops.queue_commands import dead_streams_label, find_dead_letter, replay_dead_letter
+from ops.queue_commands import MalformedDeadLetter, dead_streams_label, find_dead_letter, replay_dead_letter
 from schemas.affinity import shard_for_job
 from schemas.jobs import ErrorEvent, FinalEvent, TokenEvent
 from schemas.keys import GROUP, JOB_FIELD, Keys, split_entry_ref
@@ -568,7 +568,14 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
 
         def run() -> list[str]:
             r = gw.dashboard.redis
-            letter = find_dead_letter(r, keys, entry_id)
+            try:
+                letter = find_dead_letter(r, keys, entry_id)
+            except MalformedDeadLetter as exc:
+                # Not a letter a worker wrote (anyone who may XADD can write the stream): nothing to re-queue,
+                # and the entry stays for the operator to read, fix or delete, as `pagedq dead replay` does.
+                raise ApiError(
+                    409, f"{exc}: it cannot be replayed and is left in place", code="malformed_dead_letter"
+                ) from None
             if letter is None:
                 raise ApiError(404, f"no dead letter {entry_id} in {dead_streams_label(keys)}", code="not_found")
             if letter.truncated:

@@ -23,7 +23,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from ops.queue_commands import queue_names, queue_status
+from ops.queue_commands import MalformedDeadLetter, queue_names, queue_status, read_dead_letter
 from schemas.jobs import DeadLetter
 from schemas.keys import Keys, entry_ref
 
@@ -230,24 +230,47 @@ class Dashboard:
 
     def _dead(self, keys: Keys) -> list[dict[str, Any]]:
         """The newest dead letters, without their payloads: a job's prompt is user text, and the page is
-        readable without a key."""
-        entries: list[tuple[str, Any]] = []
+        readable without a key.
+
+        An entry that is no dead letter (anyone who may ``XADD`` can write the stream) is a row of its own,
+        ``malformed`` saying what is wrong and never replayable, as ``pagedq dead list`` shows it: reading it
+        as a letter failed the whole snapshot, so one such entry made the page show nothing at all."""
+        letters: list[tuple[str, int, DeadLetter | MalformedDeadLetter]] = []
         for shard, dead in enumerate(keys.dead_streams):
             shard_entries: Any = self.redis.xrevrange(dead, count=self.dead_shown)
-            entries += [(entry_ref(shard, entry_id), fields) for entry_id, fields in shard_entries]
-        entries.sort(key=lambda entry: int(DeadLetter.from_fields(entry[1]).ts_ms), reverse=True)
-        out = []
-        for entry_id, fields in entries[: self.dead_shown]:
-            d = DeadLetter.from_fields(fields)
-            out.append(
-                {
-                    "entry": entry_id,
-                    "job_id": d.job_id,
-                    "code": d.code,
-                    "reason": d.reason[:200],
-                    "attempts": d.attempts,
-                    "ts_ms": d.ts_ms,
-                    "replayable": not d.truncated,
-                }
-            )
-        return out
+            for entry_id, fields in shard_entries:
+                ref = entry_ref(shard, entry_id)
+                try:
+                    letter: DeadLetter | MalformedDeadLetter = read_dead_letter(ref, fields)
+                except MalformedDeadLetter as exc:
+                    letter = exc
+                # A malformed entry has no trustworthy ts_ms: it sorts by when it was added (its id's ms).
+                ts_ms = letter.ts_ms if isinstance(letter, DeadLetter) else int(entry_id.split("-", 1)[0])
+                letters.append((ref, ts_ms, letter))
+        letters.sort(key=lambda item: item[1], reverse=True)
+        return [_dead_row(ref, ts_ms, letter) for ref, ts_ms, letter in letters[: self.dead_shown]]
+
+
+def _dead_row(ref: str, ts_ms: int, letter: DeadLetter | MalformedDeadLetter) -> dict[str, Any]:
+    """One row of the dashboard's dead letters; ``malformed`` is null for a dead letter, else what is wrong."""
+    if isinstance(letter, MalformedDeadLetter):
+        return {
+            "entry": ref,
+            "job_id": letter.fields.get("job_id") or None,
+            "code": "malformed",
+            "reason": letter.problem[:200],
+            "attempts": None,
+            "ts_ms": ts_ms,
+            "replayable": False,
+            "malformed": letter.problem,
+        }
+    return {
+        "entry": ref,
+        "job_id": letter.job_id,
+        "code": letter.code,
+        "reason": letter.reason[:200],
+        "attempts": letter.attempts,
+        "ts_ms": ts_ms,
+        "replayable": not letter.truncated,
+        "malformed": None,
+    }

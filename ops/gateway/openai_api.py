@@ -28,11 +28,12 @@ from pydantic import ValidationError
 from ops.openai_request import (
     PASSTHROUGH_FIELDS,
     SEED_RANGE,
+    TAG_FIELDS,
     RequestFieldError,
     chat_messages,
     completion_prompt,
     max_tokens_fields,
-    openai_metadata,
+    openai_tags,
     passthrough_fields,
 )
 from schemas.jobs import (
@@ -51,9 +52,6 @@ from schemas.sampling import SamplingParams
 Kind = Literal["chat", "completion"]
 T = TypeVar("T")
 
-# Fields that tag a request rather than shape its answer: ``user`` and ``safety_identifier`` (OpenAI's newer
-# name for what ``user`` was) and ``metadata`` become the job's metadata, ``prompt_cache_key`` its affinity key.
-TAG_FIELDS = ("user", "safety_identifier", "metadata", "prompt_cache_key")
 COMMON_FIELDS = frozenset(
     {"model", "max_tokens", "logprobs", "stream", "stream_options", *TAG_FIELDS, *PASSTHROUGH_FIELDS}
 )
@@ -306,7 +304,7 @@ def parse_request(
             fields["stop"] = stop
     if "seed" not in fields:
         fields["seed"] = secrets.randbelow(RANDOM_SEED_BOUND) if random_seed is None else random_seed
-    fields.update(_tags(body))
+    fields.update(_field(openai_tags, body, ""))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("stream: must be a boolean", "stream")
@@ -331,37 +329,6 @@ def parse_request(
     except ValidationError as exc:
         raise _validation_error(exc, names) from None
     return Request(kind, model, fields, stream, include_usage, chat_logprobs)
-
-
-def _tags(body: dict[str, Any]) -> dict[str, Any]:
-    """The job's ``metadata`` and ``affinity`` from the request's :data:`TAG_FIELDS`. ``metadata`` is taken as
-    it is (OpenAI's limits), ``user`` and ``safety_identifier`` are added to it under their names (cut to 256
-    characters); ``prompt_cache_key``, "requests that share it share a cache", is what a job's affinity key
-    is: jobs with the same one queue on the same shard, where one worker's prefix cache has their prefix."""
-    out: dict[str, Any] = {}
-    metadata = _field(openai_metadata, body["metadata"], "metadata") if "metadata" in body else {}
-    for name in ("user", "safety_identifier"):
-        value = body.get(name)
-        if value is None:
-            continue
-        if not isinstance(value, str):
-            raise bad_request(f"{name}: must be a string", name)
-        if metadata.get(name, value[:256]) != value[:256]:
-            raise bad_request(
-                f"metadata.{name}: the job's metadata holds the request's {name} under that key; leave it out "
-                f"of metadata or give the same value",
-                "metadata",
-            )
-        metadata[name] = value[:256]
-    if metadata:
-        out["metadata"] = metadata
-    key = body.get("prompt_cache_key")
-    if key is not None:
-        if not isinstance(key, str):
-            raise bad_request("prompt_cache_key: must be a string", "prompt_cache_key")
-        if key:  # "" asks for no particular cache: the job's own prefix makes its key
-            out["affinity"] = key
-    return out
 
 
 def _stream_options(options: Any, stream: bool) -> bool:

@@ -71,6 +71,7 @@ class IncrementalDetokenizer:
         self._parts: list[str] = []
         self._text_cache: str | None = ""
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text (vLLM's stop_reason)
 
     @property
     def text(self) -> str:
@@ -131,7 +132,7 @@ class IncrementalDetokenizer:
     def _release(self, new_text: str, final: bool) -> str:
         """Append ``new_text`` to the held-back tail, cut at a stop string, release what is safe."""
         pending = self._pending + new_text
-        cut = self._find_stop(pending) if self._num_tokens > self._min_tokens else -1
+        cut, self.stop_string = self._find_stop(pending) if self._num_tokens > self._min_tokens else (-1, None)
         if cut >= 0:
             self.stopped = True
             out, self._pending = pending[:cut], ""
@@ -144,15 +145,16 @@ class IncrementalDetokenizer:
             self._released += len(out)
         return out
 
-    def _find_stop(self, pending: str) -> int:
+    def _find_stop(self, pending: str) -> tuple[int, str | None]:
         """Where the text ends at the earliest stop string in ``pending`` that ends past ``_check_from``
-        (its start, or its end with include_stop_str); -1 when there is none."""
+        (its start, or its end with include_stop_str), and that string; (-1, None) when there is none."""
         exempt = self._check_from - self._released  # how much of pending belongs to the first min_tokens
-        best: tuple[int, int] | None = None
+        best: tuple[int, str] | None = None
         for stop in self._stop:
             at = pending.find(stop, max(0, exempt - len(stop) + 1))
             if at >= 0 and (best is None or at < best[0]):
-                best = (at, at + len(stop))
+                best = (at, stop)
         if best is None:
-            return -1
-        return best[1] if self._include_stop else best[0]
+            return -1, None
+        at, stop = best
+        return (at + len(stop) if self._include_stop else at), stop

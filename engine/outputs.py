@@ -2,19 +2,54 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 # finish_reason values: "stop" (EOS, stop token or stop string), "length" (max_tokens or the
 # model's context), "abort" (aborted by the caller), "error" (its request failed: RequestDelta.error).
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's entry at a sampled position, as vLLM's ``Logprob``: ``rank`` is 1 for the most likely
+    token (None for a sampled token outside the top N: the sampler does not rank the whole vocabulary),
+    ``decoded_token`` its text (None where nothing decoded it: the step-level engine, ``detokenize=False``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
-class TokenLogprobs:
-    """Log-probabilities at one sampled position: the sampled token's and the top-N alternatives."""
+class TokenLogprobs(Mapping[int, Logprob]):
+    """Log-probabilities at one sampled position: the sampled token's and the top-N alternatives.
+
+    Also a read-only ``{token_id: Logprob}`` map, the shape vLLM's ``CompletionOutput.logprobs`` entries
+    have (``lp[token_id].logprob``): the sampled token first, then the top N in rank order, each once, so
+    the chosen token is always there. ``decoded`` holds the tokens' texts where the offline ``LLM`` filled it.
+    """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    decoded: dict[int, str] | None = None
+
+    def _entries(self) -> dict[int, Logprob]:
+        ranks = {t: i + 1 for i, (t, _) in enumerate(self.top)}
+        names = self.decoded or {}
+        entries = {self.token_id: Logprob(self.logprob, ranks.get(self.token_id), names.get(self.token_id))}
+        for t, lp in self.top:
+            entries.setdefault(t, Logprob(lp, ranks[t], names.get(t)))
+        return entries
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._entries()[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
 
 
 @dataclass
@@ -48,11 +83,20 @@ class RequestDelta:
 
 @dataclass
 class CompletionOutput:
+    """One sample's whole result, with vLLM's fields: ``stop_reason`` is the stop string or stop token id
+    that ended it (None for EOS, a length finish, or a grammar's end), ``cumulative_logprob`` the sum of
+    its tokens' logprobs (None unless logprobs were asked for, as in vLLM)."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None
+    stop_reason: str | int | None = None
+    cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass

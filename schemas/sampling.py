@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 # Below this temperature, dividing logits would overflow float32 and the result is argmax anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
+# max_tokens=None (vLLM's "up to the context"): past any model's context, and small enough for int32.
+UNBOUNDED_MAX_TOKENS = 2**31 - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, -100 (ban) to 100 (force)
 MAX_LOGIT_BIAS_ENTRIES = 1024  # tokens one request may bias: the sampler's per-step work stays bounded
 STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar")
@@ -81,6 +83,12 @@ class SamplingParams(BaseModel):
         description="Token id -> value added to its logit before sampling (greedy included), -100 to 100.",
     )
     skip_special_tokens: bool = True
+    # vLLM's, accepted so its code runs unchanged. Only slow (Python) tokenizers put spaces between special
+    # tokens, and vLLM's fast-tokenizer path ignores the flag; pagedq's tokenizers are fast ones.
+    spaces_between_special_tokens: bool = True
+    # vLLM's: False leaves the offline LLM's texts (and logprobs' decoded tokens) empty, for callers that
+    # want token ids only. Stop strings need the text, so they are refused with it (vLLM refuses them too).
+    detokenize: bool = True
     # Structured output (at most one): the output must match a JSON schema (a dict, or its JSON text), a
     # regular expression, one of a list of strings, or an EBNF grammar (xgrammar's dialect). The engine
     # compiles the constraint when the request is added and refuses one it cannot compile.
@@ -88,6 +96,13 @@ class SamplingParams(BaseModel):
     regex: str | None = Field(default=None, min_length=1)
     choice: list[str] | None = Field(default=None, min_length=1)
     grammar: str | None = Field(default=None, min_length=1)
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _unbounded_max_tokens(cls, value: Any) -> Any:
+        # vLLM's max_tokens=None: as many as the context leaves. The engine ends every sample at the
+        # model's context anyway (finish_reason "length"), so None becomes a bound it never reaches.
+        return UNBOUNDED_MAX_TOKENS if value is None else value
 
     @field_validator("min_tokens")
     @classmethod
@@ -105,6 +120,12 @@ class SamplingParams(BaseModel):
         if value is not None and any(c == "" for c in value):
             raise ValueError("choice strings must be non-empty")
         return value
+
+    @model_validator(mode="after")
+    def _stop_strings_need_text(self) -> SamplingParams:
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text)")
+        return self
 
     @model_validator(mode="after")
     def _one_constraint(self) -> SamplingParams:

@@ -140,11 +140,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     Without ``--data-dir`` the Redis data and the worker's log go to a temp folder, removed when the demo
     ends well and kept (and named) when it does not, so its log can be read.
+
+    The worker reads the same ``PAGEDQ_*`` environment as this command, so its settings are checked here
+    first (a bad one is one line and exit 2, as ``pagedq worker`` says it), the jobs go to the namespace
+    and queue it reads, and no job is queued until it is ready: a worker that died at start left the
+    producer waiting 600 s per job, and the demo then exited 0.
     """
     _loading_note("the model")
+    from schemas.keys import Keys
     from worker.client import PagedqClient
     from worker.embedded_redis import EmbeddedRedis
-    from worker.settings import mask_url
+    from worker.settings import SettingsError, load_settings, mask_url
 
     model = _model_path(args.model, "demo", log=print)  # resolved once, before the worker starts
     if model is None:
@@ -152,6 +158,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     own_dir = args.data_dir is None
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="pagedq-demo-"))
     redis_server = EmbeddedRedis(data_dir / "redis")
+    try:
+        settings = load_settings(redis_url=redis_server.url, model=model, name="demo-worker")
+    except SettingsError as exc:
+        if own_dir:
+            shutil.rmtree(data_dir, ignore_errors=True)
+        print(f"pagedq demo: {exc}", file=sys.stderr)
+        return 2
     url = redis_server.start()
     print(f"embedded Redis at {mask_url(url)} (data in {data_dir})")
     env = {**os.environ, "PAGEDQ_REDIS_URL": url, "PAGEDQ_MODEL": model, "PAGEDQ_NAME": "demo-worker"}
@@ -161,7 +174,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         worker = subprocess.Popen([sys.executable, "-m", "worker"], env=env, stdout=log_file, stderr=log_file)
     ok = False
     try:
-        with PagedqClient(url) as client:
+        with PagedqClient(
+            url, namespace=settings.namespace, queue=settings.queue, queue_shards=settings.queue_shards
+        ) as client:
+            heartbeat = Keys(settings.namespace, settings.queue, settings.queue_shards).heartbeat(settings.name)
+            print("waiting for the worker to load the model...", flush=True)
+            while not client.redis.exists(heartbeat):
+                try:
+                    code = worker.wait(timeout=0.2)  # the poll's pause, and the worker's death seen at once
+                except subprocess.TimeoutExpired:
+                    continue
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
+                print(
+                    f"pagedq demo: the worker exited with code {code} before it was ready: {tail[0]}", file=sys.stderr
+                )
+                return 1
             messages = [[{"role": "user", "content": p}] for p in DEMO_PROMPTS]
             ids = client.submit_many(messages, max_tokens=args.max_tokens, temperature=0)
             print(f"enqueued {len(ids)} jobs; streaming (they run batched in the worker)\n")
@@ -188,7 +215,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             shutil.rmtree(data_dir, ignore_errors=True)
         elif own_dir:
             print(f"pagedq demo: kept {data_dir} (worker log: {log_path})", file=sys.stderr)
-    return 0
+    return 0 if ok else 1
 
 
 def _cmd_compose_gpus(args: argparse.Namespace) -> int:

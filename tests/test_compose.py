@@ -92,6 +92,20 @@ def test_compose_shape() -> None:
     assert "${REDIS_PASSWORD" in gateway["environment"]["PAGEDQ_REDIS_URL"]
 
 
+def test_workers_stop_promptly_and_drain_within_the_grace_period() -> None:
+    """The worker, its GPU variant and every ``compose-gpus`` copy run under an init (PID 1 ignores a
+    SIGTERM it has no handler for, and the worker has none while torch loads and its kernels build), and compose waits
+    longer than the worker's own drain (shutdown_grace_s, plus the watchdog's second) before SIGKILL."""
+    from worker.settings import Settings
+
+    services = _load()["services"]
+    for name in ("worker", "worker-gpu"):
+        assert services[name].get("init") is True, f"{name} runs as PID 1 without an init"
+        grace = re.fullmatch(r"(\d+)s", services[name]["stop_grace_period"])
+        assert grace and int(grace.group(1)) > Settings.model_fields["shutdown_grace_s"].default + 1, name
+        assert "PAGEDQ_SHUTDOWN_GRACE_S" not in services[name]["environment"]  # else the two could disagree
+
+
 def test_dockerfile_installs_cpu_torch_first() -> None:
     text = (REPO / "Dockerfile").read_text()
     assert text.startswith("#") and "FROM python:3.11-slim" in text

@@ -203,13 +203,48 @@ def test_demo_leaves_no_temp_folder_behind(tiny_model: Any, tmp_path: Path) -> N
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     model = str(tiny_model("llama_gqa"))
-    proc = subprocess.run(pagedq("demo", "--model", model, "--max-tokens", "2"), cwd=REPO, env=env(TMPDIR=str(tmp)),
+    # The worker reads its namespace and queue from the environment the demo passes on: the demo's jobs
+    # went to the default ones, where nobody served them (600 s of silence per job).
+    demo_env = env(TMPDIR=str(tmp), PAGEDQ_NAMESPACE="demo-ns", PAGEDQ_QUEUE="demo-q")
+    proc = subprocess.run(pagedq("demo", "--model", model, "--max-tokens", "2"), cwd=REPO, env=demo_env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "removed when the demo ends well" in proc.stdout
     kept = [p for p in tmp.iterdir() if p.name.startswith("pagedq-demo-")]
     # Kept only when something failed: then the demo says so, and the worker's log says what.
     assert kept == [], proc.stderr[-1000:] + "".join((p / "worker.log").read_text()[-1500:] for p in kept)
+
+
+def test_demo_checks_the_workers_settings_before_it_starts_anything(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's worker reads the demo's environment: a bad ``PAGEDQ_*`` value there killed it at start,
+    unseen (its log is a file), while the producer waited 600 s per job for it, then exited 0."""
+    import tempfile
+
+    from ops.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("PAGEDQ_MAX_NUM_SEQS", "0")
+    assert main(["demo", "--model", str(model_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "pagedq demo: invalid setting max_num_seqs (PAGEDQ_MAX_NUM_SEQS): Input should be greater than 0, got '0'"
+    ], err
+    assert list(tmp_path.iterdir()) == []  # nothing started, nothing left behind
+
+
+@pytest.mark.slow  # a worker process that gets as far as its metrics port (~4 s)
+def test_demo_stops_at_once_when_its_worker_dies_at_start(tiny_model: Any, tmp_path: Path) -> None:
+    """A worker that exits before it is ready (here: a metrics host that does not resolve, exit 78) ends
+    the demo with exit 1 and the worker's own last line, instead of 600 s of waiting per job and exit 0."""
+    model = str(tiny_model("llama_gqa"))
+    bad_host = env(PAGEDQ_METRICS_PORT="1", PAGEDQ_METRICS_HOST="nohost.invalid")
+    proc = subprocess.run(pagedq("demo", "--model", model, "--data-dir", str(tmp_path / "demo")), cwd=REPO,
+                          env=bad_host, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pagedq demo: the worker exited with code 78 before it was ready: " in proc.stderr, proc.stderr
+    assert "worker.metrics_port_unavailable" in proc.stderr and "enqueued" not in proc.stdout
 
 
 # ---------------------------------------------------------------------------------------- README

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -306,3 +308,187 @@ def test_keeper_refuses_a_ttl_redis_cannot_take_before_it_starts(ttl_s: float, r
     in its thread with no heartbeat."""
     with pytest.raises((OverflowError, ValueError)):
         _keeper(redis_server, ttl_s, [])
+
+
+# ----------------------------------------------------------------- unknown variables, engine rules, the URL
+
+
+def test_a_misspelt_pagedq_variable_stops_the_worker_with_one_line() -> None:
+    """pydantic-settings ignores an environment variable that names no field, so ``PAGEDQ_MAX_NUM_SEQ=64``
+    ran a worker with the default 16 sequences, and nothing said so."""
+    proc = _worker("--print-config", PAGEDQ_MAX_NUM_SEQ="64")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [
+        "pagedq worker: unknown setting PAGEDQ_MAX_NUM_SEQ (environment variable): did you mean PAGEDQ_MAX_NUM_SEQS?"
+    ], proc.stderr
+
+
+def test_pagedq_variables_read_outside_the_settings_are_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.settings import SettingsError, unknown_env_vars
+
+    # the gateway's, the default model's folder, a kernel switch, a test hook, compose's own, lower case
+    for var in ("PAGEDQ_API_KEYS", "PAGEDQ_MODEL_DIR", "PAGEDQ_DISABLE_C_KERNELS", "PAGEDQ_TEST_FAULTS", "PAGEDQ_GPU"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setenv("pagedq_max_num_seqs", "5")  # pydantic-settings reads names case-insensitively
+    assert load_settings().max_num_seqs == 5
+    monkeypatch.setenv("PAGEDQ_WHATEVER", "1")
+    with pytest.raises(SettingsError, match=r"^unknown setting PAGEDQ_WHATEVER \(environment variable\): no setting"):
+        load_settings()
+    assert unknown_env_vars({"PAGEDQ_BLOCKSIZE": "8", "PAGEDQ_QUEUE": "q", "OTHER": "x"}) == ["PAGEDQ_BLOCKSIZE"]
+
+
+def test_every_pagedq_variable_the_code_reads_is_known() -> None:
+    """A variable added to the code (a kernel switch, a gateway setting, a compose variable) must be added
+    to ``OTHER_ENV`` too, or setting it would stop every worker at start."""
+    import re
+
+    from ops.gateway.settings import GatewaySettings
+    from worker.settings import ENV_PREFIX, unknown_env_vars
+
+    files = [REPO / "Dockerfile", REPO / "docker-compose.yml", REPO / "Makefile"]
+    for folder in ("engine", "pagedq_kernels", "worker", "ops", "schemas"):
+        files += [*(REPO / folder).rglob("*.py"), *(REPO / folder).rglob("*.sh")]
+    names = {m for f in files for m in re.findall(r"\bPAGEDQ_[A-Z0-9_]*[A-Z0-9]\b", f.read_text(errors="replace"))}
+    names |= {f"{ENV_PREFIX}{field.upper()}" for field in GatewaySettings.model_fields}
+    assert len(names) > 30
+    assert unknown_env_vars(dict.fromkeys(names, "")) == []
+
+
+def test_an_empty_optional_setting_means_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PAGEDQ_MODEL=`` (an env file's way to say "none") made the model the current folder, and
+    compose's ``${PAGEDQ_MAX_MODEL_LEN:-}`` an invalid integer; ``redis_url`` and ``quantization`` already
+    read an empty value as unset."""
+    names = ("model", "kv_cache_bytes", "speculative_disable_by_batch_size", "max_model_len", "engine_factory")
+    for name in (*names, "celery_result_backend", "redis_url", "quantization"):
+        monkeypatch.setenv(f"PAGEDQ_{name.upper()}", "")
+    settings = load_settings()
+    assert [getattr(settings, name) for name in names] == [None] * len(names)
+    assert (settings.celery_result_backend, settings.redis_url, settings.quantization) == (None, None, None)
+    assert load_settings(model=" ").model is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"block_size": "24"}, r"block_size \(--block-size\): must be a power of two"),
+        (
+            {"tensor_parallel_size": "2", "quantization": "int8"},
+            r"quantization cannot be combined with tensor_parallel_size above 1 .*tensor_parallel_size from "
+            r"--tensor-parallel-size",
+        ),
+    ],
+    ids=["block-size", "tp-quantization"],
+)
+def test_engine_rules_are_settings_errors(overrides: dict[str, str], expected: str) -> None:
+    """EngineConfig refuses these, but only once the worker had built its kernels and checked its model:
+    ``worker.failed`` with a traceback and exit 1, where every other bad value is one line and exit 2."""
+    from worker.settings import SettingsError
+
+    with pytest.raises(SettingsError, match=expected):
+        load_settings(**overrides)
+    assert load_settings(block_size="32", tensor_parallel_size="2").block_size == 32
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis://:pa/ss@h:6379/0", "a password holding /, ? or # must be percent-encoded"),
+        ("redis://:pa?ss@h:6379/0", "a password holding /, ? or # must be percent-encoded"),
+        ("redis://:pw@h:6379/0?ssl_password=pw", "redis-py takes no option ssl_password in a redis:// URL"),
+        ("unix:///tmp/r.sock?sockettimeout=1", "redis-py takes no option sockettimeout in a unix:// URL"),
+        ("redis://h:6379/0?socket_timeout=soon", "redis-py refuses its options: Invalid value for 'socket_timeout'"),
+    ],
+)
+def test_a_redis_url_redis_py_would_refuse_at_first_connect_is_refused_at_start(url: str, expected: str) -> None:
+    """redis-py reads a URL's options only when it first connects, after the model has loaded: the worker
+    died then with a TypeError traceback. A password with an unencoded / or ? read as a bad port, with no
+    word of the fix. Neither message may show the password."""
+    from worker.settings import SettingsError
+
+    with pytest.raises(SettingsError) as err:
+        load_settings(redis_url=url)
+    assert expected in str(err.value) and "pa/ss" not in str(err.value) and "=pw" not in str(err.value), err.value
+    assert load_settings(redis_url="rediss://:p%2Fw@h:6380/0?ssl_cert_reqs=required").redis_url
+
+
+# ------------------------------------------------------------- start-up problems only an operator can fix
+
+
+@pytest.fixture
+def logged(capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[[], list[dict[str, Any]]]]:
+    """run_worker's JSON log lines (it configures structlog for this process: put back afterwards)."""
+    import structlog
+
+    saved = structlog.get_config()
+    try:
+        yield lambda: [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    finally:
+        structlog.configure(**saved)
+
+
+def test_a_data_dir_the_embedded_redis_cannot_use_is_one_line_and_exit_78(
+    tmp_path: Path, logged: Callable[[], list[dict[str, Any]]]
+) -> None:
+    """The embedded Redis's mkdir raised out of run_worker: a bare traceback on stderr and exit 1."""
+    from worker.run import run_worker
+
+    (tmp_path / "file").write_text("")
+    settings = load_settings(
+        data_dir=str(tmp_path / "file" / "data"), engine_factory="nowhere:engine", log_format="json"
+    )
+    assert run_worker(settings) == 78
+    lines = [line for line in logged() if line["level"] == "error"]
+    assert [line["event"] for line in lines] == ["worker.embedded_redis_failed"], lines
+    assert lines[0]["data_dir"] == str(tmp_path / "file" / "data") and "PAGEDQ_DATA_DIR" in lines[0]["hint"]
+
+
+def test_a_cuda_device_on_a_host_without_one_is_one_line_and_exit_78(
+    model_dir: Path, logged: Callable[[], list[dict[str, Any]]]
+) -> None:
+    """``--device cuda`` where torch sees no GPU (the CPU image, a container not given one) ended in a
+    torch traceback from inside the engine, exit 1, after the model checks."""
+    import torch
+
+    from worker.run import run_worker
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a CUDA device")
+    settings = load_settings(redis_url="redis://127.0.0.1:1/0", model=str(model_dir), device="cuda", log_format="json")
+    assert run_worker(settings) == 78
+    lines = [line for line in logged() if line["level"] == "error"]
+    assert [line["event"] for line in lines] == ["worker.device_unavailable"], lines
+    assert "no CUDA device is visible" in lines[0]["error"] and "--device cpu" in lines[0]["error"]
+
+
+@pytest.mark.slow  # a worker process's start and exit (~4 s each): the default tier stays under 5 minutes
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_while_the_model_loads_ends_the_worker_cleanly(sig: signal.Signals, tmp_path: Path) -> None:
+    """Before the loop had its handler, SIGTERM killed the worker without a word and left its embedded
+    Redis running (the server has a session of its own), and Ctrl-C printed a KeyboardInterrupt traceback.
+    Now either ends the start: one ``worker.stopped`` line, exit 0, the embedded Redis stopped."""
+    from tests.redis_servers import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDQ_")}
+    env.update({"PYTHONPATH": str(REPO), "PAGEDQ_TEST_LOAD_DELAY_S": "600", "PAGEDQ_LOG_FORMAT": "json"})
+    log = tmp_path / "worker.log"
+    data_dir = tmp_path / "data"
+    argv = [sys.executable, "-m", "worker", "--data-dir", str(data_dir), "--metrics-port", str(port),
+            "--engine-factory", "tests.ops_helpers:slow_engine"]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        # worker.metrics is logged once the start's handler is in place (and the model "loads" for 600 s)
+        wait_for(lambda: proc.poll() is not None or '"worker.metrics"' in log.read_text(), what="worker.metrics")
+        redis_pid = int((data_dir / "redis.pid").read_text())
+        proc.send_signal(sig)
+        assert proc.wait(30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "Traceback" not in text and '"worker.stopped"' in text and '"phase": "starting"' in text, text
+    with pytest.raises(ProcessLookupError):  # the embedded Redis went with it (it stops before exit returns)
+        os.kill(redis_pid, 0)

@@ -160,7 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_logging(settings)
     if settings.engine_factory is None:  # a factory brings its own engine (and kernels)
-        log_kernel_path(settings)
+        try:
+            log_kernel_path(settings)
+        except KeyboardInterrupt:  # Ctrl-C while the kernels build: an answer, not a traceback
+            print("pagedq worker: interrupted while starting", file=sys.stderr)
+            return 130
     return run_worker(settings)
 
 

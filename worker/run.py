@@ -85,6 +85,26 @@ def build_engine(settings: Settings) -> EngineLike:
 
 EXIT_METRICS_PORT_UNAVAILABLE = 78  # EX_CONFIG (as a name in use): a setting is at fault, nothing was loaded
 EXIT_MODEL_UNAVAILABLE = 78  # the same for --model: no folder, an incomplete one, the default model not installable
+EXIT_CONFIG = 78  # the same for --device (no such CUDA device) and --data-dir (no folder the embedded Redis can use)
+
+
+def _device_problem(settings: Settings) -> str | None:
+    """Why ``--device`` names no device here (``cuda`` on a host without a visible GPU, ``cuda:N`` past the
+    last one), found before the model loads: the engine raised it from deep inside torch, as a traceback."""
+    if settings.engine_factory or not settings.device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return (
+            f"device {settings.device}: no CUDA device is visible (torch {torch.__version__}, {built}); "
+            "use --device cpu or auto (PAGEDQ_DEVICE), or give the container a GPU"
+        )
+    index = int(settings.device.partition(":")[2] or 0)
+    if index >= (count := torch.cuda.device_count()):
+        return f"device {settings.device}: only {count} CUDA device(s) are visible (cuda:0 .. cuda:{count - 1})"
+    return None
 
 
 def _model_problem(settings: Settings) -> str | None:
@@ -101,6 +121,14 @@ def _model_problem(settings: Settings) -> str | None:
     return None
 
 
+class _StopWhileStarting(BaseException):
+    """SIGTERM or SIGINT before the loop runs (the kernels build, the model loads): nothing is held yet."""
+
+
+def _stop_while_starting(signum: int, _frame: FrameType | None) -> None:
+    raise _StopWhileStarting(signum)
+
+
 def run_worker(settings: Settings) -> int:
     """Run a worker until SIGTERM/SIGINT (graceful drain; a second signal stops at once). Exit code."""
     configure_logging(settings)
@@ -109,9 +137,23 @@ def run_worker(settings: Settings) -> int:
     url = settings.redis_url
     if not url:
         embedded = EmbeddedRedis(settings.data_dir)
-        url = embedded.start()
+        try:
+            url = embedded.start()
+        except (OSError, RuntimeError) as exc:  # a folder it cannot write; a redis-server that will not start
+            log.error(
+                "worker.embedded_redis_failed",
+                data_dir=str(settings.data_dir),
+                error=str(exc),
+                hint="give --data-dir (PAGEDQ_DATA_DIR) a folder this user can write, or --redis-url a Redis",
+            )
+            return EXIT_CONFIG if isinstance(exc, OSError) else 1
         log.info("worker.embedded_redis", url=url, data_dir=str(settings.data_dir), hint="point producers here")
     health: HealthServer | None = None
+    # Until the loop has its handler, a stop ends the start at once and cleanly: the default SIGTERM killed
+    # the process without a word, leaving the embedded Redis (its own session) running; Ctrl-C printed a
+    # KeyboardInterrupt traceback.
+    starting = {sig: signal.signal(sig, _stop_while_starting) for sig in (signal.SIGTERM, signal.SIGINT)}
+    engine: EngineLike | None = None
     try:
         if settings.metrics_port:  # before the model loads: /healthz answers, /readyz says "loading"
             keys = Keys(settings.namespace, settings.queue, settings.queue_shards)
@@ -130,6 +172,9 @@ def run_worker(settings: Settings) -> int:
         if (problem := _model_problem(settings)) is not None:
             log.error("worker.model_unavailable", model=settings.model, error=problem)
             return EXIT_MODEL_UNAVAILABLE
+        if (problem := _device_problem(settings)) is not None:
+            log.error("worker.device_unavailable", device=settings.device, error=problem)
+            return EXIT_CONFIG
         engine = build_engine(settings)
         worker = Worker(settings, engine, url)
         if health is not None:
@@ -146,21 +191,25 @@ def run_worker(settings: Settings) -> int:
             log.info("worker.signal", signal=signal.Signals(signum).name)
             worker.request_stop()
 
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in starting:
+            signal.signal(sig, on_signal)
         try:
             return worker.run()
         finally:
             watchdog.stop()
             watchdog.join(timeout=2 * CHECK_EVERY_S)  # not left running while the interpreter shuts down
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            close = getattr(engine, "close", None)
-            if close is not None:  # tensor parallelism: stop the rank processes
-                close()
+    except _StopWhileStarting as stop:
+        log.info("worker.stopped", signal=signal.Signals(stop.args[0]).name, phase="starting")
+        return 0
     except Exception:
         log.exception("worker.failed")
         return 1
     finally:
+        for sig, handler in starting.items():
+            signal.signal(sig, handler)
+        close = getattr(engine, "close", None)
+        if close is not None:  # tensor parallelism: stop the rank processes (a stop while starting too)
+            close()
         if health is not None:
             health.stop()
         if embedded is not None:

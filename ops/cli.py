@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ops.arg_types import int_at_least
+
 # name -> (help, module, add-arguments function, run function)
 _COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "submit": (
@@ -49,17 +51,6 @@ DEMO_PROMPTS = [
     "Give me three tips for learning Python.",
     "Explain what a paged KV cache is in one sentence.",
 ]
-
-
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (argparse makes the error a usage error, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _model_path(model: str | None, command: str, log: Callable[[str], None] | None = None) -> str | None:
@@ -266,7 +257,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument(
-        "--max-tokens", type=_positive_int, default=48, help="tokens to generate per job at most (default 48)"
+        "--max-tokens", type=int_at_least(1), default=48, help="tokens to generate per job at most (default 48)"
     )
     p.add_argument(
         "--data-dir",

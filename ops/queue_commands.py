@@ -34,6 +34,7 @@ import redis
 from pydantic import ValidationError
 from redis.exceptions import RedisClusterException
 
+from ops.arg_types import int_at_least, seconds
 from schemas.jobs import DeadLetter, FinalEvent, describe_validation_error, salvage_reply_target
 from schemas.keys import GROUP, JOB_FIELD, OWNER_FIELD, Keys, entry_ref, split_entry_ref
 from worker import redis_url
@@ -164,7 +165,7 @@ def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--id", default=None, help="job id (idempotency key; default: a fresh UUID)")
     parser.add_argument(
         "--wait-s",
-        type=float,
+        type=seconds,
         default=DEFAULT_WAIT_S,
         help=f"give up waiting after this long: exit 124, the job stays queued (default {DEFAULT_WAIT_S:g}; 0: never)",
     )
@@ -689,18 +690,6 @@ def _format_status(namespace: str, st: dict[str, Any]) -> list[str]:
 # ------------------------------------------------------------------------------------------- dead
 
 
-def _count(text: str) -> int:
-    """``--count``: an integer >= 0. A negative one showed nothing (and said so as if the stream were
-    empty of what was asked); argparse makes this error a usage error, exit 2."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (all) or more, got {value}")
-    return value
-
-
 def add_dead_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Dead letters of a queue: invalid jobs and jobs out of attempts."
     sub = parser.add_subparsers(dest="dead_command", required=True, metavar="{list,replay}")
@@ -708,7 +697,9 @@ def add_dead_arguments(parser: argparse.ArgumentParser) -> None:
         "list", help="show dead letters, oldest first", description="Show the dead letters of a queue, oldest first."
     )
     add_connection_arguments(p)
-    p.add_argument("--count", type=_count, default=20, help="show at most this many (default 20; 0: all)")
+    p.add_argument(
+        "--count", type=int_at_least(0, "all"), default=20, help="show at most this many (default 20; 0: all)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per dead letter, with the raw job")
     p = sub.add_parser(
         "replay",

@@ -640,6 +640,15 @@ def test_malformed_dead_letters_are_shown_and_left_in_place(ctx: Ctx, capsys: py
     assert exit_info.value.code == 2 and "--count: must be 0 (all) or more" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("wait", ["nan", "inf", "-1", "soon"])
+def test_a_wait_that_is_no_duration_is_a_usage_error(wait: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--wait-s nan`` ended in a traceback (``int(nan)`` deep in the client), ``-1`` gave up at once with
+    exit 124: argparse's usage error now, before Redis is asked anything."""
+    with pytest.raises(SystemExit) as exit_info:
+        queue_commands.main(["submit", "hi", "--wait-s", wait, "--redis-url", "redis://127.0.0.1:1/0"])
+    assert exit_info.value.code == 2 and "--wait-s: must be a" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", [["status"], ["dead", "list"], ["dead", "replay", "--all"], ["submit", "hi"]])
 def test_an_unreachable_cluster_is_one_line_and_exit_1(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """A ``redis+cluster://`` client connects as it is made, and "no node answers" is a

@@ -1,11 +1,16 @@
 """Structured output: JSON-schema, regex, choice and EBNF constraints through xgrammar.
 
-A constrained request's grammar is compiled once, at admission (``Engine.add_request``), and kept in a
-bounded LRU keyed by the constraint's canonical text, so the step loop never compiles and a schema sent
-by many jobs is compiled once. Each sample of the request gets its own ``GrammarMatcher`` (``n > 1``
-samples diverge), advanced only by tokens the engine accepts: a preempted sequence is recomputed from
-its kept tokens without resampling them, so its matcher needs no rollback. Greedy constrained
-sequences speculate like the others, on drafts the grammar accepts (prompt lookup cut to the grammar,
+A constrained request's constraint is checked at admission (``Engine.add_request``: a schema, regex or
+grammar that does not parse is refused there) and compiled off the step path, on a compile thread, as
+vLLM and SGLang do: compiling walks the whole vocabulary for every rule, and a large enum takes seconds
+(20,000 values: 2.8 s on SmolLM2's vocabulary), which on the engine's thread stalled every other
+request's tokens that long. The request waits, out of the scheduler, until its grammar is ready
+(``GrammarCache.prepare`` gives a future, ``harvest`` collects it on the engine's thread). Compiled
+grammars are kept in a bounded LRU keyed by the constraint's canonical text, so a schema sent by many
+jobs is compiled once (and a compile in flight is shared). Each sample of the request gets its own
+``GrammarMatcher`` (``n > 1`` samples diverge), advanced only by tokens the engine accepts: a preempted
+sequence is recomputed from its kept tokens without resampling them, so its matcher needs no rollback.
+Greedy constrained sequences speculate like the others, on drafts the grammar accepts (prompt lookup cut to the grammar,
 or its forced tokens: ``GrammarCache.draft``); each draft position's logits row is masked with the
 grammar's state after the drafts before it, and the matcher is rolled back, so it too only ever
 advances by accepted tokens.
@@ -19,18 +24,29 @@ never load it.
 from __future__ import annotations
 
 import json
+import queue
 import re
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
+from schemas.jobs import unheld_schema_keyword
 from schemas.sampling import SamplingParams
 
 DEFAULT_CACHE_SIZE = 128
+SYNC_PARSE_CHARS = 64 << 10
+"""Constraints up to this many characters are parsed at admission, so a bad one is refused there (a
+``ValueError`` from ``add_request``). Parsing is linear but not free (0.66 s for a 790 kB regex
+alternation, 0.48 s for a 490 kB nested ``anyOf`` schema; under 60 ms at this size), so a longer
+constraint is parsed on the compile thread too, and one that does not parse fails its request with
+the parser's message (``RequestDelta.error``), never stalling the step loop."""
 
 # xgrammar's C++ errors start with a timestamp, a source location and sometimes the failed check; the
 # producer gets the reason only.
@@ -57,6 +73,8 @@ def constraint_of(params: SamplingParams) -> tuple[str, str] | None:
                 schema = json.loads(schema)
             except ValueError as exc:
                 raise ValueError(f"json_schema is not valid JSON: {exc}") from exc
+        if (why := unheld_schema_keyword(schema)) is not None:
+            raise ValueError(f"json_schema: {why}")
         return "json_schema", json.dumps(schema, separators=(",", ":"))
     if params.regex is not None:
         return "regex", params.regex
@@ -109,6 +127,12 @@ class GrammarCache:
         self._bitmask: torch.Tensor | None = None  # kept between steps: see apply_bitmasks
         self.maxsize = maxsize
         self.grammars: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        # Compiles in flight, by constraint; the one compile thread and its queue of work.
+        self._inflight: dict[tuple[str, str], Future[tuple[Any, float]]] = {}
+        self._queue: queue.SimpleQueue[tuple[Future[tuple[Any, float]], Callable[[], tuple[Any, float]]]] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
         self.num_compiled = 0
         self.compile_s = 0.0
         self.reset_timers()
@@ -133,9 +157,11 @@ class GrammarCache:
             "mask_calls": self.mask_calls,
         }
 
-    def compile(self, params: SamplingParams) -> Any:
-        """The compiled grammar of ``params``' constraint (None when it has none). Raises ValueError with
-        xgrammar's message for a schema, regex or grammar it cannot compile."""
+    def prepare(self, params: SamplingParams) -> Any:
+        """``params``' compiled grammar when it is cached (None when it has no constraint), else a
+        ``Future`` of it, compiling on the compile thread. Raises ValueError, with xgrammar's message,
+        for a constraint that does not parse (one up to ``SYNC_PARSE_CHARS``; a longer one's future
+        fails with that ValueError instead). Called on the engine's thread only, as ``harvest``."""
         key = constraint_of(params)
         if key is None:
             return None
@@ -143,24 +169,82 @@ class GrammarCache:
         if compiled is not None:
             self.grammars.move_to_end(key)
             return compiled
-        started = time.perf_counter()
+        future = self._inflight.get(key)
+        if future is not None:  # the same constraint is compiling for another request: share it
+            return future
         kind, text = key
+        field = "choice" if params.choice is not None else kind
+        parsed = self._parse(kind, text, field) if len(text) <= SYNC_PARSE_CHARS else None
+        future = self._submit(lambda: self._build(kind, text, field, parsed))
+        self._inflight[key] = future
+        return future
+
+    def compile(self, params: SamplingParams) -> Any:
+        """``params``' compiled grammar, waiting for it (for callers outside the step loop: tests, tools)."""
+        prepared = self.prepare(params)
+        if isinstance(prepared, Future):
+            prepared.result()
+            self.harvest()
+            return self.grammars[constraint_of(params)]  # type: ignore[index]
+        return prepared
+
+    def harvest(self) -> None:
+        """Move finished compiles into the LRU (on the engine's thread: the compile thread never touches
+        the cache). A failed one is dropped: its requests fail with its error, and nothing is cached."""
+        for key, future in list(self._inflight.items()):
+            if not future.done():
+                continue
+            del self._inflight[key]
+            if future.exception() is not None:
+                continue
+            compiled, seconds = future.result()
+            self.compile_s += seconds
+            self.num_compiled += 1
+            self.grammars[key] = compiled
+            if len(self.grammars) > self.maxsize:
+                self.grammars.popitem(last=False)
+
+    @staticmethod
+    def _parse(kind: str, text: str, field: str) -> Any:
+        """The constraint's xgrammar ``Grammar``, before any work over the vocabulary."""
         try:
             if kind == "json_schema":
-                compiled = self.compiler.compile_grammar(json_schema_grammar(text))
-            elif kind == "regex":
-                compiled = self.compiler.compile_regex(text)
-            else:
-                compiled = self.compiler.compile_grammar(text)
+                return json_schema_grammar(text)
+            if kind == "regex":
+                return xgr.Grammar.from_regex(text)
+            return xgr.Grammar.from_ebnf(text)
         except Exception as exc:  # xgrammar raises RuntimeError (and a few subclasses) for bad input
-            field = "choice" if params.choice is not None else kind
             raise ValueError(f"{field}: {library_message(exc)}") from exc
-        self.compile_s += time.perf_counter() - started
-        self.num_compiled += 1
-        self.grammars[key] = compiled
-        if len(self.grammars) > self.maxsize:
-            self.grammars.popitem(last=False)
-        return compiled
+
+    def _build(self, kind: str, text: str, field: str, parsed: Any) -> tuple[Any, float]:
+        """On the compile thread: parse (when admission did not) and compile; (compiled, seconds)."""
+        started = time.perf_counter()
+        grammar = self._parse(kind, text, field) if parsed is None else parsed
+        try:
+            compiled = self.compiler.compile_grammar(grammar)
+        except Exception as exc:
+            raise ValueError(f"{field}: {library_message(exc)}") from exc
+        return compiled, time.perf_counter() - started
+
+    def _submit(self, work: Callable[[], tuple[Any, float]]) -> Future[tuple[Any, float]]:
+        """Run ``work`` on the compile thread (started on first use). A daemon thread, not an executor's:
+        a compile cannot be interrupted, and one still running must not hold up the process's exit."""
+        future: Future[tuple[Any, float]] = Future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._compile_loop, name="pagedq-grammar-compile", daemon=True)
+            self._thread.start()
+        self._queue.put((future, work))
+        return future
+
+    def _compile_loop(self) -> None:
+        while True:
+            future, work = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(work())
+            except BaseException as exc:  # the request fails with it; the thread goes on
+                future.set_exception(exc)
 
     @staticmethod
     def matcher(compiled: Any) -> Any:

@@ -129,6 +129,8 @@ class ResponseFormat(BaseModel):
             depth = json_depth(self.json_schema.schema_, MAX_SCHEMA_DEPTH + 1)
             if depth > MAX_SCHEMA_DEPTH:
                 raise ValueError(f"json_schema.schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+            if (why := unheld_schema_keyword(self.json_schema.schema_)) is not None:
+                raise ValueError(f"json_schema.schema: {why}")
         return self
 
     def json_schema_value(self) -> dict[str, Any] | None:
@@ -285,6 +287,73 @@ def json_depth(value: Any, limit: int) -> int:
         depth += 1
         level = children
     return depth
+
+
+# Subschemas a JSON schema holds, by where they sit: one schema, a list of them, or a map of names to them.
+_SCHEMA_KEYWORDS = ("items", "additionalProperties", "additionalItems", "unevaluatedProperties", "propertyNames")
+_SCHEMA_LIST_KEYWORDS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions")
+# Keywords the grammar compiler (xgrammar 0.2.9) drops or loosens: with them, an output the grammar allows
+# could still fail the schema (checked string by string against jsonschema), so a schema using them is
+# refused rather than silently held to less than it says, as vLLM refuses them for xgrammar.
+_UNHELD_KEYWORDS = {
+    "not": "negation",
+    "if": "conditional subschemas",
+    "then": "conditional subschemas",
+    "else": "conditional subschemas",
+    "dependentRequired": "dependencies between properties",
+    "dependentSchemas": "dependencies between properties",
+    "dependencies": "dependencies between properties",
+    "contains": "array containment",
+    "minContains": "array containment",
+    "maxContains": "array containment",
+}
+
+
+def unheld_schema_keyword(schema: Any) -> str | None:
+    """Why structured output cannot hold its output to ``schema`` (a decoded JSON schema), or None.
+
+    The grammar compiler ignores some keywords and loosens others, and then the output can violate the
+    schema it was constrained by: ``not``, ``if``/``then``/``else``, ``dependentRequired`` (and the other
+    dependencies), ``contains``, ``uniqueItems: true``, ``multipleOf`` on a non-integer, ``allOf`` of
+    more than one schema (one is inlined), ``required`` naming a property ``properties`` does not
+    declare; and an empty ``anyOf`` / ``oneOf`` lets the output be empty. Only schema positions are
+    walked (a ``const``, ``enum`` or ``default`` value is data, whatever keys it has), without recursion:
+    the offline API's schemas have no depth limit."""
+    stack: list[tuple[Any, str]] = [(schema, "the root")]
+    while stack:
+        node, where = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for keyword, what in _UNHELD_KEYWORDS.items():
+            if keyword in node:
+                return f"{keyword!r} ({what}, at {where}) is not supported: the output could not be held to it"
+        if node.get("uniqueItems") is True:
+            return f"'uniqueItems' (at {where}) is not supported: the output could not be held to it"
+        if "multipleOf" in node and node.get("type") != "integer":
+            return f'\'multipleOf\' (at {where}) is supported with "type": "integer" only'
+        all_of = node.get("allOf")
+        if isinstance(all_of, list) and len(all_of) > 1:
+            return f"'allOf' of {len(all_of)} schemas (at {where}) is not supported: give one schema, merged"
+        for keyword in ("anyOf", "oneOf"):
+            if node.get(keyword) == []:
+                return f"{keyword!r} (at {where}) is empty: no output could match it"
+        required, properties = node.get("required"), node.get("properties")
+        if isinstance(required, list) and required:
+            declared = properties if isinstance(properties, dict) else {}
+            missing = [name for name in required if name not in declared]
+            if missing:
+                return f"'required' (at {where}) names {missing[0]!r}, which 'properties' does not declare"
+        for keyword in _SCHEMA_KEYWORDS:
+            if isinstance(node.get(keyword), dict):
+                stack.append((node[keyword], f"{where} > {keyword}"))
+        for keyword in _SCHEMA_LIST_KEYWORDS:
+            if isinstance(node.get(keyword), list):
+                stack.extend((sub, f"{where} > {keyword}[{i}]") for i, sub in enumerate(node[keyword]))
+        for keyword in _SCHEMA_MAP_KEYWORDS:
+            if isinstance(node.get(keyword), dict):
+                stack.extend((sub, f"{where} > {keyword} > {name}") for name, sub in node[keyword].items())
+    return None
 
 
 def describe_validation_error(exc: Any, limit: int = 3) -> str:

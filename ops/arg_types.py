@@ -17,8 +17,9 @@ def int_at_least(minimum: int, zero_means: str | None = None) -> Callable[[str],
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
         if value < minimum:
-            lowest = f"{minimum} ({zero_means})" if zero_means is not None and minimum == 0 else str(minimum)
-            raise argparse.ArgumentTypeError(f"must be {lowest} or more, got {value}")
+            if zero_means is not None and minimum == 0:
+                raise argparse.ArgumentTypeError(f"must be 0 ({zero_means}) or more, got {value}")
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         return value
 
     return parse

@@ -8,7 +8,9 @@ worker, the CLI) resolve it first. Light on purpose (no torch), so the check run
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
+from typing import BinaryIO
 
 DEFAULT_MODEL_HINT = "or omit the model to use the default SmolLM2-135M-Instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -28,12 +30,156 @@ def gguf_file(model: str | os.PathLike[str]) -> Path | None:
     return None
 
 
+class GGUFError(ValueError):
+    """A GGUF file pagedq cannot load: unreadable, another architecture, or an unsupported tensor type.
+
+    A ``ValueError``, so the worker's model check reports it as ``worker.model_unavailable`` (exit 78)."""
+
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+"""GGUF ``general.architecture`` -> the Hugging Face architecture pagedq builds (Mistral files say ``llama``).
+Only llama.cpp's ``llama`` converter permutes q/k rows for its rotary layout; Qwen2/Qwen3 files are as the
+checkpoint was, their q/k/v biases (Qwen2) and per-head q/k norms (Qwen3) named like the other tensors."""
+
+GGUF_TENSOR_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+)  # fmt: skip
+"""Tensor types engine/gguf_checkpoint.py loads: floats, and engine.gguf_quants.FORMATS (a test keeps the two
+in step; this copy is here so the check below needs neither torch nor the kernels)."""
+
+_GGUF_MAGIC = b"GGUF"
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+"""GGUF metadata value types (gguf.GGUFValueType) -> struct code; 8 is a string, 9 an array."""
+_MAX_COUNT = 1 << 24  # more tensors or keys than any model has: a corrupt count, refused before a long loop
+
+
+class _Header:
+    """Bounds-checked reads of a GGUF header from an open file: never past ``size``, never a memory map (a
+    mapped read past the end of a short file is a SIGBUS that kills the process)."""
+
+    def __init__(self, file: BinaryIO, size: int, path: Path) -> None:
+        self.file, self.size, self.path = file, size, path
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or self.file.tell() + n > self.size:
+            raise GGUFError(f"{self.path}: GGUF file is truncated or corrupt ({what} runs past its {self.size} bytes)")
+        return self.file.read(n)
+
+    def scalar(self, code: str, what: str) -> int | float | bool:
+        value: int | float | bool = struct.unpack("<" + code, self.take(struct.calcsize(code), what))[0]
+        return value
+
+    def count(self, what: str) -> int:
+        n = int(self.scalar("Q", what))
+        if n > _MAX_COUNT:
+            raise GGUFError(f"{self.path}: GGUF file is corrupt ({what} is {n})")
+        return n
+
+    def string(self, what: str) -> str:
+        raw = self.take(self.count(f"{what} length"), what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise GGUFError(f"{self.path}: GGUF file is corrupt ({what} is not UTF-8)") from None
+
+    def value(self, kind: int, key: str) -> object:
+        """One metadata value; arrays are skipped (returned as their length), as nothing here needs them."""
+        if kind == 8:
+            return self.string(key)
+        if kind in _SCALAR:
+            return self.scalar(_SCALAR[kind], key)
+        if kind == 9:
+            item, n = int(self.scalar("I", key)), self.count(f"{key} length")
+            if item in _SCALAR:
+                self.take(n * struct.calcsize(_SCALAR[item]), key)
+            else:
+                for _ in range(n):
+                    self.value(item, key)
+            return n
+        raise GGUFError(f"{self.path}: GGUF file is corrupt (metadata {key} has value type {kind})")
+
+
+def check_gguf(path: Path, require_tokenizer: bool = True) -> None:
+    """Raise :class:`GGUFError` (one line naming ``path`` and the problem) unless ``path`` is a whole GGUF that
+    pagedq can load: magic and version, one file rather than a split, a supported architecture, the tokenizer
+    metadata, every tensor of a supported type and inside the file. Reads the header only (milliseconds,
+    unlike the gguf package's reader, which takes seconds), so the worker and the engine refuse a bad file
+    before any engine work."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        size = path.stat().st_size
+        file = path.open("rb")
+    except OSError as exc:
+        raise GGUFError(f"{path}: cannot read the GGUF file ({exc.strerror or exc})") from None
+    with file:
+        head = _Header(file, size, path)
+        if size < 4 or head.take(4, "magic") != _GGUF_MAGIC:
+            raise GGUFError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
+        version = int(head.scalar("I", "version"))
+        if version not in (2, 3):
+            raise GGUFError(f"{path}: GGUF version {version} is not supported (pagedq reads versions 2 and 3)")
+        n_tensors, n_keys = head.count("tensor count"), head.count("metadata key count")
+        meta: dict[str, object] = {}
+        for _ in range(n_keys):
+            key = head.string("metadata key")
+            meta[key] = head.value(int(head.scalar("I", key)), key)
+        tensors = []
+        for _ in range(n_tensors):
+            name = head.string("tensor name")
+            n_dims = int(head.scalar("I", f"tensor {name}"))
+            if n_dims > 4:
+                raise GGUFError(f"{path}: GGUF file is corrupt (tensor {name} has {n_dims} dimensions)")
+            dims = struct.unpack(f"<{n_dims}Q", head.take(8 * n_dims, f"tensor {name}"))
+            kind, offset = struct.unpack("<IQ", head.take(12, f"tensor {name}"))
+            tensors.append((name, dims, kind, offset))
+        split = meta.get("split.count")
+        if isinstance(split, int) and split > 1:
+            raise GGUFError(
+                f"{path} is part {int(str(meta.get('split.no', 0))) + 1} of a GGUF split into {split} files, which "
+                "pagedq does not load: merge them first (llama-gguf-split --merge FIRST-SHARD OUT.gguf)"
+            )
+        arch = meta.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            loads = ", ".join(map(repr, GGUF_ARCHITECTURES))
+            raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported (pagedq loads {loads})")
+        if require_tokenizer and not ("tokenizer.ggml.model" in meta and "tokenizer.ggml.tokens" in meta):
+            raise GGUFError(f"{path}: GGUF has no tokenizer metadata (tokenizer.ggml.model and .tokens)")
+        alignment = meta.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFError(f"{path}: GGUF file is corrupt (general.alignment is {alignment!r})")
+        data_start = -(-file.tell() // alignment) * alignment
+        for name, dims, kind, offset in tensors:
+            try:
+                qtype = GGMLQuantizationType(kind)
+            except ValueError:
+                raise GGUFError(f"{path}: tensor {name} has unknown GGML type {kind}") from None
+            if qtype.name not in GGUF_TENSOR_TYPES:
+                raise GGUFError(
+                    f"{path}: tensor {name} has type {qtype.name}, which pagedq does not load "
+                    f"(supported: {', '.join(GGUF_TENSOR_TYPES)})"
+                )
+            elements, type_size = GGML_QUANT_SIZES[qtype]
+            n = 1
+            for d in dims:
+                n *= d
+            if n % elements or (dims and dims[0] % elements):
+                raise GGUFError(f"{path}: tensor {name} ({qtype.name}) has shape {dims}, not whole blocks")
+            end = data_start + offset + n // elements * type_size
+            if end > size:
+                raise GGUFError(
+                    f"{path}: GGUF file is truncated or corrupt (tensor {name} ends at byte {end}, the file has {size})"
+                )
+
+
 def checkpoint_folder(model: str | Path | None) -> Path:
     """``model`` as a checkpoint folder, or a GGUF file (:func:`gguf_file`), or a ``FileNotFoundError`` /
     ``ValueError`` that says what to pass."""
     if model is not None:
         found = gguf_file(model)
         if found is not None:
+            check_gguf(found)
             return found
     if model is None:
         raise ValueError(

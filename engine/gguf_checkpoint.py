@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from engine.checkpoint import gguf_file
+from engine.checkpoint import GGUF_ARCHITECTURES, GGUFError, check_gguf, gguf_file
 from engine.gguf_quants import FORMATS, to_int8_weight
 from engine.kernel_dispatch import get_ops
 from engine.layers import Linear
@@ -69,13 +69,13 @@ _GLOBAL_NAMES = {
 }
 
 
-class GGUFError(ValueError):
-    """A GGUF file pagedq cannot load: unreadable, another architecture, or an unsupported tensor type."""
-
-
-def _reader(path: Path) -> Any:
+def _reader(path: Path, require_tokenizer: bool = False) -> Any:
+    """gguf's reader over ``path``, after :func:`engine.checkpoint.check_gguf` has bounds-checked its header
+    against the file's size: the reader memory-maps the file, and on a short or corrupt one it fails anywhere
+    (or reads garbage) instead of naming the problem."""
     from gguf import GGUFReader
 
+    check_gguf(path, require_tokenizer=require_tokenizer)
     try:
         return GGUFReader(path)
     except Exception as exc:  # the reader raises whatever numpy/struct raised on a short or corrupt file
@@ -90,12 +90,6 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 def _float32_to_decimal(value: float) -> float:
     """GGUF keeps 1e-5 as float32 9.99999974e-06: the shortest decimal, as config.json would say."""
     return float(str(np.float32(value)))
-
-
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-"""GGUF ``general.architecture`` -> the Hugging Face architecture pagedq builds (Mistral files say ``llama``).
-Only llama.cpp's ``llama`` converter permutes q/k rows for its rotary layout; Qwen2/Qwen3 files are as the
-checkpoint was, their q/k/v biases (Qwen2) and per-head q/k norms (Qwen3) named like the other tensors."""
 
 
 def read_config(reader: Any, path: Path) -> ModelConfig:
@@ -298,7 +292,7 @@ def load_tokenizer(path: Path) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as exc:
         raise GGUFError(f"{path}: cannot build its tokenizer from the GGUF metadata ({exc})") from None
-    reader = _reader(path)
+    reader = _reader(path, require_tokenizer=True)
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     if eos is not None and tokenizer.eos_token_id != eos:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos))
@@ -311,4 +305,4 @@ def load_tokenizer(path: Path) -> Any:
     return tokenizer
 
 
-__all__ = ["GGUFError", "gguf_file", "load_gguf_model", "load_tokenizer", "read_config"]
+__all__ = ["GGUF_ARCHITECTURES", "GGUFError", "gguf_file", "load_gguf_model", "load_tokenizer", "read_config"]

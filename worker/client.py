@@ -23,6 +23,7 @@ or per client) it also waits, with Redis ``WAIT``, until that many replicas have
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
@@ -65,6 +66,11 @@ class NotReplicated(Exception):
         self.wanted = wanted
 
 
+class ClientClosed(RuntimeError):
+    """The client was closed: its waits stop (instead of reconnecting, which would leak connections past
+    ``close`` and keep a shutting-down server's readers blocked until their jobs end) and it sends nothing."""
+
+
 class JobFailed(Exception):
     """The job ended with an ``error`` event (``code``: invalid_request, cancelled, dead_lettered...)."""
 
@@ -100,12 +106,11 @@ def build_job(prompt: PromptInput | None = None, /, **params: Any) -> JobRequest
     """
     fields = dict(params)
     if prompt is not None:
-        if isinstance(prompt, str):
-            fields["prompt"] = prompt
-        elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            fields["prompt_token_ids"] = list(prompt)
-        else:
-            fields["messages"] = [dict(m) for m in prompt]  # type: ignore[arg-type]
+        # A positional prompt and a keyword one would otherwise be merged silently, one of them dropped.
+        if given := [f for f in ("prompt", "messages", "prompt_token_ids") if f in params]:
+            raise ValueError(f"exactly one prompt is allowed: got a positional prompt and {', '.join(given)}")
+        name = _prompt_field(prompt)  # first: the value below is evaluated before the subscript
+        fields[name] = prompt if isinstance(prompt, str) else [t if isinstance(t, int) else dict(t) for t in prompt]
     fields.setdefault("id", new_job_id())
     fields.setdefault("submitted_at", time.time())
     job = JobRequest.model_validate(fields)
@@ -115,8 +120,41 @@ def build_job(prompt: PromptInput | None = None, /, **params: Any) -> JobRequest
     return job
 
 
+def _prompt_field(prompt: object) -> str:
+    """The job field a positional prompt fills; ``TypeError`` naming ``prompt`` for anything else.
+
+    Checked here because the shapes are told apart by their items: ``bytes`` are a sequence of ints (they
+    would go out as token ids), and a dict or a list of strings would fail deep inside ``dict()`` with a
+    message that names neither the argument nor what it should have been."""
+    if isinstance(prompt, str):
+        return "prompt"
+    if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray | memoryview):
+        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return "prompt_token_ids"
+        if all(isinstance(m, Mapping) for m in prompt):
+            return "messages"
+        kinds = sorted({type(t).__name__ for t in prompt})
+        raise TypeError(
+            f"prompt: a list must hold only chat messages (dicts) or only token ids (ints), got {', '.join(kinds)}"
+        )
+    raise TypeError(
+        f"prompt must be a str, a list of chat messages (dicts) or a list of token ids (ints), "
+        f"got {type(prompt).__name__}"
+    )
+
+
+def _as_jobs(items: object, common: Mapping[str, Any]) -> list[JobRequest]:
+    """``submit_many``'s jobs. A str, bytes or a single dict is iterable too, and would be queued as one job a
+    character, a byte or a key: refused, as ``submit`` is what queues one prompt."""
+    if isinstance(items, str | bytes | bytearray | Mapping | JobRequest):
+        raise TypeError(f"items must be a list of prompts, job dicts or JobRequests, got {type(items).__name__}")
+    return [_as_job(item, common) for item in items]  # type: ignore[attr-defined]
+
+
 def _as_job(item: PromptInput | Mapping[str, Any] | JobRequest, common: Mapping[str, Any]) -> JobRequest:
     if isinstance(item, JobRequest):
+        if common:  # a validated job is sent as it is: the common fields would be dropped without a word
+            raise TypeError(f"common fields ({', '.join(sorted(common))}) do not apply to a JobRequest: set them on it")
         if "submitted_at" in item.model_fields_set:
             return item
         return item.model_copy(update={"submitted_at": time.time()})
@@ -257,6 +295,11 @@ class _Base:
     reconnect_s: float = 30.0
     _reply_to: dict[str, str] = field(default_factory=dict)
     _next_shard: int = 0
+    _closed: bool = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed("the pagedq client is closed")
 
     @property
     def keys(self) -> Keys:
@@ -313,6 +356,9 @@ class PagedqClient(_Base):
         self.redis = connect(redis_url, decode_responses=True) if isinstance(redis_url, str) else redis_url
 
     def close(self) -> None:
+        """Close the connections; a wait still open (another thread's ``stream``) raises
+        :class:`ClientClosed` at its next read instead of reconnecting."""
+        self._closed = True
         self.redis.close()
 
     def __enter__(self) -> PagedqClient:
@@ -341,8 +387,9 @@ class PagedqClient(_Base):
         """Queue many jobs in one round trip; ``items`` are prompts or dicts of job fields, ``common``
         applies to all. Returns their ids in order. ``wait_replicas``: as for :meth:`submit`, one
         ``WAIT`` for the whole batch."""
+        self._check_open()
         replicas, timeout_ms = self._wait_args(wait_replicas, wait_timeout_ms)
-        jobs = [_as_job(item, common) for item in items]
+        jobs = _as_jobs(items, common)
         # One pipeline, hence one connection: WAIT counts the writes of its own connection only.
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
@@ -357,6 +404,7 @@ class PagedqClient(_Base):
     def cancel(self, job_id: str) -> None:
         """Ask workers to stop the job: a running one ends with finish_reason "cancelled" and its partial
         text, one not yet started with error ``cancelled``."""
+        self._check_open()
         # The flag first, then the notice: two commands, since a cluster pipeline refuses PUBLISH.
         self.redis.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
         self.redis.publish(self.keys.cancel_channel, job_id)
@@ -366,13 +414,17 @@ class PagedqClient(_Base):
         one stored at its result key (module doc: others' events, invalid entries and unconfirmed
         terminal events are skipped)."""
         key = self.reply_key(job_id, reply_to)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _deadline(timeout)
         last = "0"
         outage = _Outage(self.reconnect_s)
+        expired = False
         while True:
+            self._check_open()
             block = _block_ms(self.block_ms, deadline)
             if block is None:
-                raise TimeoutError(f"job {job_id}: no terminal event within {timeout}s")
+                if expired:
+                    raise TimeoutError(f"job {job_id}: no terminal event within {timeout}s")
+                expired = True  # one last read without BLOCK: a job already over is no timeout (timeout=0)
             try:
                 events, new_last = _events(self.redis.xread({key: last}, count=1000, block=block), job_id)
                 last = new_last or last
@@ -394,6 +446,7 @@ class PagedqClient(_Base):
                     yield stored
                     return
             except RECONNECT_ERRORS as exc:
+                self._check_open()  # close() dropped the connection: stop, do not reconnect
                 time.sleep(outage.delay(exc, deadline))
                 continue
             outage.over()
@@ -412,6 +465,8 @@ class PagedqClient(_Base):
 
     def result(self, job_id: str, timeout: float | None = None, *, reply_to: str | None = None) -> FinalEvent:
         """Wait for the job's terminal event; raises :class:`JobFailed` or ``TimeoutError``."""
+        self._check_open()
+        _deadline(timeout)  # a bad timeout is refused before the first round trip
         stored = stored_end(self.redis.get(self.keys.result(job_id)), job_id)
         if stored is not None:
             return _terminal(stored)
@@ -438,6 +493,7 @@ class AsyncPagedqClient(_Base):
         self.redis = connect_async(redis_url, decode_responses=True) if isinstance(redis_url, str) else redis_url
 
     async def close(self) -> None:
+        self._closed = True  # as PagedqClient.close
         await self.redis.aclose()
 
     async def __aenter__(self) -> AsyncPagedqClient:
@@ -459,8 +515,9 @@ class AsyncPagedqClient(_Base):
         self, items: Iterable[PromptInput | Mapping[str, Any] | JobRequest], /, *, wait_replicas: int | None = None,
         wait_timeout_ms: int | None = None, **common: Any,
     ) -> list[str]:  # fmt: skip
+        self._check_open()
         replicas, timeout_ms = self._wait_args(wait_replicas, wait_timeout_ms)
-        jobs = [_as_job(item, common) for item in items]
+        jobs = _as_jobs(items, common)
         pipe = self.redis.pipeline(transaction=False)  # one connection for the XADDs and WAIT (see sync)
         for job in jobs:
             pipe.xadd(self.stream_for(job), {JOB_FIELD: job.to_json()})
@@ -472,6 +529,7 @@ class AsyncPagedqClient(_Base):
         return [job.id for job in jobs]
 
     async def cancel(self, job_id: str) -> None:
+        self._check_open()
         await self.redis.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
         await self.redis.publish(self.keys.cancel_channel, job_id)
 
@@ -484,13 +542,17 @@ class AsyncPagedqClient(_Base):
         there what the reply stream cannot say (the job still not picked up, its HTTP client gone) and
         raises to stop following."""
         key = self.reply_key(job_id, reply_to)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _deadline(timeout)
         last = "0"
         outage = _Outage(self.reconnect_s)
+        expired = False
         while True:  # as PagedqClient.events
+            self._check_open()
             block = _block_ms(self.block_ms, deadline)
             if block is None:
-                raise TimeoutError(f"job {job_id}: no terminal event within {timeout}s")
+                if expired:
+                    raise TimeoutError(f"job {job_id}: no terminal event within {timeout}s")
+                expired = True  # one last read without BLOCK: a job already over is no timeout (timeout=0)
             try:
                 events, new_last = _events(await self.redis.xread({key: last}, count=1000, block=block), job_id)
                 if new_last is None and on_idle is not None:
@@ -513,6 +575,7 @@ class AsyncPagedqClient(_Base):
                     yield stored
                     return
             except RECONNECT_ERRORS as exc:
+                self._check_open()
                 await asyncio.sleep(outage.delay(exc, deadline))
                 continue
             outage.over()
@@ -526,6 +589,8 @@ class AsyncPagedqClient(_Base):
                 yield item
 
     async def result(self, job_id: str, timeout: float | None = None, *, reply_to: str | None = None) -> FinalEvent:
+        self._check_open()
+        _deadline(timeout)
         stored = stored_end(await self.redis.get(self.keys.result(job_id)), job_id)
         if stored is not None:
             return _terminal(stored)
@@ -539,6 +604,17 @@ def _check_replicas(jobs: list[JobRequest], replies: list[Any], replicas: int, t
     """Raise :class:`NotReplicated` when the pipeline's closing ``WAIT`` counted fewer than ``replicas``."""
     if replicas and jobs and int(replies[-1]) < replicas:
         raise NotReplicated([job.id for job in jobs], int(replies[-1]), replicas, timeout_ms)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    """The monotonic deadline of a wait of ``timeout`` seconds: None (or inf) waits forever, 0 or less reads
+    once without blocking. NaN is refused: every comparison with it is false, so it would fail later as an
+    unrelated ``cannot convert float NaN to integer``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or math.isnan(timeout):
+        raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    return None if math.isinf(timeout) and timeout > 0 else time.monotonic() + timeout
 
 
 def _block_ms(block_ms: int, deadline: float | None) -> int | None:

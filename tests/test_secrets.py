@@ -108,7 +108,8 @@ def refuse_engine(settings: Settings) -> None:
 
 @pytest.mark.slow  # a worker process start (~6 s); --print-config's masking stays default
 def test_the_worker_config_log_line_masks_the_password() -> None:
-    url = f"redis://pagedq:{SECRET}@127.0.0.1:{free_port()}/0?ssl_password={SECRET}"
+    # rediss://: ssl_password is an option of TLS connections (on redis:// the settings refuse it at once)
+    url = f"rediss://pagedq:{SECRET}@127.0.0.1:{free_port()}/0?ssl_password={SECRET}"
     proc = _run(
         "worker", "--log-format", "json", PAGEDQ_REDIS_URL=url, PAGEDQ_ENGINE_FACTORY="tests.test_secrets:refuse_engine"
     )
@@ -116,7 +117,8 @@ def test_the_worker_config_log_line_masks_the_password() -> None:
     assert SECRET not in proc.stdout + proc.stderr
     lines = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
     (config,) = [line for line in lines if line.get("event") == "worker.config"]
-    assert config["redis_url"].startswith("redis://pagedq:***@127.0.0.1:") and "ssl_password=***" in config["redis_url"]
+    masked = config["redis_url"]
+    assert masked.startswith("rediss://pagedq:***@127.0.0.1:") and "ssl_password=***" in masked
     assert load_settings(redis_url=url).redacted()["redis_url"] == mask_url(url)
 
 

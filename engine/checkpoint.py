@@ -41,12 +41,16 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
 Only llama.cpp's ``llama`` converter permutes q/k rows for its rotary layout; Qwen2/Qwen3 files are as the
 checkpoint was, their q/k/v biases (Qwen2) and per-head q/k norms (Qwen3) named like the other tensors."""
 
-GGUF_TENSOR_TYPES = (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-)  # fmt: skip
-"""Tensor types engine/gguf_checkpoint.py loads: floats, and engine.gguf_quants.FORMATS (a test keeps the two
-in step; this copy is here so the check below needs neither torch nor the kernels)."""
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
+"""GGUF tensor types engine/gguf_checkpoint.py loads as floats; the quantised ones are engine.gguf_quants.FORMATS."""
+
+
+def gguf_tensor_types() -> tuple[str, ...]:
+    """Every GGUF tensor type pagedq loads: its float types, then its quantised formats."""
+    from engine.gguf_quants import FORMATS
+
+    return (*GGUF_FLOAT_TYPES, *FORMATS)
+
 
 _GGUF_MAGIC = b"GGUF"
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -106,71 +110,89 @@ def check_gguf(path: Path, require_tokenizer: bool = True) -> None:
     metadata, every tensor of a supported type and inside the file. Reads the header only (milliseconds,
     unlike the gguf package's reader, which takes seconds), so the worker and the engine refuse a bad file
     before any engine work."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
     try:
-        size = path.stat().st_size
+        stat = path.stat()
         file = path.open("rb")
     except OSError as exc:
         raise GGUFError(f"{path}: cannot read the GGUF file ({exc.strerror or exc})") from None
+    # One load checks its file several times (the worker's model check, the engine's folder check, gguf's
+    # reader for the config, the weights and the tokenizer: 4-5 x 0.2 s on the default model): a file
+    # unchanged since it passed (same inode, size and mtime) passes again without being read.
+    passed = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
     with file:
-        head = _Header(file, size, path)
-        if size < 4 or head.take(4, "magic") != _GGUF_MAGIC:
-            raise GGUFError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
-        version = int(head.scalar("I", "version"))
-        if version not in (2, 3):
-            raise GGUFError(f"{path}: GGUF version {version} is not supported (pagedq reads versions 2 and 3)")
-        n_tensors, n_keys = head.count("tensor count"), head.count("metadata key count")
-        meta: dict[str, object] = {}
-        for _ in range(n_keys):
-            key = head.string("metadata key")
-            meta[key] = head.value(int(head.scalar("I", key)), key)
-        tensors = []
-        for _ in range(n_tensors):
-            name = head.string("tensor name")
-            n_dims = int(head.scalar("I", f"tensor {name}"))
-            if n_dims > 4:
-                raise GGUFError(f"{path}: GGUF file is corrupt (tensor {name} has {n_dims} dimensions)")
-            dims = struct.unpack(f"<{n_dims}Q", head.take(8 * n_dims, f"tensor {name}"))
-            kind, offset = struct.unpack("<IQ", head.take(12, f"tensor {name}"))
-            tensors.append((name, dims, kind, offset))
-        split = meta.get("split.count")
-        if isinstance(split, int) and split > 1:
+        tokenizer_checked = _PASSED_CHECKS.get(passed)
+        if tokenizer_checked is not None and (tokenizer_checked or not require_tokenizer):
+            return
+        _check_header(file, stat.st_size, path, require_tokenizer)
+    _PASSED_CHECKS[passed] = require_tokenizer or bool(tokenizer_checked)
+
+
+_PASSED_CHECKS: dict[tuple[str, int, int, int], bool] = {}
+"""Files that passed :func:`check_gguf` (path, inode, size, mtime_ns) -> whether with the tokenizer required."""
+
+
+def _check_header(file: BinaryIO, size: int, path: Path, require_tokenizer: bool) -> None:
+    """:func:`check_gguf`'s reading of the header from the open ``file`` of ``size`` bytes."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    supported = gguf_tensor_types()
+    head = _Header(file, size, path)
+    if size < 4 or head.take(4, "magic") != _GGUF_MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
+    version = int(head.scalar("I", "version"))
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: GGUF version {version} is not supported (pagedq reads versions 2 and 3)")
+    n_tensors, n_keys = head.count("tensor count"), head.count("metadata key count")
+    meta: dict[str, object] = {}
+    for _ in range(n_keys):
+        key = head.string("metadata key")
+        meta[key] = head.value(int(head.scalar("I", key)), key)
+    tensors = []
+    for _ in range(n_tensors):
+        name = head.string("tensor name")
+        n_dims = int(head.scalar("I", f"tensor {name}"))
+        if n_dims > 4:
+            raise GGUFError(f"{path}: GGUF file is corrupt (tensor {name} has {n_dims} dimensions)")
+        dims = struct.unpack(f"<{n_dims}Q", head.take(8 * n_dims, f"tensor {name}"))
+        kind, offset = struct.unpack("<IQ", head.take(12, f"tensor {name}"))
+        tensors.append((name, dims, kind, offset))
+    split = meta.get("split.count")
+    if isinstance(split, int) and split > 1:
+        raise GGUFError(
+            f"{path} is part {int(str(meta.get('split.no', 0))) + 1} of a GGUF split into {split} files, which "
+            "pagedq does not load: merge them first (llama-gguf-split --merge FIRST-SHARD OUT.gguf)"
+        )
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        loads = ", ".join(map(repr, GGUF_ARCHITECTURES))
+        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported (pagedq loads {loads})")
+    if require_tokenizer and not ("tokenizer.ggml.model" in meta and "tokenizer.ggml.tokens" in meta):
+        raise GGUFError(f"{path}: GGUF has no tokenizer metadata (tokenizer.ggml.model and .tokens)")
+    alignment = meta.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFError(f"{path}: GGUF file is corrupt (general.alignment is {alignment!r})")
+    data_start = -(-file.tell() // alignment) * alignment
+    for name, dims, kind, offset in tensors:
+        try:
+            qtype = GGMLQuantizationType(kind)
+        except ValueError:
+            raise GGUFError(f"{path}: tensor {name} has unknown GGML type {kind}") from None
+        if qtype.name not in supported:
             raise GGUFError(
-                f"{path} is part {int(str(meta.get('split.no', 0))) + 1} of a GGUF split into {split} files, which "
-                "pagedq does not load: merge them first (llama-gguf-split --merge FIRST-SHARD OUT.gguf)"
+                f"{path}: tensor {name} has type {qtype.name}, which pagedq does not load "
+                f"(supported: {', '.join(supported)})"
             )
-        arch = meta.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
-            loads = ", ".join(map(repr, GGUF_ARCHITECTURES))
-            raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported (pagedq loads {loads})")
-        if require_tokenizer and not ("tokenizer.ggml.model" in meta and "tokenizer.ggml.tokens" in meta):
-            raise GGUFError(f"{path}: GGUF has no tokenizer metadata (tokenizer.ggml.model and .tokens)")
-        alignment = meta.get("general.alignment", 32)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise GGUFError(f"{path}: GGUF file is corrupt (general.alignment is {alignment!r})")
-        data_start = -(-file.tell() // alignment) * alignment
-        for name, dims, kind, offset in tensors:
-            try:
-                qtype = GGMLQuantizationType(kind)
-            except ValueError:
-                raise GGUFError(f"{path}: tensor {name} has unknown GGML type {kind}") from None
-            if qtype.name not in GGUF_TENSOR_TYPES:
-                raise GGUFError(
-                    f"{path}: tensor {name} has type {qtype.name}, which pagedq does not load "
-                    f"(supported: {', '.join(GGUF_TENSOR_TYPES)})"
-                )
-            elements, type_size = GGML_QUANT_SIZES[qtype]
-            n = 1
-            for d in dims:
-                n *= d
-            if n % elements or (dims and dims[0] % elements):
-                raise GGUFError(f"{path}: tensor {name} ({qtype.name}) has shape {dims}, not whole blocks")
-            end = data_start + offset + n // elements * type_size
-            if end > size:
-                raise GGUFError(
-                    f"{path}: GGUF file is truncated or corrupt (tensor {name} ends at byte {end}, the file has {size})"
-                )
+        elements, type_size = GGML_QUANT_SIZES[qtype]
+        n = 1
+        for d in dims:
+            n *= d
+        if n % elements or (dims and dims[0] % elements):
+            raise GGUFError(f"{path}: tensor {name} ({qtype.name}) has shape {dims}, not whole blocks")
+        end = data_start + offset + n // elements * type_size
+        if end > size:
+            raise GGUFError(
+                f"{path}: GGUF file is truncated or corrupt (tensor {name} ends at byte {end}, the file has {size})"
+            )
 
 
 def checkpoint_folder(model: str | Path | None) -> Path:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from engine.checkpoint import GGUF_ARCHITECTURES, GGUFError, check_gguf, gguf_file
+from engine.checkpoint import GGUF_ARCHITECTURES, GGUF_FLOAT_TYPES, GGUFError, check_gguf, gguf_file, gguf_tensor_types
 from engine.gguf_quants import FORMATS, to_int8_weight
 from engine.kernel_dispatch import get_ops
 from engine.layers import Linear
@@ -45,8 +45,6 @@ from pagedq_kernels.int8_linear import Int8Weight
 
 if TYPE_CHECKING:
     from engine.loader import Target
-
-FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -200,10 +198,10 @@ def load_gguf_model(
                 items[name] = quantised if is_linear else quantised.dequantize()
                 if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and config.tie_word_embeddings):
                     head_int8 = quantised  # the lm_head's values as int8 too (LlamaForCausalLM.lm_head_int8)
-            elif type_name in FLOAT_TYPES:
+            elif type_name in GGUF_FLOAT_TYPES:
                 items[name] = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type)).reshape(shape))
             else:
-                supported = ", ".join((*FORMATS, *FLOAT_TYPES))
+                supported = ", ".join(gguf_tensor_types())
                 raise GGUFError(
                     f"{path}: tensor {tensor.name} has type {type_name}, which pagedq does not load "
                     f"(supported: {supported})"

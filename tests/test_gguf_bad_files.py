@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from engine.checkpoint import GGUF_TENSOR_TYPES, GGUFError, check_gguf
+from engine.checkpoint import GGUFError, check_gguf
 from engine.default_model import resolve_model_path
-from engine.gguf_checkpoint import FLOAT_TYPES, read_gguf_config
-from engine.gguf_quants import FORMATS
+from engine.gguf_checkpoint import read_gguf_config
+from tests.tiny_gguf import write_with_raw_tensors
 
 
 def _write(
@@ -38,18 +39,33 @@ def _write(
         writer.add_uint16("split.no", 0)
         writer.add_uint16("split.count", split_count)
     writer.add_tensor("token_embd.weight", np.ones((16, 32), dtype=np.float32))
-    for name, (raw, qtype) in (extra or {}).items():
-        writer.add_tensor(name, raw, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_with_raw_tensors(writer, extra)
     return path
 
 
-def test_loadable_types_match_the_loader() -> None:
-    """check_gguf's copy of the supported types is the loader's (floats and gguf_quants.FORMATS)."""
-    assert set(GGUF_TENSOR_TYPES) == {*FLOAT_TYPES, *FORMATS}
+def test_a_file_is_read_once_per_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One load checks its file 4-5 times (worker, engine, gguf's reader for config, weights, tokenizer): a
+    file that passed passes again unread, and a file changed since (here cut short in place) is read again."""
+    import engine.checkpoint
+
+    reads: list[Path] = []
+    read_header = engine.checkpoint._check_header
+
+    def counted(file: BinaryIO, size: int, path: Path, require_tokenizer: bool) -> None:
+        reads.append(path)
+        read_header(file, size, path, require_tokenizer)
+
+    monkeypatch.setattr(engine.checkpoint, "_check_header", counted)
+    path = _write(tmp_path / "once.gguf")
+    check_gguf(path, require_tokenizer=False)
+    check_gguf(path, require_tokenizer=False)
+    check_gguf(path)  # a stricter check than the one passed reads it again
+    check_gguf(path, require_tokenizer=False)
+    assert len(reads) == 2
+    with open(path, "r+b") as file:
+        file.truncate(path.stat().st_size - 64)
+    with pytest.raises(GGUFError, match="truncated or corrupt"):
+        check_gguf(path)
 
 
 def test_a_good_file_passes(tmp_path: Path) -> None:

@@ -160,8 +160,13 @@ def write_tiny_gguf(
             writer.add_tensor(name, blocks, raw_dtype=qtype)
         else:
             writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
-    for name, (raw, qtype) in (raw_extra or {}).items():
-        writer.add_tensor(name, raw, raw_dtype=qtype)
+    write_with_raw_tensors(writer, raw_extra)
+
+
+def write_with_raw_tensors(writer: GGUFWriter, raw: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None) -> None:
+    """Add ``raw`` tensors as given (blocks of their type, no quantiser), then write the file and close it."""
+    for name, (data, qtype) in (raw or {}).items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -11,7 +11,6 @@ from tempfile import TemporaryDirectory
 
 import pytest
 from redis.crc import key_slot
-from redis.exceptions import RedisClusterException
 
 from schemas.jobs import FinalEvent
 from tests.redis_servers import ClusterServers, DebianServer, fresh_redis_cluster, redis_cluster  # noqa: F401
@@ -156,20 +155,32 @@ def test_a_worker_started_while_its_cluster_is_down_waits_for_it(
         ctx.close()
 
 
-def test_a_server_that_is_no_cluster_is_an_error_not_a_wait() -> None:
-    """``redis+cluster://`` naming a plain server: no wait can fix that, so the worker does not wait."""
+def test_a_server_that_is_no_cluster_is_an_error_not_a_wait(tmp_path: Path) -> None:
+    """``redis+cluster://`` naming a plain server: no wait can fix that, so the worker does not wait; it says
+    so in one line and exits 78 (a setting at fault) before it loads a model (here none would load)."""
     import structlog
 
     from tests.redis_servers import make_server
-    from worker.redis_link import redis_client_when_up
+    from tests.worker_harness import WorkerProcess
+    from worker.redis_link import NotAClusterError, redis_client_when_up
 
     with TemporaryDirectory() as data:
         server = make_server("debian", Path(data) / "plain")
         assert isinstance(server, DebianServer)
+        url = f"redis+cluster://127.0.0.1:{server.port}"
         try:
-            with pytest.raises(RedisClusterException, match="Cluster mode is not enabled"):
-                redis_client_when_up(
-                    f"redis+cluster://127.0.0.1:{server.port}", 1.0, backoff_max_s=0.1, log=structlog.get_logger()
-                )
+            with pytest.raises(NotAClusterError, match="without cluster mode"):
+                redis_client_when_up(url, 1.0, backoff_max_s=0.1, log=structlog.get_logger())
+            ctx = Ctx(server)
+            worker = WorkerProcess(ctx, tmp_path / "no-model", tmp_path, "not-a-cluster", redis_url=url)
+            try:
+                assert worker.proc.wait(timeout=60) == 78, worker.log()
+                lines = worker.log_lines()
+                (line,) = [x for x in lines if x.get("event") == "worker.redis_not_a_cluster"]
+                assert f"127.0.0.1:{server.port} is a Redis server without cluster mode" in line["error"]
+                assert not any(x.get("event") == "worker.model_unavailable" for x in lines)
+            finally:
+                worker.close()
+                ctx.close()
         finally:
             server.stop()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -19,7 +19,9 @@ from redis.retry import Retry
 from schemas.keys import Keys
 from worker.backoff import Backoff
 from worker.reclaimer import ensure_group
-from worker.redis_url import connect
+from worker.redis_url import connect, parse_redis_url
+
+T = TypeVar("T")
 
 REDIS_DOWN = (
     redis.ConnectionError,
@@ -51,25 +53,71 @@ def redis_client(url: str, block_s: float) -> Any:
     )
 
 
+def wait_for_redis(
+    attempt: Callable[[], T], *, backoff_max_s: float, log: Any, should_stop: Callable[[], bool] = lambda: False
+) -> T | None:
+    """``attempt()``'s result, retried while Redis is down (:data:`REDIS_DOWN`) for as long as it takes, each
+    wait logged as ``redis.unavailable``; None if ``should_stop()`` became true first. For the worker's
+    start, where nothing is held yet (no job, no stream entry), so a stop simply ends it."""
+    waits = Backoff(0.1, backoff_max_s, jitter=False)
+    while True:
+        try:
+            return attempt()
+        except REDIS_DOWN as exc:
+            if should_stop():
+                return None
+            delay = waits.next_delay()
+            log.warning("redis.unavailable", error=str(exc), retry_in_s=delay)
+            time.sleep(delay)
+
+
 def redis_client_when_up(url: str, block_s: float, *, backoff_max_s: float, log: Any) -> Any:
     """:func:`redis_client`, waiting for Redis as long as it takes. A single server's client connects on
     its first command, so this returns at once and the loop's :meth:`RedisLink.join` waits; a cluster
     client reads the slot map from the startup nodes as it is made, so with the cluster down (the worker and
     Redis restarted together, a whole cluster rebooting) making it raised, and the worker exited with a
-    traceback where a single server's worker waits. Here it waits the same way, logging
-    ``redis.unavailable``. Nothing is held yet (no job, no stream entry), so SIGTERM or Ctrl-C simply end it."""
-    waits = Backoff(0.1, backoff_max_s, jitter=False)
-    while True:
+    traceback where a single server's worker waits. Here it waits the same way."""
+
+    def attempt() -> Any:
         try:
             return redis_client(url, block_s)
-        except REDIS_DOWN as exc:
-            if "Cluster mode is not enabled" in str(
-                exc
-            ):  # a server that answers, and is not a cluster: no wait fixes it
-                raise
-            delay = waits.next_delay()
-            log.warning("redis.unavailable", error=str(exc), retry_in_s=delay)
-            time.sleep(delay)
+        except redis.exceptions.RedisClusterException:
+            if (problem := plain_server_named_as_cluster(url)) is not None:
+                raise NotAClusterError(problem) from None
+            raise
+
+    return wait_for_redis(attempt, backoff_max_s=backoff_max_s, log=log)
+
+
+class NotAClusterError(ValueError):
+    """A ``redis+cluster://`` URL whose node answers as a plain server: a setting at fault, which no wait fixes."""
+
+
+def plain_server_named_as_cluster(url: str) -> str | None:
+    """What is wrong if ``url`` is a ``redis+cluster://`` URL whose first node answers and says it is no cluster
+    node (``INFO cluster``: ``cluster_enabled:0``); None otherwise, a node that does not answer included (that
+    is an outage, left to the wait). Asked of the server rather than read from redis-py's message, whose
+    wording is not an interface."""
+    target = parse_redis_url(url)
+    if not target.cluster:
+        return None
+    try:
+        probe = connect(target.url, socket_connect_timeout=2, socket_timeout=2, retry=Retry(NoBackoff(), 0))
+    except (ValueError, TypeError):  # an option only the cluster client takes: the cluster client reports it
+        return None
+    try:
+        enabled = probe.info("cluster").get("cluster_enabled")
+    except (*REDIS_DOWN, redis.ResponseError):
+        return None
+    finally:
+        probe.close()
+    if enabled:
+        return None
+    host, port = target.nodes[0]
+    return (
+        f"{host}:{port} is a Redis server without cluster mode (INFO cluster: cluster_enabled:0): name it "
+        "with redis:// (or rediss://), or enable cluster mode on it"
+    )
 
 
 class RedisLink:
@@ -89,18 +137,13 @@ class RedisLink:
     def join(self, should_stop: Callable[[], bool]) -> bool:
         """Create the consumer group and read the clock, waiting for Redis as long as it takes; False if
         ``should_stop()`` became true first."""
-        waits = Backoff(0.1, self.backoff.max_s, jitter=False)
-        while True:
-            try:
-                ensure_group(self.client, self.keys)
-                self.sync_clock()
-                return True
-            except REDIS_DOWN as exc:
-                if should_stop():
-                    return False
-                delay = waits.next_delay()
-                self.log.warning("redis.unavailable", error=str(exc), retry_in_s=delay)
-                time.sleep(delay)
+
+        def attempt() -> bool:
+            ensure_group(self.client, self.keys)
+            self.sync_clock()
+            return True
+
+        return bool(wait_for_redis(attempt, backoff_max_s=self.backoff.max_s, log=self.log, should_stop=should_stop))
 
     def usable(self, now: float) -> bool:
         """Whether to try Redis now (it is up, or its retry time has come)."""

@@ -18,6 +18,7 @@ from schemas.keys import Keys
 from worker.consumer import EngineLike, Worker
 from worker.embedded_redis import EmbeddedRedis
 from worker.health import HealthServer, start_health_server
+from worker.redis_link import plain_server_named_as_cluster
 from worker.settings import Settings
 from worker.watchdog import CHECK_EVERY_S, Watchdog
 
@@ -169,6 +170,9 @@ def run_worker(settings: Settings) -> int:
                 )
                 return EXIT_METRICS_PORT_UNAVAILABLE
             log.info("worker.metrics", host=settings.metrics_host, port=health.port)
+        if (problem := plain_server_named_as_cluster(url)) is not None:  # before the model loads, not after
+            log.error("worker.redis_not_a_cluster", error=problem)
+            return EXIT_CONFIG
         if (problem := _model_problem(settings)) is not None:
             log.error("worker.model_unavailable", model=settings.model, error=problem)
             return EXIT_MODEL_UNAVAILABLE

@@ -12,6 +12,9 @@
   shows an idle engine.
 * ``/healthz`` of an unreachable ``redis+cluster://`` URL is a 503 with the password masked (the probe's
   making used to raise), and every metric family follows Prometheus' naming conventions.
+* the latency histograms hold completed jobs only (finish reason ``stop`` or ``length``): a cancelled,
+  timed-out or failed job is counted in ``pagedq_jobs_total`` by its reason and observed in no histogram,
+  through the ledger and through a real worker cancelling a job mid-generation.
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from schemas.jobs import Choice, ErrorEvent, FinalEvent, FinishReason, JobRequest, Timings, TokenEvent, Usage
 from schemas.keys import JOB_FIELD, Keys
 from tests.ops_helpers import http_get, metric_samples, metric_sum
 from tests.redis_servers import DEBIAN_VARIANT_SLOW, RedisServer, free_port, fresh_redis_server, redis_server  # noqa: F401
-from tests.worker_harness import Ctx, WorkerProcess, job_counts, logs_shown_on_failure, wait_for
+from tests.worker_harness import Ctx, WorkerProcess, inprocess_worker, job_counts, logs_shown_on_failure, wait_for
+from worker.consumer import EngineLike
 from worker.health import PROBE_CACHE_S, HealthServer, RedisProbe
+from worker.job_ledger import JobLedger
 from worker.metrics import WorkerMetrics
 
 SECRET = "zebra-quasar-7731"  # in every prompt; must never reach the log
@@ -339,3 +345,98 @@ def test_every_metric_follows_the_prometheus_conventions() -> None:
         if name.endswith("_ratio"):
             assert all(0 <= sample.value <= 1 for sample in family.samples), name
     assert {f.type for f in families.values()} == {"counter", "gauge", "histogram"}
+
+
+LATENCY_COUNTS = (
+    "pagedq_time_to_first_token_seconds_count",
+    "pagedq_e2e_request_latency_seconds_count",
+    "pagedq_request_queue_time_seconds_count",
+)
+
+
+class _Log:
+    """The ledger's job logger: keeps the ``job.finished`` lines it is given."""
+
+    def __init__(self) -> None:
+        self.lines: list[dict[str, Any]] = []
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.lines.append({"event": event, **fields})
+
+
+def _final(job_id: str, reasons: list[FinishReason], total_s: float) -> FinalEvent:
+    choices = [Choice(index=i, text="ab", token_ids=[1, 2], finish_reason=r) for i, r in enumerate(reasons)]
+    return FinalEvent(
+        id=job_id,
+        attempt=1,
+        choices=choices,
+        usage=Usage(prompt_tokens=3, completion_tokens=2 * len(reasons)),
+        timings=Timings(queued_s=0.1, ttft_s=0.2, total_s=total_s),
+        worker="w",
+    )
+
+
+def test_latency_histograms_observe_completed_jobs_only() -> None:
+    """The ledger over the real registry: one job completed (``length``) beside jobs stopped from outside,
+    each ended minutes after enqueue. The histograms hold the completed job alone (its e2e sum is its own
+    0.5 s), and every other ending is in ``pagedq_jobs_total`` by reason; an ``n`` = 2 job whose first
+    sample hit a stop token before the cancel is a cancelled job, not a completed one. Their tokens still
+    count (the engine did that work)."""
+    metrics = WorkerMetrics()
+    metrics.set_model("m", "float32")
+    ledger = JobLedger(log_prompts=False)
+    ledger.metrics = metrics
+    log = _Log()
+    request = JobRequest(id="j", prompt="p")
+    ledger.ended(log, request, _final("done", ["length"], total_s=0.5), dead_lettered=False)
+    ledger.ended(log, request, _final("cancelled", ["cancelled"], total_s=120.0), dead_lettered=False)
+    ledger.ended(log, request, _final("timed-out", ["deadline"], total_s=300.0), dead_lettered=False)
+    ledger.ended(log, request, _final("half-cancelled", ["stop", "cancelled"], total_s=200.0), dead_lettered=False)
+    cancelled_early = ErrorEvent(id="early", attempt=1, code="cancelled", message="before a token", worker="w")
+    ledger.ended(log, request, cancelled_early, dead_lettered=False)
+    text = generate_latest(metrics.registry).decode()
+    for name in LATENCY_COUNTS:
+        assert metric_sum(text, name, model_name="m") == 1, (name, text)
+    assert metric_sum(text, "pagedq_e2e_request_latency_seconds_sum") == 0.5
+    assert metric_sum(text, "pagedq_inter_token_latency_seconds_count") == 1  # 2 tokens: one gap
+    jobs = {(labels["outcome"], labels["reason"]): value for labels, value in metric_samples(text)["pagedq_jobs_total"]}
+    assert jobs == {
+        ("final", "length"): 1,
+        ("final", "cancelled"): 2,
+        ("final", "deadline"): 1,
+        ("error", "cancelled"): 1,
+    }
+    assert metric_sum(text, "pagedq_generation_tokens_total") == 2 + 2 + 2 + 4
+    reasons = [line.get("finish_reason") for line in log.lines if line["outcome"] == "final"]
+    assert reasons == ["length", "cancelled", "deadline", "cancelled"]  # the log line agrees with the label
+
+
+@pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
+def test_a_worker_cancelling_a_job_mid_generation_keeps_it_out_of_the_latency_histograms(
+    ctx: Ctx, engine: EngineLike
+) -> None:
+    """A real worker and Redis: one job completes, another is cancelled once its tokens stream. The
+    histograms of the worker's registry hold the completed job alone, with its own end-to-end time; the
+    cancel is counted as ``final``/``cancelled``, and its tokens as generated."""
+    metrics = WorkerMetrics()
+    # step_delay_s keeps the long job generating for ~18 s unless cancelled; the test waits on its tokens.
+    with inprocess_worker(ctx, engine, step_delay_s=0.02) as worker:
+        metrics.set_model(worker.model_name, "float32")
+        worker.ledger.metrics = metrics  # as worker/run.py does; no job has ended yet
+        done = ctx.client.result(ctx.client.submit("short", max_tokens=4, ignore_eos=True, temperature=0), timeout=60)
+        long = ctx.client.submit("long", max_tokens=900, ignore_eos=True, temperature=0)
+        wait_for(lambda: any(isinstance(e, TokenEvent) for e in ctx.events(long)), what="the long job's tokens")
+        ctx.client.cancel(long)
+        cancelled = ctx.client.result(long, timeout=30)
+    assert done.choices[0].finish_reason == "length"
+    assert cancelled.choices[0].finish_reason == "cancelled" and cancelled.usage.completion_tokens > 0
+    # The ledger counts a job when its terminal write is queued, before the result is readable: both are in.
+    text = generate_latest(metrics.registry).decode()
+    assert metric_sum(text, "pagedq_jobs_total", outcome="final", reason="cancelled") == 1
+    assert metric_sum(text, "pagedq_jobs_total", outcome="final", reason="length") == 1
+    for name in LATENCY_COUNTS:
+        assert metric_sum(text, name) == 1, (name, text)
+    assert metric_sum(text, "pagedq_e2e_request_latency_seconds_sum") == done.timings.total_s
+    assert metric_sum(text, "pagedq_inter_token_latency_seconds_count") == 3
+    generated = done.usage.completion_tokens + cancelled.usage.completion_tokens
+    assert metric_sum(text, "pagedq_generation_tokens_total") == generated

@@ -16,9 +16,20 @@ from __future__ import annotations
 from typing import Any
 
 from schemas.jobs import ErrorEvent, FinalEvent, JobRequest
-from worker.metrics import WorkerMetrics
+from worker.metrics import COMPLETED_REASONS, WorkerMetrics
 
 COUNTERS = ("final", "error", "duplicate", "lost")
+
+
+def job_finish_reason(event: FinalEvent) -> str | None:
+    """The finish reason of a whole ``final`` job: the first choice's that did not complete (``cancelled``,
+    ``deadline``), else the first choice's.
+
+    Why not simply the first choice's: a job with ``n`` > 1 cancelled after its first sample hit a stop token
+    has ``stop`` there and ``cancelled`` after it, and its timings end at the cancel. Labelled ``stop``, it
+    would enter the latency histograms as if it had completed (see :data:`~worker.metrics.COMPLETED_REASONS`)."""
+    reasons = [choice.finish_reason for choice in event.choices]
+    return next((r for r in reasons if r not in COMPLETED_REASONS), reasons[0] if reasons else None)
 
 
 class JobLedger:
@@ -54,7 +65,7 @@ class JobLedger:
                 self.metrics.job_finished(outcome="error", reason=event.code, dead_lettered=dead_lettered)
             return
         self.counts["final"] += 1
-        reason = event.choices[0].finish_reason if event.choices else None
+        reason = job_finish_reason(event)
         usage, timings = event.usage, event.timings
         gen_s = timings.total_s - (timings.ttft_s if timings.ttft_s is not None else timings.total_s)
         log.info(

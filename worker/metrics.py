@@ -8,7 +8,8 @@ Two kinds of metrics:
 
 * **event metrics** (histograms and counters of finished jobs) are fed by the worker loop through
   :meth:`WorkerMetrics.job_finished` and :meth:`WorkerMetrics.delivery`. They only touch prometheus-client
-  objects, which are thread-safe, so the loop never blocks on a scrape.
+  objects, which are thread-safe, so the loop never blocks on a scrape. The latency histograms hold
+  completed jobs only (:data:`COMPLETED_REASONS`); every ending is counted in ``pagedq_jobs_total``.
 * **state metrics** (running/waiting requests, KV usage, engine counters, reconnects, stream backlog) are
   read at scrape time from the worker's ``status`` snapshot (a dict the loop replaces as the engine's load
   changes) and from a Redis probe of the HTTP thread. Scrapes therefore never call into the engine, which
@@ -44,6 +45,14 @@ MODEL_LABEL = "model_name"
 # generation queued behind others), so the buckets are roughly logarithmic over that range.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+# The finish reasons of a job that ran to its own end (a stop token or string, or its token limit). Only
+# these jobs are observed in the latency histograms: a job cancelled or cut by its deadline ends when
+# someone outside decided, so its "latency" measures the caller's patience, not the service, and a burst of
+# cancels would drag the percentiles operators alert on. After vLLM v1, which observes its e2e/queue/
+# prefill/decode histograms from finished-request stats and labels request_success_total by finished_reason;
+# pagedq says outright which endings count as finished, and counts the others in pagedq_jobs_total.
+COMPLETED_REASONS: frozenset[str] = frozenset({"stop", "length"})
 
 StatusSource = Callable[[], Mapping[str, Any]]
 StreamSource = Callable[[], "tuple[int, int] | None"]
@@ -82,21 +91,26 @@ class WorkerMetrics:
             return Histogram(PREFIX + name, doc, [MODEL_LABEL], buckets=buckets, registry=r)
 
         self.ttft = histogram(
-            "time_to_first_token_seconds", "Time from enqueue (stream entry id) to the first generated token."
+            "time_to_first_token_seconds",
+            "Time from enqueue (stream entry id) to the first generated token, of completed jobs "
+            "(finish reason stop or length).",
         )
         self.inter_token = histogram(
             "inter_token_latency_seconds",
-            "Time between generated tokens (each job contributes its mean gap once per gap).",
+            "Time between generated tokens of completed jobs (each contributes its mean gap once per gap).",
             ITL_BUCKETS,
         )
-        self.e2e = histogram("e2e_request_latency_seconds", "Time from enqueue to the job's terminal event.")
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
+            "Time from enqueue to the terminal event of completed jobs (finish reason stop or length).",
+        )
         self.queue_time = histogram(
-            "request_queue_time_seconds", "Time from enqueue to the start of the job in the engine."
+            "request_queue_time_seconds", "Time from enqueue to the start in the engine, of completed jobs."
         )
         self.jobs = Counter(
             PREFIX + "jobs",
             "Jobs ended by this worker, by outcome (final/error) and reason (finish reason or error code); "
-            "rejected jobs included.",
+            "rejected, cancelled and timed-out jobs included.",
             [MODEL_LABEL, "outcome", "reason"],
             registry=r,
         )
@@ -153,8 +167,12 @@ class WorkerMetrics:
         completion_tokens: int = 0,
         dead_lettered: bool = False,
     ) -> None:
-        """Record one ended job. Errors record no latency histograms: a rejected job's "latency" would
-        only skew the distributions users alert on."""
+        """Record one ended job: every ending in ``pagedq_jobs_total`` by outcome and ``reason``, the
+        tokens of every ``final`` (the engine did that work, cancelled or not), and the latency histograms
+        only for completed jobs.
+
+        ``reason`` is the job's finish reason for a ``final`` (its worst: ``cancelled`` or ``deadline`` if
+        any of its choices was stopped from outside) and the error code for an ``error``."""
         model = self.model_name
         self.jobs.labels(model_name=model, outcome=outcome, reason=reason or "unknown").inc()
         if dead_lettered:
@@ -163,6 +181,11 @@ class WorkerMetrics:
             return
         self.prompt_tokens.labels(model_name=model).inc(max(0, prompt_tokens))
         self.generation_tokens.labels(model_name=model).inc(max(0, completion_tokens))
+        # The rule (see COMPLETED_REASONS): latency histograms observe only jobs that finished ``stop`` or
+        # ``length``. Errors, rejections, cancels and deadlines would skew the distributions users alert
+        # on; they stay in view in pagedq_jobs_total{outcome, reason}, counted above.
+        if reason not in COMPLETED_REASONS:
+            return
         queued, ttft, total = _finite(queued_s), _finite(ttft_s), _finite(total_s)
         if queued is not None:
             self.queue_time.labels(model_name=model).observe(queued)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 DEFAULT_MODEL_HINT = "or omit the model to use the default SmolLM2-135M-Instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -104,35 +106,78 @@ class _Header:
         raise GGUFError(f"{self.path}: GGUF file is corrupt (metadata {key} has value type {kind})")
 
 
-def check_gguf(path: Path, require_tokenizer: bool = True) -> None:
-    """Raise :class:`GGUFError` (one line naming ``path`` and the problem) unless ``path`` is a whole GGUF that
-    pagedq can load: magic and version, one file rather than a split, a supported architecture, the tokenizer
-    metadata, every tensor of a supported type and inside the file. Reads the header only (milliseconds,
-    unlike the gguf package's reader, which takes seconds), so the worker and the engine refuse a bad file
-    before any engine work."""
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor as the header describes it, checked to lie inside the file."""
+
+    name: str
+    dims: tuple[int, ...]
+    """ggml's order: the contiguous dimension (K) first."""
+    type_name: str
+    start: int
+    """Absolute byte offset of its data."""
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What a GGUF's header says: its metadata (arrays as their length: nothing here needs their items; the
+    tokenizer's are read by transformers) and its tensors."""
+
+    path: Path
+    metadata: dict[str, object]
+    tensors: tuple[GGUFTensorInfo, ...]
+
+    def field(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """The checked header of the GGUF at ``path``, or :class:`GGUFError` (one line naming ``path`` and the
+    problem) unless it is a whole GGUF that pagedq can load: magic and version, one file rather than a split,
+    a supported architecture, every tensor of a supported type and inside the file. Bounded reads of the
+    header only (0.2 s for the default model where the gguf package's reader takes 3.5 s, building an object
+    per vocabulary string), so the worker and the engine refuse a bad file before any engine work.
+
+    One load asks 4-5 times (the worker's model check, the engine's folder check, the config, the weights,
+    the tokenizer): a file unchanged since it was read (same inode, size and mtime) is not read again."""
     try:
         stat = path.stat()
         file = path.open("rb")
     except OSError as exc:
         raise GGUFError(f"{path}: cannot read the GGUF file ({exc.strerror or exc})") from None
-    # One load checks its file several times (the worker's model check, the engine's folder check, gguf's
-    # reader for the config, the weights and the tokenizer: 4-5 x 0.2 s on the default model): a file
-    # unchanged since it passed (same inode, size and mtime) passes again without being read.
-    passed = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    version = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
     with file:
-        tokenizer_checked = _PASSED_CHECKS.get(passed)
-        if tokenizer_checked is not None and (tokenizer_checked or not require_tokenizer):
-            return
-        _check_header(file, stat.st_size, path, require_tokenizer)
-    _PASSED_CHECKS[passed] = require_tokenizer or bool(tokenizer_checked)
+        with _READ_HEADERS_LOCK:
+            header = _READ_HEADERS.get(version)
+        if header is None:
+            header = _read_header(file, stat.st_size, path)
+            with _READ_HEADERS_LOCK:
+                while len(_READ_HEADERS) >= _READ_HEADERS_KEPT:
+                    del _READ_HEADERS[next(iter(_READ_HEADERS))]
+                _READ_HEADERS[version] = header
+    return header
 
 
-_PASSED_CHECKS: dict[tuple[str, int, int, int], bool] = {}
-"""Files that passed :func:`check_gguf` (path, inode, size, mtime_ns) -> whether with the tokenizer required."""
+def check_gguf(path: Path, require_tokenizer: bool = True) -> GGUFHeader:
+    """:func:`read_gguf_header`, and with ``require_tokenizer`` the tokenizer's metadata as well (the loader
+    alone, as in tests' tiny files, does not need one)."""
+    header = read_gguf_header(path)
+    if require_tokenizer and not (
+        "tokenizer.ggml.model" in header.metadata and "tokenizer.ggml.tokens" in header.metadata
+    ):
+        raise GGUFError(f"{path}: GGUF has no tokenizer metadata (tokenizer.ggml.model and .tokens)")
+    return header
 
 
-def _check_header(file: BinaryIO, size: int, path: Path, require_tokenizer: bool) -> None:
-    """:func:`check_gguf`'s reading of the header from the open ``file`` of ``size`` bytes."""
+_READ_HEADERS: dict[tuple[str, int, int, int], GGUFHeader] = {}
+"""Headers read, by (path, inode, size, mtime_ns); the oldest dropped beyond :data:`_READ_HEADERS_KEPT`."""
+_READ_HEADERS_KEPT = 8
+_READ_HEADERS_LOCK = threading.Lock()  # engines may load on several threads
+
+
+def _read_header(file: BinaryIO, size: int, path: Path) -> GGUFHeader:
+    """:func:`read_gguf_header`'s reading of the open ``file`` of ``size`` bytes, every check included."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     supported = gguf_tensor_types()
@@ -166,12 +211,11 @@ def _check_header(file: BinaryIO, size: int, path: Path, require_tokenizer: bool
     if arch not in GGUF_ARCHITECTURES:
         loads = ", ".join(map(repr, GGUF_ARCHITECTURES))
         raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported (pagedq loads {loads})")
-    if require_tokenizer and not ("tokenizer.ggml.model" in meta and "tokenizer.ggml.tokens" in meta):
-        raise GGUFError(f"{path}: GGUF has no tokenizer metadata (tokenizer.ggml.model and .tokens)")
     alignment = meta.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise GGUFError(f"{path}: GGUF file is corrupt (general.alignment is {alignment!r})")
     data_start = -(-file.tell() // alignment) * alignment
+    infos = []
     for name, dims, kind, offset in tensors:
         try:
             qtype = GGMLQuantizationType(kind)
@@ -188,11 +232,14 @@ def _check_header(file: BinaryIO, size: int, path: Path, require_tokenizer: bool
             n *= d
         if n % elements or (dims and dims[0] % elements):
             raise GGUFError(f"{path}: tensor {name} ({qtype.name}) has shape {dims}, not whole blocks")
-        end = data_start + offset + n // elements * type_size
+        nbytes = n // elements * type_size
+        end = data_start + offset + nbytes
         if end > size:
             raise GGUFError(
                 f"{path}: GGUF file is truncated or corrupt (tensor {name} ends at byte {end}, the file has {size})"
             )
+        infos.append(GGUFTensorInfo(name, tuple(int(d) for d in dims), qtype.name, data_start + offset, nbytes))
+    return GGUFHeader(path, meta, tuple(infos))
 
 
 def checkpoint_folder(model: str | Path | None) -> Path:

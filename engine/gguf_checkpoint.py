@@ -1,8 +1,9 @@
 """Load a GGUF checkpoint (llama.cpp's format) as it ships: quantised weights stay quantised.
 
-``LLM("model.gguf")``, or a folder holding one ``.gguf`` and no ``config.json``, is read with the ``gguf``
-package's reader (a memory map; nothing is converted on disk). Each tensor of a ``llama``, ``qwen2`` or
-``qwen3`` file (:data:`GGUF_ARCHITECTURES`) is mapped onto pagedq's modules by its llama.cpp name:
+``LLM("model.gguf")``, or a folder holding one ``.gguf`` and no ``config.json``, is read through its checked
+header (:func:`engine.checkpoint.read_gguf_header`) and a memory map of its tensors; nothing is converted on
+disk. Each tensor of a ``llama``, ``qwen2`` or ``qwen3`` file (:data:`GGUF_ARCHITECTURES`) is mapped onto
+pagedq's modules by its llama.cpp name:
 
 - quantised decoder linears (``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, the K-quants ``Q2_K`` to
   ``Q6_K`` and ``IQ4_NL`` / ``IQ4_XS``: every type of llama.cpp's Q2_K to Q8_0 files, ``Q4_K_M`` included) are
@@ -35,7 +36,16 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from engine.checkpoint import GGUF_ARCHITECTURES, GGUF_FLOAT_TYPES, GGUFError, check_gguf, gguf_file, gguf_tensor_types
+from engine.checkpoint import (
+    GGUF_ARCHITECTURES,
+    GGUF_FLOAT_TYPES,
+    GGUFError,
+    GGUFHeader,
+    GGUFTensorInfo,
+    check_gguf,
+    gguf_file,
+    gguf_tensor_types,
+)
 from engine.gguf_quants import FORMATS, to_int8_weight
 from engine.kernel_dispatch import get_ops
 from engine.layers import Linear
@@ -67,22 +77,18 @@ _GLOBAL_NAMES = {
 }
 
 
-def _reader(path: Path, require_tokenizer: bool = False) -> Any:
-    """gguf's reader over ``path``, after :func:`engine.checkpoint.check_gguf` has bounds-checked its header
-    against the file's size: the reader memory-maps the file, and on a short or corrupt one it fails anywhere
-    (or reads garbage) instead of naming the problem."""
-    from gguf import GGUFReader
-
-    check_gguf(path, require_tokenizer=require_tokenizer)
-    try:
-        return GGUFReader(path)
-    except Exception as exc:  # the reader raises whatever numpy/struct raised on a short or corrupt file
-        raise GGUFError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+def _tensor_data(file: np.memmap, tensor: GGUFTensorInfo) -> np.ndarray:
+    """``tensor``'s bytes, memory-mapped (read_gguf_header checked that they lie inside the file)."""
+    return file[tensor.start : tensor.start + tensor.nbytes]
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _as_floats(raw: np.ndarray, tensor: GGUFTensorInfo) -> np.ndarray:
+    """An F32/F16/BF16 tensor's bytes (or any type gguf dequantises) as fp32, in Hugging Face's shape."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    floats = np.asarray(dequantize(raw, GGMLQuantizationType[tensor.type_name]), dtype=np.float32)
+    return floats.reshape(tuple(reversed(tensor.dims)))
 
 
 def _float32_to_decimal(value: float) -> float:
@@ -90,42 +96,42 @@ def _float32_to_decimal(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def read_config(reader: Any, path: Path) -> ModelConfig:
+def read_config(header: GGUFHeader, path: Path) -> ModelConfig:
     """The model's config from the GGUF metadata (``llama``: Llama 2/3, SmolLM2, Mistral; ``qwen2``; ``qwen3``).
 
     Rotary scaling: ``rope.scaling.type`` ``linear`` is position interpolation; Llama 3.1's scaling has no
     metadata key at all: llama.cpp's converter stores it as the ``rope_freqs`` tensor, one divisor per
     frequency, which is read here (a file loaded without it would run with the wrong rotary everywhere)."""
-    arch = _field(reader, "general.architecture")
+    arch = header.field("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         loads = ", ".join(map(repr, GGUF_ARCHITECTURES))
         raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported (pagedq loads {loads})")
-    tensors = {t.name: t for t in reader.tensors}
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    head_dim = _field(reader, f"{arch}.attention.key_length", _field(reader, f"{arch}.rope.dimension_count"))
+    tensors = {t.name: t for t in header.tensors}
+    hidden = int(header.field(f"{arch}.embedding_length"))
+    heads = int(header.field(f"{arch}.attention.head_count"))
+    n_tokens = header.field("tokenizer.ggml.tokens", 0)  # an array: its length
+    head_dim = header.field(f"{arch}.attention.key_length", header.field(f"{arch}.rope.dimension_count"))
     raw: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(header.field(f"{arch}.block_count")),
+        "intermediate_size": int(header.field(f"{arch}.feed_forward_length")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "num_key_value_heads": int(header.field(f"{arch}.attention.head_count_kv", heads)),
         "head_dim": int(head_dim if head_dim is not None else hidden // heads),
-        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
-        "rms_norm_eps": _float32_to_decimal(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _float32_to_decimal(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "vocab_size": int(header.field(f"{arch}.vocab_size", n_tokens)),
+        "max_position_embeddings": int(header.field(f"{arch}.context_length", 2048)),
+        "rms_norm_eps": _float32_to_decimal(header.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _float32_to_decimal(header.field(f"{arch}.rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": header.field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": header.field("tokenizer.ggml.eos_token_id"),
     }
     if arch != "qwen2":  # Qwen2's q/k/v biases go with the architecture; Llama's and Qwen3's with a flag
         raw["attention_bias"] = "blk.0.attn_output.bias" in tensors
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    scaling = header.field(f"{arch}.rope.scaling.type")
+    factor = header.field(f"{arch}.rope.scaling.factor")
     if scaling == "linear" and isinstance(factor, int | float) and factor > 0:
         raw["rope_parameters"] = {"rope_type": "linear", "factor": float(factor)}
     elif scaling == "linear":
@@ -134,13 +140,12 @@ def read_config(reader: Any, path: Path) -> ModelConfig:
         raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported (supported: none, linear, rope_freqs)")
     # End of turn and end of message stop generation as EOS does (llama.cpp's end-of-generation set): an
     # instruct file whose eos is <|endoftext|> ends its chat turns with eot (<|eot_id|>, <|im_end|>).
-    end_ids = [_field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eot", "eom")]
+    end_ids = [header.field(f"tokenizer.ggml.{kind}_token_id") for kind in ("eot", "eom")]
     config = ModelConfig.from_dict(raw, {"eos_token_id": [i for i in end_ids if i is not None]})
     freqs = tensors.get("rope_freqs.weight")
     if freqs is not None:
-        from gguf.quants import dequantize
-
-        divisors = tuple(float(x) for x in np.asarray(dequantize(freqs.data, freqs.tensor_type)).reshape(-1))
+        values = _as_floats(_tensor_data(np.memmap(path, dtype=np.uint8, mode="r"), freqs), freqs)
+        divisors = tuple(float(x) for x in values.reshape(-1))
         if config.rope_scaling is not None or len(divisors) != config.head_dim // 2:
             raise GGUFError(
                 f"{path}: rope_freqs holds {len(divisors)} values for head_dim {config.head_dim}"
@@ -151,8 +156,8 @@ def read_config(reader: Any, path: Path) -> ModelConfig:
 
 
 def read_gguf_config(path: Path) -> ModelConfig:
-    """:func:`read_config` of the file at ``path`` (metadata only: the tensors are memory-mapped, not read)."""
-    return read_config(_reader(path), path)
+    """:func:`read_config` of the file at ``path`` (its header only)."""
+    return read_config(check_gguf(path, require_tokenizer=False), path)
 
 
 def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
@@ -167,11 +172,9 @@ def load_gguf_model(
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model with its weights from the GGUF at ``path`` (quantised linears int8) and its config; the
     model's ``source_quantization`` names its predominant linear type (``gguf:Q4_1``)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    reader = _reader(path)
-    config = read_config(reader, path)
+    header = check_gguf(path, require_tokenizer=False)
+    config = read_config(header, path)
+    file = np.memmap(path, dtype=np.uint8, mode="r")
     permuted = config.architecture == GGUF_ARCHITECTURES["llama"]  # llama.cpp's rotary row order (q, k)
     model = LlamaForCausalLM(config, get_ops(ops_name), dtype=dtype, device=device)
     from engine.loader import CheckpointMismatchError, weight_targets
@@ -181,25 +184,25 @@ def load_gguf_model(
     linear_types: collections.Counter[str] = collections.Counter()
     head_int8: Int8Weight | None = None
     unexpected: list[str] = []
-    for tensor in reader.tensors:
+    for tensor in header.tensors:
         name = _hf_name(tensor.name)
         if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
             if not tensor.name.endswith("rope_freqs.weight"):
                 unexpected.append(tensor.name)
             continue
-        type_name = GGMLQuantizationType(tensor.tensor_type).name
-        shape = tuple(int(s) for s in reversed([int(x) for x in tensor.shape]))  # ggml lists K first
+        type_name = tensor.type_name
+        shape = tuple(reversed(tensor.dims))  # ggml lists K first
         is_linear = name.startswith("model.layers.") and name.endswith("_proj.weight")
         try:
             if type_name in FORMATS:
                 if len(shape) != 2 or shape[1] % FORMATS[type_name].elements:
                     raise GGUFError(f"{path}: tensor {tensor.name} ({type_name}) has shape {shape}")
-                quantised = to_int8_weight(np.asarray(tensor.data), type_name, shape[0], shape[1])
+                quantised = to_int8_weight(_tensor_data(file, tensor), type_name, shape[0], shape[1])
                 items[name] = quantised if is_linear else quantised.dequantize()
                 if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and config.tie_word_embeddings):
                     head_int8 = quantised  # the lm_head's values as int8 too (LlamaForCausalLM.lm_head_int8)
             elif type_name in GGUF_FLOAT_TYPES:
-                items[name] = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type)).reshape(shape))
+                items[name] = torch.from_numpy(np.array(_as_floats(_tensor_data(file, tensor), tensor)))
             else:
                 supported = ", ".join(gguf_tensor_types())
                 raise GGUFError(
@@ -286,18 +289,18 @@ def load_tokenizer(path: Path) -> Any:
     set from the metadata where transformers leaves them out."""
     from transformers import AutoTokenizer
 
+    header = check_gguf(path)  # the tokenizer's metadata is there: one line, not transformers' traceback
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as exc:
         raise GGUFError(f"{path}: cannot build its tokenizer from the GGUF metadata ({exc})") from None
-    reader = _reader(path, require_tokenizer=True)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos = header.field("tokenizer.ggml.eos_token_id")
     if eos is not None and tokenizer.eos_token_id != eos:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not getattr(tokenizer, "chat_template", None):
-        template = _field(reader, "tokenizer.chat_template")
+        template = header.field("tokenizer.chat_template")
         if isinstance(template, str):
             tokenizer.chat_template = template
     return tokenizer

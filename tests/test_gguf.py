@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from engine.attention_metadata import AttentionMetadata
-from engine.checkpoint import gguf_file
+from engine.checkpoint import check_gguf, gguf_file
 from engine.gguf_checkpoint import GGUFError, load_gguf_model
 from engine.layers import Linear
 from engine.model_config import ModelConfig
@@ -297,7 +297,7 @@ def test_default_model_is_the_packaged_gguf_until_prepared(tmp_path: Path, monke
         pytest.skip(f"default model package not installed: {exc}")
     monkeypatch.setenv("PAGEDQ_MODEL_DIR", str(tmp_path))  # nothing prepared here
     assert resolve_model_path(None) == gguf
-    config = read_config(GGUFReader(gguf), gguf)  # metadata only: the weights are not read
+    config = read_config(check_gguf(gguf, require_tokenizer=False), gguf)  # the header only
     assert (config.num_layers, config.hidden_size, config.num_kv_heads) == (30, 576, 3)
     assert config.rms_norm_eps == EXPECTED_CONFIG["rms_norm_eps"] and config.tie_word_embeddings
     assert config.rope_theta == EXPECTED_CONFIG["rope_theta"] and config.vocab_size == 49152

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -226,7 +227,7 @@ def test_sdk_error_types(fleet: Fleet) -> None:
     with pytest.raises(openai.BadRequestError) as overflow:
         client.completions.create(model=fleet.model, prompt=[5] * 1020, max_tokens=5)
     assert overflow.value.code == "context_length_exceeded"
-    assert "requested 1025 tokens (1020 in the prompt, 5 in the completion)" in overflow.value.message
+    assert "requested 1025 tokens (1020 in the messages, 5 in the completion)" in overflow.value.message
     capped = client.completions.create(model=fleet.model, prompt=[5] * 1020, temperature=0)
     assert capped.choices[0].finish_reason == "length" and capped.usage is not None
     assert capped.usage.completion_tokens == 4
@@ -244,6 +245,93 @@ def test_sdk_error_types(fleet: Fleet) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="no-such-model", messages=chat("hi"))
     assert missing.value.code == "model_not_found"
+
+
+OPENAI_CONTEXT_LENGTH = re.compile(
+    r"This model's maximum context length is (\d+) tokens\. However, you requested (\d+) tokens "
+    r"\((\d+) in the messages, (\d+) in the completion\)\. Please reduce the length of the messages or completion\."
+)
+
+
+def context_length_numbers(exc: openai.BadRequestError, param: str) -> tuple[int, int, int, int]:
+    """(context, requested, prompt, completion) of OpenAI's 400 for a prompt too long, after checking that the
+    SDK sees it as OpenAI sends it: its code, type and param, and the message in OpenAI's words, nothing else."""
+    assert exc.status_code == 400
+    assert (exc.code, exc.type, exc.param) == ("context_length_exceeded", "invalid_request_error", param), exc.body
+    body: Any = exc.body
+    assert set(body) == {"message", "type", "param", "code"}, body
+    match = OPENAI_CONTEXT_LENGTH.fullmatch(body["message"])
+    assert match is not None, body["message"]
+    context, requested, prompt, completion = (int(g) for g in match.groups())
+    assert requested == prompt + completion, body["message"]
+    return context, requested, prompt, completion
+
+
+def test_a_prompt_too_long_for_the_model_gets_openais_error(fleet: Fleet) -> None:
+    """A prompt the model's context (1024 tokens) cannot hold: the 400 carried the worker's own words ("prompt
+    is 1200 tokens; the model's context is ..."), where OpenAI's SDK users and vLLM's expect OpenAI's sentence
+    with its numbers. Both endpoints, streamed or not, with the client's max_tokens or the default."""
+    client = fleet.client
+    cases: list[tuple[str, dict[str, Any], tuple[int, int, int, int]]] = [
+        # The prompt alone fills the context: C is the max_tokens the job asked for, the client's own...
+        ("prompt", {"prompt": [5] * 1200, "max_tokens": 4}, (1024, 1204, 1200, 4)),
+        # ... or, none given, the default of /v1/completions (16).
+        ("prompt", {"prompt": [5] * 1200}, (1024, 1216, 1200, 16)),
+        # The prompt fits but not with the client's max_tokens beside it.
+        ("prompt", {"prompt": [5] * 1020, "max_tokens": 5}, (1024, 1025, 1020, 5)),
+        ("prompt", {"prompt": [5] * 1020, "max_tokens": 5, "stream": True}, (1024, 1025, 1020, 5)),
+    ]
+    for param, kw, numbers in cases:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=fleet.model, **kw)
+        assert context_length_numbers(refused.value, param) == numbers, kw
+
+    # Chat: the prompt's length is the templated messages' (the worker's tokenizer). One that fills the context:
+    long_chat = chat("hello " * 1100)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=fleet.model, messages=long_chat, max_tokens=7, stream=stream)
+        context, _, prompt, completion = context_length_numbers(refused.value, "messages")
+        assert (context, completion) == (1024, 7) and prompt >= 1024, refused.value.message
+    # One that fits, with one max_completion_tokens too many beside it: its length read off a served request.
+    short_chat = chat("hello " * 300)
+    served = client.chat.completions.create(model=fleet.model, messages=short_chat, max_tokens=1)
+    assert served.usage is not None
+    prompt = served.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=fleet.model, messages=short_chat, max_completion_tokens=1025 - prompt)
+    assert context_length_numbers(refused.value, "messages") == (1024, 1025, prompt, 1025 - prompt)
+
+
+def test_context_length_error_rewrites_each_refusal_of_the_engine() -> None:
+    """The gateway rewrites the worker's words, so both of the engine's wordings are pinned here: a change
+    to either in ``engine/errors.py`` fails this test rather than a client's parser."""
+    from engine.errors import PromptTooLongError
+    from ops.gateway.openai_api import context_length_error
+
+    alone = context_length_error(str(PromptTooLongError(1200, 1024)), "chat", 256)
+    assert (alone.status, alone.param, alone.code, alone.type) == (
+        400,
+        "messages",
+        "context_length_exceeded",
+        "invalid_request_error",
+    )
+    assert alone.message == (
+        "This model's maximum context length is 1024 tokens. However, you requested 1456 tokens "
+        "(1200 in the messages, 256 in the completion). Please reduce the length of the messages or completion."
+    )
+    beside = context_length_error(str(PromptTooLongError(1020, 1024, 5)), "completion", 16)
+    assert beside.param == "prompt" and beside.message == (
+        "This model's maximum context length is 1024 tokens. However, you requested 1025 tokens "
+        "(1020 in the messages, 5 in the completion). Please reduce the length of the messages or completion."
+    )
+    # A wording it does not know (a worker of another version) is passed on, never given made-up numbers.
+    other = context_length_error("the prompt is far too long", "completion", 16)
+    assert (other.message, other.param, other.code) == (
+        "the prompt is far too long",
+        "prompt",
+        "context_length_exceeded",
+    )
 
 
 def test_no_live_worker_is_503(fleet: Fleet, redis_srv: RedisServer, tmp_path: Path) -> None:
@@ -857,7 +945,7 @@ def test_live_logprobs_follow_a_redelivery_and_fall_back_to_the_final_event() ->
 
 
 def test_job_endings_without_an_openai_finish_reason_are_errors() -> None:
-    from ops.gateway.openai_api import error_for_event, final_error
+    from ops.gateway.openai_api import Request, error_for_event, final_error
 
     def final(*reasons: str) -> FinalEvent:
         choices = [Choice(index=i, text="a", token_ids=[1], finish_reason=r) for i, r in enumerate(reasons)]  # type: ignore[arg-type]
@@ -871,7 +959,8 @@ def test_job_endings_without_an_openai_finish_reason_are_errors() -> None:
     assert late is not None and (late.status, late.code) == (504, "timeout")
     gone = final_error(final("cancelled"), 7)
     assert gone is not None and (gone.status, gone.code) == (503, "cancelled")
-    unstarted = error_for_event(ErrorEvent(id="j", attempt=1, code="deadline_exceeded", message="m"), "chat", 7)
+    spec = Request(kind="chat", model="m", fields={"id": "j", "max_tokens": 4}, stream=False, include_usage=False)
+    unstarted = error_for_event(ErrorEvent(id="j", attempt=1, code="deadline_exceeded", message="m"), spec, 7)
     assert (unstarted.status, unstarted.code) == (504, "timeout")
 
 

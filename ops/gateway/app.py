@@ -246,7 +246,7 @@ class Job:
         self.picked_up = True
         if isinstance(event, ErrorEvent):
             self.ended = True
-            raise error_for_event(event, self.spec.kind, self.gw.settings.request_timeout_s)
+            raise error_for_event(event, self.spec, self.gw.settings.request_timeout_s)
         if isinstance(event, FinalEvent):
             self.ended = True
             if (error := final_error(event, self.gw.settings.request_timeout_s)) is not None:
@@ -348,7 +348,7 @@ async def _sse_stream(job: Job, first: Any, events: AsyncIterator[Any]) -> Async
             yield _sse(body)
     except JobFailed as exc:
         job.ended = True
-        yield _sse(error_for_event(exc.event, spec.kind, timeout_s).body())
+        yield _sse(error_for_event(exc.event, spec, timeout_s).body())
     except ApiError as exc:
         yield _sse(exc.body())
     except Diverged:
@@ -471,7 +471,7 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
             raise error from None
 
     async def run_job(job: Job) -> Response:
-        spec, kind = job.spec, job.spec.kind
+        spec = job.spec
         await job.submit()
         events = job.events()
         try:
@@ -487,7 +487,7 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
                     event = await anext(events)
                     if isinstance(event, ErrorEvent):
                         job.ended = True
-                        raise error_for_event(event, kind, timeout_s)
+                        raise error_for_event(event, spec, timeout_s)
             except ClientGone:
                 await job.cancel()
                 return Response(status_code=499)

@@ -16,6 +16,7 @@ the gateway's, passes first.
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 import uuid
@@ -406,12 +407,51 @@ def _refused_field(message: str) -> str | None:
     return None
 
 
-def error_for_event(event: ErrorEvent, kind: Kind, timeout_s: float) -> ApiError:
-    """The HTTP error for a job that ended with an ``error`` event."""
+# The two refusals of engine.errors.PromptTooLongError, as a worker words them: the prompt alone fills the
+# context, or (strict_max_tokens) the prompt plus the client's max_tokens does not fit in it.
+_PROMPT_FILLS_CONTEXT = re.compile(r"prompt is (\d+) tokens; the model's context is (\d+) tokens\b")
+_PROMPT_AND_COMPLETION = re.compile(
+    r"This model's maximum context length is (\d+) tokens\. However, you requested \d+ tokens "
+    r"\((\d+) in the prompt, (\d+) in the completion\)"
+)
+
+
+def context_length_error(message: str, kind: Kind, max_tokens: int) -> ApiError:
+    """OpenAI's 400 for a prompt too long for the model, from a worker's ``prompt_too_long`` message.
+
+    Clients of OpenAI's API and of vLLM's OpenAI server match this exact wording (the official SDK shows it,
+    retry and truncation helpers parse its numbers out of it), so the worker's own words, made for a log,
+    are rewritten into it: "This model's maximum context length is N tokens. However, you requested M tokens
+    (P in the messages, C in the completion). Please reduce the length of the messages or completion." It is
+    the same sentence for both endpoints, as vLLM words it; ``param`` says which field is too long.
+
+    N and P are the worker's (only it tokenizes, and it knows its model's context); C is the job's
+    ``max_tokens``: the client's own when it set one, else the gateway's default for the endpoint, the
+    tokens the job asked for either way. A message of another wording (a worker of another version) is
+    passed on as it came, with the same ``code`` and ``param``: numbers are never made up.
+    """
+    param = "messages" if kind == "chat" else "prompt"
+    if match := _PROMPT_AND_COMPLETION.search(message):
+        context, prompt, completion = (int(g) for g in match.groups())
+    elif match := _PROMPT_FILLS_CONTEXT.search(message):
+        prompt, context = (int(g) for g in match.groups())
+        completion = max_tokens
+    else:
+        return ApiError(400, message, param=param, code="context_length_exceeded")
+    return ApiError(
+        400,
+        f"This model's maximum context length is {context} tokens. However, you requested "
+        f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the completion). "
+        "Please reduce the length of the messages or completion.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def error_for_event(event: ErrorEvent, spec: Request, timeout_s: float) -> ApiError:
+    """The HTTP error for the job of ``spec`` that ended with an ``error`` event."""
     if event.code == "prompt_too_long":
-        return ApiError(
-            400, event.message, param="messages" if kind == "chat" else "prompt", code="context_length_exceeded"
-        )
+        return context_length_error(event.message, spec.kind, int(spec.fields["max_tokens"]))
     if event.code == "invalid_request":
         return ApiError(400, event.message, param=_refused_field(event.message), code="invalid_value")
     if event.code == "deadline_exceeded":  # its deadline (request_timeout_s) passed before it started

@@ -9,7 +9,8 @@ Everything here goes through wire protocol v1 (``README.md``, "Wire protocol v1"
 reads, so on one machine ``pagedq worker`` and ``pagedq submit`` find each other without flags; with no
 Redis URL at all, the embedded Redis of the default data folder is used, as the worker does.
 
-Exit codes: 0 success, 1 the job failed or Redis is unreachable, 2 bad arguments, 124 ``--wait-s`` ran out
+Exit codes: 0 success (``status`` included when it warns, e.g. of a key of the wrong type, but read all the
+rest), 1 the job failed or Redis is unreachable, 2 bad arguments, 124 ``--wait-s`` ran out
 (600 s unless given: a first ``submit`` with no worker running must not wait silently forever), 130
 interrupted (``submit`` cancels its job on Ctrl-C), 141 stdout was closed early (``| head``), as a C tool
 killed by SIGPIPE would report, without a traceback.
@@ -352,6 +353,40 @@ def existing_shards(r: redis.Redis, keys: Keys, kind: str) -> set[int]:
     return found
 
 
+def wrong_type(r: redis.Redis, exc: redis.ResponseError, key: str, expected: str, role: str) -> dict[str, str] | None:
+    """What ``status`` reports of ``key`` when Redis refused a read of it with WRONGTYPE: the key holds another
+    type than the ``expected`` one pagedq keeps there (a producer or an operator ``SET`` a string where a jobs
+    stream lives, say). None for any other error, which the caller re-raises.
+
+    Anyone who may write the namespace can do this, and the other keys are unaffected by it, so ``status``
+    names the key, the type it holds and the one pagedq expects, and goes on with the rest instead of ending
+    on Redis's one-line error with nothing else shown. The key is only read (``TYPE``): its value is left
+    for the operator to inspect.
+    """
+    if not str(exc).startswith("WRONGTYPE"):
+        return None
+    found = str(r.type(key))
+    return {"key": key, "type": found, "expected": expected, "role": role}
+
+
+_WRONG_TYPE_EFFECT = {
+    "jobs": "it is left out of the backlog, and Redis refuses workers' and producers' stream commands on it "
+    "the same way",
+    "dead-letter": "it is left out of the dead letters, and Redis refuses `pagedq dead list` on it the same way",
+    "heartbeat": "it is not shown as a live worker; a running worker of that name replaces it with its next heartbeat",
+}
+
+
+def wrong_type_warning(found: dict[str, str]) -> str:
+    """A wrong-type key (:func:`wrong_type`) in plain words, with what it hides and what to do."""
+    kind = found["role"].split(" ", 1)[0]
+    return (
+        f"{found['key']} is a {found['type']}, where pagedq keeps a {found['expected']} ({found['role']}): "
+        f"{_WRONG_TYPE_EFFECT[kind]}. Inspect it, then RENAME it away (its value is kept) or DEL it; the rest "
+        "of this report is complete."
+    )
+
+
 def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     """One queue's numbers, straight from Redis (works whether or not any worker is alive).
 
@@ -359,6 +394,10 @@ def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     jobs on a shard at or above the workers' ``queue_shards`` are never read, and hiding them would hide
     the misconfiguration. ``shard_streams`` has each shard's numbers, ``unserved`` sums the shards at or
     above ``keys.shards``, and ``warnings`` says in words what looks wrong and how to fix it.
+
+    A key of the queue holding another type than pagedq keeps there is listed in ``wrong_type_keys``
+    (:func:`wrong_type`), with a warning, and left out of the numbers; its shard row's ``wrong_type`` has
+    the type each such stream of it holds (``{"stream": "string"}``).
     """
     now_ms = time.time() * 1000
     job_shards = existing_shards(r, keys, "jobs")
@@ -390,9 +429,17 @@ def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
         for k in sorted(job_shards | dead_shards)
     }
     consumers: dict[str, dict[str, Any]] = {}
+    wrong: list[dict[str, str]] = []
     for k in sorted(job_shards):
         stream, row = keys.jobs_shard(k), shards[k]
-        row["backlog"] = int(r.xlen(stream))
+        try:
+            row["backlog"] = int(r.xlen(stream))
+        except redis.ResponseError as exc:
+            if (found := wrong_type(r, exc, stream, "stream", f"jobs stream of shard {k}")) is None:
+                raise
+            wrong.append(found)
+            row.setdefault("wrong_type", {})["stream"] = found["type"]
+            continue
         status["backlog"] += row["backlog"]
         try:
             row["pending"] = int(r.xpending(stream, GROUP)["pending"])
@@ -422,21 +469,36 @@ def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             if "NOGROUP" not in str(exc):  # no worker ever joined: everything is backlog
                 raise
     for k in sorted(dead_shards):
-        shards[k]["dead_letters"] = int(r.xlen(keys.dead_shard(k)))
+        try:
+            shards[k]["dead_letters"] = int(r.xlen(keys.dead_shard(k)))
+        except redis.ResponseError as exc:
+            if (found := wrong_type(r, exc, keys.dead_shard(k), "stream", f"dead-letter stream of shard {k}")) is None:
+                raise
+            wrong.append(found)
+            shards[k].setdefault("wrong_type", {})["dead_stream"] = found["type"]
+            continue
         status["dead_letters"] += shards[k]["dead_letters"]
     status["consumers"] = list(consumers.values())
     status["shards"] = keys.shards
     status["shard_streams"] = list(shards.values())
     workers = []
     for key in sorted(r.scan_iter(match=keys.heartbeat_pattern, count=1000)):
-        raw = r.get(key)
+        name = key.rsplit(":", 1)[-1]
+        try:
+            raw = r.get(key)
+        except redis.ResponseError as exc:
+            if (found := wrong_type(r, exc, key, "string", f"heartbeat of worker {name}")) is None:
+                raise
+            wrong.append(found)
+            continue
         if raw is None:
             continue  # expired between SCAN and GET
         try:
             beat = json.loads(raw)
         except ValueError:
             beat = {}
-        name = key.rsplit(":", 1)[-1]
+        if not isinstance(beat, dict):  # valid JSON, but no heartbeat a worker writes
+            beat = {}
         ts = beat.get("ts")
         workers.append(
             {
@@ -464,6 +526,8 @@ def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
         # A consumer outlives its worker in the group; only the heartbeat says whether one is still there.
         consumer["live"] = consumer["name"] in live
     status["unserved"], status["warnings"] = _shard_findings(keys, status["shard_streams"], live)
+    status["wrong_type_keys"] = wrong
+    status["warnings"] += [wrong_type_warning(found) for found in wrong]
     return status
 
 
@@ -576,7 +640,8 @@ def prune_consumers(r: redis.Redis, keys: Keys) -> list[str]:
         try:
             consumers: Any = r.xinfo_consumers(stream, GROUP)
         except redis.ResponseError as exc:
-            if "NOGROUP" in str(exc):
+            # No group: no consumer to prune. WRONGTYPE: no stream, no consumer; status's report names the key.
+            if "NOGROUP" in str(exc) or str(exc).startswith("WRONGTYPE"):
                 continue
             raise
         for c in consumers:

@@ -557,6 +557,66 @@ def test_submit_without_a_live_worker_warns_and_gives_up(
 
 
 @DEBIAN
+def test_status_names_keys_of_the_wrong_type_and_reports_everything_else(
+    ctx: Ctx, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A producer ``SET`` a job where the jobs stream lives, an operator made a dead-letter stream a list and
+    a heartbeat a hash: ``status`` ended with Redis's one WRONGTYPE line and exit 1, hiding every queue. Now
+    it reports all it can read, names each such key with the type it holds and the one pagedq keeps there,
+    and exits 0 (Redis was reachable, the rest was read: the exit codes of the module's docstring). The keys
+    are left as they are, for the operator to inspect."""
+    default, broken = ctx.keys, Keys(ctx.ns, "broken")
+    for i in range(2):
+        ctx.redis.xadd(default.jobs, {JOB_FIELD: json.dumps({"id": f"ok-{i}", "prompt": "hi"})})
+    letter = DeadLetter(job="{oops", reason="job is not valid JSON", code="invalid_request", attempts=1, worker="w")
+    ctx.redis.xadd(default.dead, letter.to_fields())
+    ctx.redis.set(default.heartbeat("w-ok"), json.dumps({"name": "w-ok", "state": "ready", "ts": time.time()}), ex=600)
+    ctx.redis.hset(default.heartbeat("w-hash"), mapping={"state": "ready"})
+    ctx.redis.set(default.heartbeat("w-list"), "[1, 2]", ex=600)  # a string, valid JSON, but no heartbeat
+    payload = json.dumps({"id": "set-1", "prompt": "hi"})
+    ctx.redis.set(broken.jobs, payload)  # SET where XADD was meant
+    ctx.redis.rpush(broken.dead, "a", "b")
+
+    assert queue_commands.main(cli(ctx, "status", "--json")) == 0
+    queues = {q["queue"]: q for q in json_in(capsys.readouterr().out)["queues"]}
+    assert set(queues) == {"default", "broken"}
+    ok = queues["default"]
+    assert (ok["backlog"], ok["dead_letters"]) == (2, 1)
+    assert [(w["name"], w["state"]) for w in ok["workers"]] == [("w-list", None), ("w-ok", "ready")]
+    hb = default.heartbeat("w-hash")
+    assert ok["wrong_type_keys"] == [
+        {"key": hb, "type": "hash", "expected": "string", "role": "heartbeat of worker w-hash"}
+    ]
+    bad = queues["broken"]
+    assert (bad["backlog"], bad["dead_letters"], bad["workers"]) == (0, 0, [])
+    assert bad["wrong_type_keys"] == [
+        {"key": broken.jobs, "type": "string", "expected": "stream", "role": "jobs stream of shard 0"},
+        {"key": broken.dead, "type": "list", "expected": "stream", "role": "dead-letter stream of shard 0"},
+    ]
+    (row,) = bad["shard_streams"]
+    assert (row["shard"], row["wrong_type"]) == (0, {"stream": "string", "dead_stream": "list"})
+    assert len(bad["warnings"]) == 2 and len(ok["warnings"]) == 1
+
+    assert queue_commands.main(cli(ctx, "status")) == 0
+    text = words(capsys.readouterr().out)
+    assert "queue default" in text and "queue broken" in text
+    assert "backlog 2 job(s)" in text and "dead letters 1" in text and "live workers 2" in text
+    assert (
+        f"warning {broken.jobs} is a string, where pagedq keeps a stream (jobs stream of shard 0): it is left out "
+        "of the backlog" in text
+    )
+    assert f"warning {broken.dead} is a list, where pagedq keeps a stream (dead-letter stream of shard 0)" in text
+    assert f"warning {hb} is a hash, where pagedq keeps a string (heartbeat of worker w-hash)" in text
+
+    # --prune and --queue go past the key too; nothing of it was changed by any of these.
+    assert queue_commands.main(cli(ctx, "status", "--prune", "--queue", "broken")) == 0
+    assert f"warning {broken.jobs} is a string" in words(capsys.readouterr().out)
+    assert ctx.redis.get(broken.jobs) in (payload, payload.encode())
+    assert ctx.redis.lrange(broken.dead, 0, -1) in (["a", "b"], [b"a", b"b"])
+    assert ctx.redis.hgetall(hb) in ({"state": "ready"}, {b"state": b"ready"})
+
+
+@DEBIAN
 def test_status_tells_exited_workers_consumers_apart_and_prunes_the_empty_ones(
     ctx: Ctx, engine: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

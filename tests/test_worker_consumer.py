@@ -386,6 +386,19 @@ def test_a_second_worker_with_a_live_workers_name_exits_and_a_dead_ones_name_is_
         wait_for(lambda: ctx.heartbeats().get("ghost", {}).get("pid") == os.getpid(), what="the heir's heartbeat")
 
 
+def test_a_heartbeat_key_of_another_type_does_not_stop_a_worker_taking_the_name(ctx: Ctx, engine: EngineLike) -> None:
+    """An operator's or a stray producer's hash where this worker's heartbeat lives: GET on it is WRONGTYPE,
+    which ended the start. No worker writes anything but a string there, so the name is free: the worker
+    starts, serves, and its heartbeat replaces the key."""
+    key = ctx.keys.heartbeat("hashed")
+    ctx.redis.hset(key, mapping={"name": "hashed", "pid": "1"})
+    with inprocess_worker(ctx, engine, name="hashed") as worker:
+        assert worker.exit_code == 0
+        job = ctx.client.submit("p3", max_tokens=4)
+        assert ctx.client.result(job, timeout=60).attempt == 1
+        wait_for(lambda: ctx.heartbeats().get("hashed", {}).get("pid") == os.getpid(), what="its own heartbeat")
+
+
 def test_shutdown_hands_back_unstarted_at_once_and_abandons_after_grace(ctx: Ctx, engine: EngineLike) -> None:
     with inprocess_worker(ctx, engine, shutdown_grace_s=0.3, step_delay_s=0.02) as worker:
         ids = ctx.client.submit_many([f"long {i}" for i in range(6)], max_tokens=500, ignore_eos=True)

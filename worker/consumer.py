@@ -251,6 +251,13 @@ class Worker:
                     return holder if isinstance(holder, dict) else {}
         except REDIS_DOWN as exc:  # the loop waits out the outage; the check is a guard, not a lock
             self.log.warning("worker.name_check_skipped", error=str(exc))
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                raise
+            # No worker writes anything but a string there, so no live worker holds the name; the keeper's
+            # first heartbeat (SET) replaces the key. Said once, as the key's type is lost with it.
+            found = self.redis.type(key)
+            self.log.warning("worker.heartbeat_key_replaced", key=key, type=str(found), expected="string")
         return None  # not refreshed within its TTL (or stopping): its writer is gone
 
     def shutdown(self) -> None:

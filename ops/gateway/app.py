@@ -63,6 +63,13 @@ from ops.gateway.openai_api import (
 )
 from ops.gateway.openai_api import Request as JobSpec
 from ops.gateway.redis_pool import PoolExhausted, connect_gateway
+from ops.gateway.responses_api import (
+    ResponseEvents,
+    ResponsesRequest,
+    parse_responses_request,
+    renamed_error,
+    response_body,
+)
 from ops.gateway.settings import GatewaySettings
 from ops.queue_commands import MalformedDeadLetter, dead_streams_label, find_dead_letter, replay_dead_letter
 from schemas.affinity import shard_for_job
@@ -270,10 +277,11 @@ class JobStreamingResponse(StreamingResponse):
                 await self.on_close()
 
 
-def _sse(data: Any) -> bytes:
+def _sse(data: Any, event: str | None = None) -> bytes:
     # backslashreplace: as JSONBody, so that a chunk always encodes (a lone surrogate becomes a JSON escape).
     text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {text}\n\n".encode("utf-8", "backslashreplace")
+    head = f"event: {event}\n" if event else ""  # the Responses API names each event, as OpenAI's does
+    return f"{head}data: {text}\n\n".encode("utf-8", "backslashreplace")
 
 
 async def _live_chunks(job: Job, first: Any, events: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
@@ -337,38 +345,73 @@ async def _logprob_chunks(job: Job, first: Any, events: AsyncIterator[Any]) -> A
         yield chunk(spec, [], usage(event.usage))
 
 
+async def _response_events(
+    job: Job, first: Any, events: AsyncIterator[Any], shape: ResponseEvents
+) -> AsyncIterator[dict[str, Any]]:
+    """The Responses API's events for a chat job: :func:`_live_chunks`' deltas (redeliveries followed, never
+    repeated) each as ``response.output_text.delta``, between the events that open and close the response."""
+    for opening in shape.opening():
+        yield opening
+    final = first if isinstance(first, FinalEvent) else None
+
+    async def remember_final() -> AsyncIterator[Any]:
+        nonlocal final
+        async for event in events:
+            if isinstance(event, FinalEvent):
+                final = event
+            yield event
+
+    async for body in _live_chunks(job, first, remember_final()):
+        for choice in body["choices"]:
+            if text := (choice.get("delta") or {}).get("content"):
+                yield shape.delta(text)
+    assert final is not None  # _live_chunks returns only after the final event
+    for closing in shape.closing(final):
+        yield closing
+
+
 async def _sse_stream(job: Job, first: Any, events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     """SSE chunks, then ``[DONE]``. Once the response has started its status cannot change: whatever ends
-    the job badly becomes an error chunk in OpenAI's shape (the SDK raises it) before ``[DONE]``."""
+    the job badly becomes an error chunk in OpenAI's shape (the SDK raises it) before ``[DONE]``. For the
+    Responses API: its named events, an ``error`` event for a failure, and no ``[DONE]`` (OpenAI sends none)."""
     spec = job.spec
     timeout_s = job.gw.settings.request_timeout_s
-    chunks = _logprob_chunks(job, first, events) if spec.logprobs else _live_chunks(job, first, events)
+    shape = ResponseEvents(spec) if isinstance(spec, ResponsesRequest) else None
+    if shape is not None:
+        chunks = _response_events(job, first, events, shape)
+    else:
+        chunks = _logprob_chunks(job, first, events) if spec.logprobs else _live_chunks(job, first, events)
+
+    def failed(error: ApiError) -> bytes:
+        return _sse(error.body()) if shape is None else _sse(shape.error(renamed_error(error)), "error")
+
     try:
         async for body in chunks:
-            yield _sse(body)
+            yield _sse(body) if shape is None else _sse(body, body["type"])
     except JobFailed as exc:
         job.ended = True
-        yield _sse(error_for_event(exc.event, spec, timeout_s).body())
+        yield failed(error_for_event(exc.event, spec, timeout_s))
     except ApiError as exc:
-        yield _sse(exc.body())
+        yield failed(exc)
     except Diverged:
-        yield _sse(
+        yield failed(
             ApiError(
                 500,
                 "the job's worker was lost and its rerun produced different text; retry the request",
                 type="server_error",
                 code="diverged",
-            ).body()
+            )
         )
     except TimeoutError:
-        yield _sse(timeout_error(timeout_s).body())
+        yield failed(timeout_error(timeout_s))
     except redis.RedisError as exc:
         log.warning("job %s: Redis failed mid-stream: %r", spec.job_id, exc)
-        yield _sse(redis_error(exc).body())
+        yield failed(redis_error(exc))
     except Exception:
         log.exception("job %s: the stream failed", spec.job_id)
-        yield _sse(internal_error().body())
-    yield b"data: [DONE]\n\n"
+        yield failed(internal_error())
+    if shape is None:
+        yield b"data: [DONE]\n\n"
 
 
 def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
@@ -438,15 +481,21 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
         check_unicode(body)
         return body
 
-    async def complete(request: Request, kind: Kind) -> Response:
+    async def complete(request: Request, kind: Kind | None) -> Response:
+        """One OpenAI request as one job; ``kind`` None: the Responses API's (a chat job)."""
         check_key(request)
         gw = state["gw"]
-        spec = parse_request(
-            kind,
-            await body_of(request),
-            default_max_tokens=settings.default_max_tokens if kind == "chat" else 16,
-            timeout_s=timeout_s,
-        )
+        body = await body_of(request)
+        spec: JobSpec
+        if kind is None:
+            spec = parse_responses_request(body, default_max_tokens=settings.default_max_tokens, timeout_s=timeout_s)
+        else:
+            spec = parse_request(
+                kind,
+                body,
+                default_max_tokens=settings.default_max_tokens if kind == "chat" else 16,
+                timeout_s=timeout_s,
+            )
         try:
             queue = await gw.router.route(spec.model)
         except LookupError:
@@ -463,6 +512,8 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
             return await run_job(job)
         except ApiError as exc:
             exc.job_id = spec.job_id
+            if isinstance(spec, ResponsesRequest):
+                renamed_error(exc)  # a prompt too long names the request's input, not messages
             raise
         except redis.RedisError as exc:
             error = redis_error(exc)
@@ -500,7 +551,12 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
             job.ended = True
             if (error := final_error(event, timeout_s)) is not None:
                 raise error
-            return JSONBody(completion_body(spec, event, steps), headers={"x-request-id": spec.job_id})
+            body = (
+                response_body(spec, event)
+                if isinstance(spec, ResponsesRequest)
+                else completion_body(spec, event, steps)
+            )
+            return JSONBody(body, headers={"x-request-id": spec.job_id})
         job.watch_client = False
 
         async def on_close() -> None:
@@ -518,6 +574,10 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await complete(request, "completion")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await complete(request, None)
 
     def model_object(mid: str, created: float) -> dict[str, Any]:
         return {"id": mid, "object": "model", "created": int(created), "owned_by": "pagedq"}

@@ -90,7 +90,8 @@ class _Header:
             raise GGUFError(f"{self.path}: GGUF file is corrupt ({what} is not UTF-8)") from None
 
     def value(self, kind: int, key: str) -> object:
-        """One metadata value; arrays are skipped (returned as their length), as nothing here needs them."""
+        """One metadata value; an array is skipped (a :class:`GGUFArray`, its length): nothing here reads
+        one's items (the tokenizer's are transformers' to read)."""
         if kind == 8:
             return self.string(key)
         if kind in _SCALAR:
@@ -102,8 +103,16 @@ class _Header:
             else:
                 for _ in range(n):
                     self.value(item, key)
-            return n
+            return GGUFArray(n)
         raise GGUFError(f"{self.path}: GGUF file is corrupt (metadata {key} has value type {kind})")
+
+
+@dataclass(frozen=True)
+class GGUFArray:
+    """An array in a GGUF's metadata, by its length: told apart from a number (a per-layer
+    ``head_count_kv`` array is no head count)."""
+
+    length: int
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,17 @@ class GGUFHeader:
     tensors: tuple[GGUFTensorInfo, ...]
 
     def field(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(key, default)
+        """A scalar or string of the metadata (``default`` if absent); :class:`GGUFError` for an array,
+        which no field pagedq reads may be (llama.cpp's per-layer head counts or widths)."""
+        value = self.metadata.get(key, default)
+        if isinstance(value, GGUFArray):
+            raise GGUFError(f"{self.path}: metadata {key} is an array (per-layer values), which pagedq does not load")
+        return value
+
+    def array_length(self, key: str) -> int:
+        """The length of the metadata array ``key``; 0 if absent or not an array."""
+        value = self.metadata.get(key)
+        return value.length if isinstance(value, GGUFArray) else 0
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:
@@ -142,8 +161,8 @@ def read_gguf_header(path: Path) -> GGUFHeader:
     One load asks 4-5 times (the worker's model check, the engine's folder check, the config, the weights,
     the tokenizer): a file unchanged since it was read (same inode, size and mtime) is not read again."""
     try:
-        stat = path.stat()
         file = path.open("rb")
+        stat = os.fstat(file.fileno())  # of the file opened: one renamed over it after a stat is not mistaken
     except OSError as exc:
         raise GGUFError(f"{path}: cannot read the GGUF file ({exc.strerror or exc})") from None
     version = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)

@@ -109,7 +109,7 @@ def read_config(header: GGUFHeader, path: Path) -> ModelConfig:
     tensors = {t.name: t for t in header.tensors}
     hidden = int(header.field(f"{arch}.embedding_length"))
     heads = int(header.field(f"{arch}.attention.head_count"))
-    n_tokens = header.field("tokenizer.ggml.tokens", 0)  # an array: its length
+    n_tokens = header.array_length("tokenizer.ggml.tokens")
     head_dim = header.field(f"{arch}.attention.key_length", header.field(f"{arch}.rope.dimension_count"))
     raw: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
@@ -284,6 +284,10 @@ def _fill(
         dest.copy_(value)
 
 
+_TOKENIZER_CLASS_FILES = ("tokenizer_config.json", "tekken.json", "config.json")
+"""Files AutoTokenizer reads beside a GGUF to pick the class (a ``tokenizer_class``, Mistral's tekken)."""
+
+
 def _auto_tokenizer(path: Path, model_type: str) -> Any:
     """``AutoTokenizer.from_pretrained(folder, gguf_file=...)``'s tokenizer, without its second read of the
     whole file. To pick the class, AutoTokenizer reads the model's config from the GGUF with the gguf
@@ -293,11 +297,13 @@ def _auto_tokenizer(path: Path, model_type: str) -> Any:
     (AutoTokenizer's own lookup), and a type it registers none for gets AutoTokenizer's fallback, the
     generic fast tokenizer (transformers 5: ``TokenizersBackend``). ``tests/test_gguf_tokenizer.py`` holds
     the result equal to AutoTokenizer's, class and all, for each architecture. Any other transformers
-    layout takes AutoTokenizer's own path."""
+    layout, and a folder holding a file AutoTokenizer reads to pick the class, take AutoTokenizer's path."""
     from transformers import AutoTokenizer
 
     where: dict[str, Any] = {"gguf_file": path.name, "local_files_only": True}
     folder = str(path.parent)
+    if any((path.parent / name).exists() for name in _TOKENIZER_CLASS_FILES):
+        return AutoTokenizer.from_pretrained(folder, **where)  # a file beside it may name another class
     try:
         from transformers import TokenizersBackend  # type: ignore[attr-defined,unused-ignore]
         from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES

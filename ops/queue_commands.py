@@ -365,7 +365,10 @@ def wrong_type(r: redis.Redis, exc: redis.ResponseError, key: str, expected: str
     """
     if not str(exc).startswith("WRONGTYPE"):
         return None
-    found = str(r.type(key))
+    try:
+        found = str(r.type(key))
+    except redis.RedisError:  # TYPE refused (an ACL) or the connection lost: the rest of the report goes on
+        found = "unknown"
     return {"key": key, "type": found, "expected": expected, "role": role}
 
 
@@ -373,7 +376,9 @@ _WRONG_TYPE_EFFECT = {
     "jobs": "it is left out of the backlog, and Redis refuses workers' and producers' stream commands on it "
     "the same way",
     "dead-letter": "it is left out of the dead letters, and Redis refuses `pagedq dead list` on it the same way",
-    "heartbeat": "it is not shown as a live worker; a running worker of that name replaces it with its next heartbeat",
+    "heartbeat": "it is not listed among the workers, yet a key under that name still counts as a live worker "
+    "for `--prune` and for submit's no-worker check; a running worker of that name replaces it with its next "
+    "heartbeat",
 }
 
 

@@ -169,7 +169,7 @@ def test_a_server_that_is_no_cluster_is_an_error_not_a_wait(tmp_path: Path) -> N
         assert isinstance(server, DebianServer)
         url = f"redis+cluster://127.0.0.1:{server.port}"
         try:
-            with pytest.raises(NotAClusterError, match="without cluster mode"):
+            with pytest.raises(NotAClusterError, match="refused the cluster client's CLUSTER SLOTS"):
                 redis_client_when_up(url, 1.0, backoff_max_s=0.1, log=structlog.get_logger())
             ctx = Ctx(server)
             worker = WorkerProcess(ctx, tmp_path / "no-model", tmp_path, "not-a-cluster", redis_url=url)
@@ -177,7 +177,8 @@ def test_a_server_that_is_no_cluster_is_an_error_not_a_wait(tmp_path: Path) -> N
                 assert worker.proc.wait(timeout=60) == 78, worker.log()
                 lines = worker.log_lines()
                 (line,) = [x for x in lines if x.get("event") == "worker.redis_not_a_cluster"]
-                assert f"127.0.0.1:{server.port} is a Redis server without cluster mode" in line["error"]
+                assert f"Redis at 127.0.0.1:{server.port} refused the cluster client's CLUSTER SLOTS" in line["error"]
+                assert "cluster support disabled" in line["error"]
                 assert not any(x.get("event") == "worker.model_unavailable" for x in lines)
             finally:
                 worker.close()

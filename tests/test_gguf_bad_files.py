@@ -68,6 +68,22 @@ def test_a_file_is_read_once_per_version(tmp_path: Path, monkeypatch: pytest.Mon
     assert len(reads) == 2
 
 
+def test_a_per_layer_array_is_refused_by_name(tmp_path: Path) -> None:
+    """llama.cpp may write per-layer arrays (``head_count_kv``, ``feed_forward_length``); read as a number
+    (the header keeps an array's length), a 2-layer array would have been 2 KV heads. Refused by name."""
+    path = tmp_path / "per-layer.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(2)
+    writer.add_array("llama.attention.head_count_kv", [1, 2])
+    writer.add_tensor("token_embd.weight", np.ones((16, 32), dtype=np.float32))
+    write_with_raw_tensors(writer, None)
+    with pytest.raises(GGUFError, match=r"llama\.attention\.head_count_kv is an array"):
+        read_gguf_config(path)
+
+
 def test_a_good_file_passes(tmp_path: Path) -> None:
     path = _write(tmp_path / "good.gguf")
     check_gguf(path)

@@ -256,8 +256,11 @@ class Worker:
                 raise
             # No worker writes anything but a string there, so no live worker holds the name; the keeper's
             # first heartbeat (SET) replaces the key. Said once, as the key's type is lost with it.
-            found = self.redis.type(key)
-            self.log.warning("worker.heartbeat_key_replaced", key=key, type=str(found), expected="string")
+            try:
+                found = str(self.redis.type(key))
+            except redis.RedisError:  # the note is worth no failed start
+                found = "unknown"
+            self.log.warning("worker.heartbeat_key_replaced", key=key, type=found, expected="string")
         return None  # not refreshed within its TTL (or stopping): its writer is gone
 
     def shutdown(self) -> None:

@@ -19,7 +19,7 @@ from redis.retry import Retry
 from schemas.keys import Keys
 from worker.backoff import Backoff
 from worker.reclaimer import ensure_group
-from worker.redis_url import connect, parse_redis_url
+from worker.redis_url import connect, is_cluster_url, parse_redis_url
 
 T = TypeVar("T")
 
@@ -76,48 +76,65 @@ def redis_client_when_up(url: str, block_s: float, *, backoff_max_s: float, log:
     its first command, so this returns at once and the loop's :meth:`RedisLink.join` waits; a cluster
     client reads the slot map from the startup nodes as it is made, so with the cluster down (the worker and
     Redis restarted together, a whole cluster rebooting) making it raised, and the worker exited with a
-    traceback where a single server's worker waits. Here it waits the same way."""
+    traceback where a single server's worker waits. Here it waits the same way, except for a node's
+    refusal (:class:`NotAClusterError`), which no wait fixes."""
 
     def attempt() -> Any:
         try:
             return redis_client(url, block_s)
-        except redis.exceptions.RedisClusterException:
-            if (problem := plain_server_named_as_cluster(url)) is not None:
-                raise NotAClusterError(problem) from None
+        except redis.exceptions.RedisClusterException as exc:
+            if (refusal := node_refusal(exc)) is not None:
+                raise NotAClusterError(url, refusal) from None
             raise
 
     return wait_for_redis(attempt, backoff_max_s=backoff_max_s, log=log)
 
 
 class NotAClusterError(ValueError):
-    """A ``redis+cluster://`` URL whose node answers as a plain server: a setting at fault, which no wait fixes."""
+    """A ``redis+cluster://`` URL whose node answered the cluster client's ``CLUSTER SLOTS`` with an error: a
+    plain server (cluster mode disabled), or a user that may not run it. A setting at fault, which no wait
+    fixes (worker/run.py: exit 78 in one line)."""
+
+    def __init__(self, url: str, refusal: redis.ResponseError) -> None:
+        nodes = ", ".join(f"{host}:{port}" for host, port in parse_redis_url(url).nodes)
+        super().__init__(
+            f"Redis at {nodes} refused the cluster client's CLUSTER SLOTS ({refusal}): a server that is not a "
+            "cluster node is named with redis:// (or rediss://), and a cluster user needs CLUSTER SLOTS"
+        )
 
 
-def plain_server_named_as_cluster(url: str) -> str | None:
-    """What is wrong if ``url`` is a ``redis+cluster://`` URL whose first node answers and says it is no cluster
-    node (``INFO cluster``: ``cluster_enabled:0``); None otherwise, a node that does not answer included (that
-    is an outage, left to the wait). Asked of the server rather than read from redis-py's message, whose
-    wording is not an interface."""
-    target = parse_redis_url(url)
-    if not target.cluster:
+def node_refusal(exc: BaseException) -> redis.ResponseError | None:
+    """The error a node answered with, behind a cluster client that could not start; None when no node
+    answered (a connection error: an outage, waited out). Read from the exception's chain, which is how
+    redis-py links the two (its own wording is not an interface): ``CLUSTER SLOTS`` refused by a plain server
+    (``ERR This instance has cluster support disabled``) or by the ACL (``NOPERM``). A slot map not yet
+    covered (a cluster still starting) has no node error in its chain, and is waited out."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, redis.ResponseError):
+            return link
+        if isinstance(link, (redis.ConnectionError, redis.TimeoutError, OSError)):
+            return None
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def cluster_refusal(url: str, block_s: float) -> str | None:
+    """For worker/run.py, before the model loads: why ``url``'s cluster refuses the client (one attempt,
+    :class:`NotAClusterError`'s message), or None: not a cluster URL, the client started, or no node
+    answered (an outage, which the worker waits out once its model is loaded)."""
+    if not is_cluster_url(url):
         return None
     try:
-        probe = connect(target.url, socket_connect_timeout=2, socket_timeout=2, retry=Retry(NoBackoff(), 0))
-    except (ValueError, TypeError):  # an option only the cluster client takes: the cluster client reports it
-        return None
-    try:
-        enabled = probe.info("cluster").get("cluster_enabled")
-    except (*REDIS_DOWN, redis.ResponseError):
-        return None
-    finally:
-        probe.close()
-    if enabled:
-        return None
-    host, port = target.nodes[0]
-    return (
-        f"{host}:{port} is a Redis server without cluster mode (INFO cluster: cluster_enabled:0): name it "
-        "with redis:// (or rediss://), or enable cluster mode on it"
-    )
+        redis_client(url, block_s).close()
+    except redis.exceptions.RedisClusterException as exc:
+        if (refusal := node_refusal(exc)) is not None:
+            return str(NotAClusterError(url, refusal))
+    except REDIS_DOWN:
+        pass
+    return None
 
 
 class RedisLink:

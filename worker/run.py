@@ -18,7 +18,7 @@ from schemas.keys import Keys
 from worker.consumer import EngineLike, Worker
 from worker.embedded_redis import EmbeddedRedis
 from worker.health import HealthServer, start_health_server
-from worker.redis_link import plain_server_named_as_cluster
+from worker.redis_link import NotAClusterError, cluster_refusal
 from worker.settings import Settings
 from worker.watchdog import CHECK_EVERY_S, Watchdog
 
@@ -170,7 +170,7 @@ def run_worker(settings: Settings) -> int:
                 )
                 return EXIT_METRICS_PORT_UNAVAILABLE
             log.info("worker.metrics", host=settings.metrics_host, port=health.port)
-        if (problem := plain_server_named_as_cluster(url)) is not None:  # before the model loads, not after
+        if (problem := cluster_refusal(url, settings.block_s)) is not None:  # before the model loads
             log.error("worker.redis_not_a_cluster", error=problem)
             return EXIT_CONFIG
         if (problem := _model_problem(settings)) is not None:
@@ -202,6 +202,9 @@ def run_worker(settings: Settings) -> int:
         finally:
             watchdog.stop()
             watchdog.join(timeout=2 * CHECK_EVERY_S)  # not left running while the interpreter shuts down
+    except NotAClusterError as exc:  # its cluster refused the client after the check above (it was down then)
+        log.error("worker.redis_not_a_cluster", error=str(exc))
+        return EXIT_CONFIG
     except _StopWhileStarting as stop:
         log.info("worker.stopped", signal=signal.Signals(stop.args[0]).name, phase="starting")
         return 0

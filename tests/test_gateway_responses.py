@@ -9,10 +9,11 @@ the same text and token counts through both.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import openai
 import pytest
+from openai.types.responses import ResponseOutputMessage
 
 from ops.gateway.openai_api import ApiError
 from ops.gateway.responses_api import ResponseEvents, parse_responses_request
@@ -95,6 +96,8 @@ def test_max_output_tokens_makes_an_incomplete_response(fleet: Fleet) -> None:  
     assert out.incomplete_details is not None and out.incomplete_details.reason == "max_output_tokens"
     assert out.usage is not None and out.usage.output_tokens == 3
     assert out.output_text  # what was made before the limit is the answer
+    message = out.output[0]
+    assert isinstance(message, ResponseOutputMessage) and message.status == "incomplete"  # cut, as OpenAI marks it
 
 
 def test_streamed_events_come_in_openais_order_and_add_up(fleet: Fleet) -> None:  # noqa: F811
@@ -204,6 +207,7 @@ def test_a_prompt_too_long_names_the_input(fleet: Fleet) -> None:  # noqa: F811
         fleet.client.responses.create(model=fleet.model, input="a " * 1500, max_output_tokens=4)
     assert too_long.value.code == "context_length_exceeded"
     assert too_long.value.body["param"] == "input", too_long.value.body  # type: ignore[index]
+    assert "in the messages, 4 in the completion). Please reduce the length of the messages" in str(too_long.value)
 
 
 def test_raw_events_are_named_and_the_stream_has_no_done_marker(fleet: Fleet) -> None:  # noqa: F811
@@ -250,6 +254,15 @@ def test_request_mapping_to_a_chat_job() -> None:
             {"model": "m", "input": "x", "max_output_tokens": "many"}, default_max_tokens=1, timeout_s=1
         )
     assert bad.value.param == "max_output_tokens" and bad.value.message.startswith("max_output_tokens:")
+    replayed = [{"role": "assistant", "content": "x", "phase": "final_answer"}, {"role": "user", "content": "y"}]
+    assert (
+        len(
+            parse_responses_request({"model": "m", "input": replayed}, default_max_tokens=1, timeout_s=1).fields[
+                "messages"
+            ]
+        )
+        == 2
+    )  # OpenAI asks clients to resend an assistant item's phase: accepted, not a 400
     with pytest.raises(ApiError) as missing:
         parse_responses_request({"model": "m"}, default_max_tokens=1, timeout_s=1)
     assert missing.value.param == "input"
@@ -264,3 +277,36 @@ def test_request_mapping_to_a_chat_job() -> None:
         "message": "too slow",
         "param": None,
     }
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_every_shape_parses_strictly_as_the_sdks_types(finish: Literal["stop", "length"]) -> None:
+    """The answer and every streamed event, validated by the SDK's own pydantic types with no extra or missing
+    field tolerated where it requires one (a strict client raises on a missing required field, such as
+    ``usage.input_tokens_details.cache_write_tokens``): the server tests' default client would not notice."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from ops.gateway.responses_api import response_body
+    from schemas.jobs import Choice, Timings, Usage
+
+    spec = parse_responses_request({"model": "m", "input": "x"}, default_max_tokens=4, timeout_s=30)
+    final = FinalEvent(
+        id=spec.job_id,
+        attempt=1,
+        choices=[Choice(index=0, text="ab", token_ids=[1, 2], finish_reason=finish)],
+        usage=Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1),
+        timings=Timings(queued_s=0.0, ttft_s=0.01, total_s=0.02),
+        worker="w",
+    )
+    answer = Response.model_validate(response_body(spec, final), strict=True)
+    assert answer.output_text == "ab" and answer.usage is not None and answer.usage.total_tokens == 5
+    assert answer.status == ("incomplete" if finish == "length" else "completed")
+    message = answer.output[0]
+    assert isinstance(message, ResponseOutputMessage) and message.status == answer.status
+    events = ResponseEvents(spec)
+    streamed = [*events.opening(), events.delta("a"), events.delta("b"), *events.closing(final)]
+    adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    parsed = [adapter.validate_python(event, strict=True) for event in streamed]
+    assert [event.sequence_number for event in parsed] == list(range(len(streamed)))
+    assert parsed[-1].type == f"response.{answer.status}" and parsed[-1].response.output_text == "ab"

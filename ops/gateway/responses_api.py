@@ -93,7 +93,8 @@ def _input_messages(raw: Any) -> list[dict[str, str]]:
                 f"{at}.type: pagedq supports message items only, not {shown(str(kind))!r}", at, "unsupported_field"
             )
         for key, value in item.items():
-            if key not in ("type", "role", "content", "id", "status") and value is not None:
+            # id, status: an output item sent back as history; phase: OpenAI asks clients to resend it
+            if key not in ("type", "role", "content", "id", "status", "phase") and value is not None:
                 raise bad_request(f"pagedq does not support the field {shown(key)!r} in input items", f"{at}.{key}")
         role = item.get("role")
         if role not in ROLES:
@@ -128,7 +129,8 @@ def renamed_error(exc: ApiError) -> ApiError:
     ``messages`` is ``input``): the request's and the worker's (a prompt too long names ``messages``)."""
     if exc.param in _RENAMED:
         new = _RENAMED[exc.param]
-        exc.message = exc.message.replace(exc.param, new, 1)
+        if exc.code != "context_length_exceeded":  # OpenAI's sentence stays as clients parse it: only param
+            exc.message = exc.message.replace(exc.param, new, 1)
         exc.args = (exc.message,)
         exc.param = new
     return exc
@@ -193,7 +195,7 @@ def parse_responses_request(
 def response_usage(u: Usage) -> dict[str, Any]:
     return {
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
@@ -246,7 +248,12 @@ def response_body(req: ResponsesRequest, final: FinalEvent) -> dict[str, Any]:
     """The non-streaming answer."""
     text = final.choices[0].text if final.choices else ""
     status = _status(final)
-    return response_object(req, status, [_message(req, text, "completed")], response_usage(final.usage))
+    return response_object(req, status, [_message(req, text, _item_status(status))], response_usage(final.usage))
+
+
+def _item_status(status: str) -> str:
+    """The message's status: ``incomplete`` when the response is (its text was cut), as OpenAI marks it."""
+    return "incomplete" if status == "incomplete" else "completed"
 
 
 @dataclass
@@ -284,7 +291,7 @@ class ResponseEvents:
         whole answer. The text is what was streamed: the final event's is the same (the client's
         :class:`worker.client.StreamState` follows redeliveries without repeating text)."""
         status = _status(final)
-        item = _message(self.req, self.text, "completed")
+        item = _message(self.req, self.text, _item_status(status))
         whole = response_object(self.req, status, [item], response_usage(final.usage))
         return [
             self._event("response.output_text.done", **self._where(), text=self.text, logprobs=[]),

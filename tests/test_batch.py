@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
 
 from ops import batch
 from ops.batch import BatchLine, LineError, Progress, QueueBackend, parse_line, read_done, response_body
@@ -29,6 +30,7 @@ from ops.batch.backends import output_key
 from ops.batch.command import LINES_FAILED
 from ops.batch.files import iter_lines
 from ops.gateway.openai_api import parse_request
+from ops.gateway.responses_api import parse_responses_request
 from schemas.affinity import shard_for_job
 from schemas.jobs import Choice, ErrorEvent, FinalEvent, Logprob, Timings, TopLogprob, Usage
 from tests.redis_servers import ClusterServers, RedisServer, make_server, redis_cluster  # noqa: F401
@@ -62,6 +64,12 @@ def completion(cid: str, prompt: Any, **body: Any) -> str:
             "url": "/v1/completions",
             "body": {"model": "tiny", "prompt": prompt, **body},
         }
+    )
+
+
+def responses(cid: str, input: Any, **body: Any) -> str:
+    return json.dumps(
+        {"custom_id": cid, "method": "POST", "url": "/v1/responses", "body": {"model": "tiny", "input": input, **body}}
     )
 
 
@@ -268,6 +276,74 @@ def test_bad_lines_are_rejected_with_a_reason(raw: str, needle: str, custom_id: 
     assert info.value.custom_id == custom_id
 
 
+def test_a_responses_line_is_the_chat_lines_job() -> None:
+    """A ``/v1/responses`` line asks what a chat line asks, in other words (``instructions`` a system message,
+    ``input`` the conversation, ``max_output_tokens`` the limit): it becomes the very job the chat line
+    becomes, with the same id rule (so the same id for the same custom_id), and the messages the gateway
+    makes of the same body. Neutral values of the Responses-only fields the SDKs send pass."""
+    line = _parse(
+        responses(
+            "a",
+            [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+            instructions="Be brief",
+            max_output_tokens=7,
+            temperature=0,
+            tools=[],
+            store=True,
+            text={"format": {"type": "text"}},
+            metadata={"team": "search"},
+        )
+    )
+    asked = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
+    same = _parse(
+        json.dumps(
+            {
+                "custom_id": "a",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "messages": asked,
+                    "max_completion_tokens": 7,
+                    "temperature": 0,
+                    "metadata": {"team": "search"},
+                },
+            }
+        )
+    )
+    assert line.kind == "responses" and line.model == "tiny" and line.job == same.job
+    assert line.echo is not None and (line.echo["instructions"], line.echo["max_output_tokens"]) == ("Be brief", 7)
+    body = {"model": "tiny", "input": "Hi", "instructions": "Be brief", "max_output_tokens": 7}
+    gateway = parse_responses_request(body, default_max_tokens=99, timeout_s=60).fields
+    job = _parse(responses("b", "Hi", instructions="Be brief", max_output_tokens=7)).job
+    assert [m.model_dump(exclude_none=True) for m in job.messages or []] == gateway["messages"] == asked
+    assert job.max_tokens == gateway["max_tokens"] == 7 and job.strict_max_tokens
+    assert _parse(responses("b", "Hi")).job.max_tokens == 99  # the default only caps, as for chat
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (responses("x", "hi", tools=[{"type": "function", "name": "f"}]), "body.tools: pagedq does not support"),
+        (responses("x", "hi", previous_response_id="resp_1"), "body.previous_response_id"),
+        (responses("x", "hi", n=2), "body.n"),
+        (responses("x", "hi", stream=True), "body.stream: streaming is not available"),
+        (json.dumps({"custom_id": "x", "url": "/v1/responses", "body": {}}), "body.input: required"),
+        (responses("x", []), "body.input: a string or a non-empty list"),
+        (responses("x", [{"type": "function_call"}]), "body.input[0].type: pagedq supports message items only"),
+        (responses("x", [{"role": "user", "content": "a", "x": 1}]), "body.input[0].x: pagedq does not support"),
+        (responses("x", [{"role": "user", "content": [{"type": "input_image"}]}]), "body.input[0].content[0]"),
+        (responses("x", "hi", instructions=3), "body.instructions: must be a string"),
+        (responses("x", "hi", max_output_tokens=0), "max_output_tokens: Input should be greater"),
+        (responses("x", "hi", temperature="hot"), "temperature"),
+    ],
+)
+def test_bad_responses_lines_name_the_field(raw: str, needle: str) -> None:
+    """Refused where the gateway refuses the same request, naming the field the line holds (never the chat
+    field it became: ``max_output_tokens``, not ``max_tokens``), as an ordinary error line."""
+    with pytest.raises(LineError) as info:
+        _parse(raw)
+    assert needle in info.value.message and info.value.custom_id == "x" and info.value.code == "invalid_request"
+
+
 def _final(logprobs: bool) -> FinalEvent:
     lps = [
         Logprob(
@@ -325,6 +401,31 @@ def test_response_bodies_are_openai_shaped() -> None:
     assert lp["top_logprobs"][0] == {"a": -0.5, "c": -1.5}
     assert openai_body(body).model == "served"
     assert response_body(line, _final(False), "s", text)["choices"][0]["logprobs"] is None
+
+
+def sdk_response(body: dict[str, Any]) -> Response:
+    """The body read by the ``openai`` SDK's ``Response`` type, strictly (raises when it is not that shape)."""
+    return Response.model_validate(body, strict=True)
+
+
+def test_a_responses_lines_body_is_a_response_object() -> None:
+    """The ``response`` object the gateway answers ``/v1/responses`` with (the SDK's ``Response`` reads it):
+    one message holding one ``output_text`` part, usage in input/output tokens, ``incomplete`` with
+    ``max_output_tokens`` for an answer cut at its limit; ids from the job id, the served model."""
+    line = _parse(responses("x", "hi", instructions="Be brief", max_output_tokens=2))
+    body = response_body(line, _final(False), "served", batch.token_id_text)
+    parsed = sdk_response(body)
+    assert parsed.output_text == "ab" and parsed.model == "served" and parsed.status == "completed"
+    assert body["id"] == "resp_j1" and body["instructions"] == "Be brief" and body["max_output_tokens"] == 2
+    assert body["output"][0]["id"] == "msg_j1" and body["incomplete_details"] is None
+    usage = parsed.usage
+    assert usage is not None and (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (3, 2, 5)
+    assert usage.input_tokens_details.cached_tokens == 1
+    cut = _final(False)
+    cut.choices[0].finish_reason = "length"
+    body = response_body(line, cut, "served", batch.token_id_text)
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert sdk_response(body).status == "incomplete"
 
 
 def test_without_token_texts_offsets_and_bytes_are_null_not_computed_over_stand_ins() -> None:
@@ -773,3 +874,42 @@ def test_retry_errors_runs_failed_lines_again(lone_queue: Ctx, engine: Any, tmp_
     assert retry.returncode == 0, stderr
     assert sorted(r["custom_id"] for r in records(out)) == ["c0", "c1", "c2"]
     assert not records(tmp_path / "out.errors.jsonl")
+
+
+def test_chat_and_responses_lines_get_the_same_answer_in_their_shapes(
+    lone_queue: Ctx, engine: Any, tmp_path: Path
+) -> None:
+    """A batch mixing a chat line and a ``/v1/responses`` line with the same greedy request, through the queue
+    and a worker: the same text, token counts and ending, each in its own shape; a Responses line asking
+    for tools becomes an error line naming ``tools`` while the others run."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    question = {"max_completion_tokens": 6, "temperature": 0}
+    inp.write_text(
+        "\n".join(
+            [
+                chat("c", "the sea robot", **question),
+                responses("r", "the sea robot", max_output_tokens=6, temperature=0),
+                responses("t", "the sea robot", tools=[{"type": "function", "name": "f", "parameters": {}}]),
+            ]
+        )
+        + "\n"
+    )
+    with inprocess_worker(lone_queue, engine):
+        proc = batch_process(lone_queue, inp, out, "--progress", "none")
+        stderr = finish(proc)
+    assert proc.returncode == LINES_FAILED, stderr
+    bodies = {r["custom_id"]: r["response"]["body"] for r in records(out)}
+    chat_body, resp_body = bodies["c"], bodies["r"]
+    (choice,) = ChatCompletion.model_validate(chat_body).choices
+    resp = sdk_response(resp_body)
+    assert resp.object == "response" and resp.output_text == choice.message.content and resp.output_text
+    assert resp.usage is not None and chat_body["usage"]["prompt_tokens"] == resp.usage.input_tokens
+    assert (resp.usage.output_tokens, resp.usage.total_tokens) == (
+        chat_body["usage"]["completion_tokens"],
+        chat_body["usage"]["total_tokens"],
+    )
+    assert resp.status == ("incomplete" if choice.finish_reason == "length" else "completed")
+    assert resp.model == chat_body["model"]  # the served model, whatever the line named
+    (error,) = records(tmp_path / "out.errors.jsonl")
+    assert error["custom_id"] == "t" and error["response"] is None and error["error"]["line"] == 3
+    assert error["error"]["code"] == "invalid_request" and "body.tools" in error["error"]["message"]

@@ -5,9 +5,11 @@ Input lines are OpenAI Batch requests::
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}}
 
-(``url`` may also be ``/v1/completions`` with a ``prompt``). Each becomes one pagedq job; each answer is one
-output line ``{id, custom_id, response: {status_code, request_id, body}, error}`` whose body is shaped like
-an OpenAI ``chat.completion`` / ``text_completion`` object with ``usage``. Lines that fail validation or
+(``url`` may also be ``/v1/completions`` with a ``prompt``, or ``/v1/responses`` with a Responses API body:
+``input``, ``instructions``, ``max_output_tokens``). Each becomes one pagedq job (a Responses line the same
+chat job a chat line asking the same question becomes); each answer is one output line
+``{id, custom_id, response: {status_code, request_id, body}, error}`` whose body is shaped like an OpenAI
+``chat.completion`` / ``text_completion`` / ``response`` object with ``usage``. Lines that fail validation or
 generation go to the errors file (default ``OUTPUT.errors.jsonl``) with the reason; the run goes on.
 
 A request's ``model`` is accepted whatever it names, and the answer's ``body.model`` is the model that

@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ops.queue_commands import add_connection_arguments
 
     parser.description = (
-        "Run an OpenAI Batch JSONL file (chat and completions requests) through the queue's workers, "
+        "Run an OpenAI Batch JSONL file (chat, completions and responses requests) through the queue's workers, "
         "or with --local through an engine in this process. Rerun the same command to resume."
     )
     parser.add_argument("input", type=Path, help="OpenAI Batch input (JSONL)")

@@ -1,7 +1,8 @@
 """Request mapping: one OpenAI Batch input line -> a validated pagedq job (protocol v1 fields).
 
 An input line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url`` ``/v1/chat/completions``
-(``messages``) or ``/v1/completions`` (``prompt``).
+(``messages``), ``/v1/completions`` (``prompt``) or ``/v1/responses`` (``input``, ``instructions``,
+``max_output_tokens``: :func:`responses_to_chat_body`).
 
 The mapping is strict: body fields pagedq cannot honour (``tools``, ``echo``...) make
 the line an error rather than being silently ignored, so a batch never quietly gets answers to a different
@@ -22,6 +23,8 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
+from ops.gateway.openai_api import ApiError
+from ops.gateway.responses_api import responses_chat_body
 from ops.openai_request import (
     PASSTHROUGH_FIELDS,
     TAG_FIELDS,
@@ -35,7 +38,7 @@ from ops.openai_request import (
 from schemas.jobs import JobRequest, describe_validation_error, loads_strict
 
 T = TypeVar("T")
-URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses"}
 IGNORED_BODY_FIELDS = frozenset({"model", "store", "service_tier", "stream"})
 CHAT_BODY_FIELDS = frozenset({"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"})
 COMPLETION_BODY_FIELDS = frozenset({"prompt", "max_tokens", "logprobs", "echo", "suffix", "best_of"})
@@ -59,9 +62,13 @@ class BatchLine:
 
     line_no: int
     custom_id: str
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completion" | "responses"
     model: str | None
     job: JobRequest
+    echo: dict[str, Any] | None = None
+    """``responses`` lines: what the ``response`` object repeats of the request (``instructions``,
+    ``max_output_tokens``, ``temperature``...), as :func:`ops.gateway.responses_api.parse_responses_request`
+    keeps it; the job has only the chat messages those became."""
 
 
 def _field(parse: Callable[[Any, str], T], raw: Any, where: str) -> T:
@@ -110,6 +117,40 @@ def body_to_fields(kind: str, body: dict[str, Any], default_max_tokens: int) -> 
     fields.update(passthrough_fields(body))
     fields.update(_field(openai_tags, body, "body."))
     return fields
+
+
+_RESPONSES_NAMES = (
+    ("body.messages", "body.input"),
+    ("body.max_completion_tokens", "body.max_output_tokens"),
+    ("max_tokens:", "max_output_tokens:"),
+)
+"""The chat reader's names for what a Responses body calls otherwise, as the gateway's ``renamed_error``
+renames them: an error line must name the field the line holds, not the chat field it became."""
+
+
+def _responses_error(exc: LineError) -> LineError:
+    """``exc`` in the Responses line's names (:data:`_RESPONSES_NAMES`), its code kept."""
+    for chat_name, name in _RESPONSES_NAMES:
+        if exc.message.startswith(chat_name):
+            return LineError(name + exc.message[len(chat_name) :], exc.code)
+    return exc
+
+
+def responses_to_chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A ``/v1/responses`` body as (the chat body :func:`body_to_fields` reads, the response's echo): the
+    gateway's own rewrite (:func:`ops.gateway.responses_api.responses_chat_body`: ``instructions`` a system
+    message first, ``input`` the messages, ``max_output_tokens`` ``max_completion_tokens``), so a line is
+    refused where the gateway would refuse the request, naming the same field. The chat body then goes
+    through the batch's chat reader, not the gateway's: that one gives a request without a seed a random
+    one, and a batch line's job id must be the same on every run."""
+    try:
+        return responses_chat_body(body)
+    except ApiError as exc:
+        # The gateway's messages start with the field's path ("input[0].role: ...") or name it after
+        # (a field pagedq does not support): either way the line's error names it under ``body.``.
+        param = exc.param or "input"
+        named = exc.message if exc.message.startswith(param) else f"{param}: {exc.message}"
+        raise LineError(f"body.{named}") from None
 
 
 TAG_JOB_FIELDS = ("metadata", "affinity")
@@ -162,19 +203,42 @@ def parse_line(
         body = data.get("body")
         if not isinstance(body, dict):
             raise LineError("body must be an object")
-        fields = body_to_fields(kind, body, default_max_tokens)
-        if timeout_s is not None:
-            fields["timeout_s"] = timeout_s
-        job_id = job_id_for(run_key, cid, fields)
+        if kind != "responses":
+            return _job_line(line_no, cid, kind, body, body, None, run_key, default_max_tokens, timeout_s)
+        chat, echo = responses_to_chat_body(body)
         try:
-            job = JobRequest.model_validate({**fields, "id": job_id, "stream": False})
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            if tuple(first.get("loc", ()))[:1] == ("affinity",):  # the job's name for the line's field
-                raise LineError(f"body.prompt_cache_key: {first['msg']}") from None
-            raise LineError(describe_validation_error(exc)) from None
-        model = body.get("model")
-        return BatchLine(line_no, cid, kind, model if isinstance(model, str) else None, job)
+            return _job_line(line_no, cid, kind, body, chat, echo, run_key, default_max_tokens, timeout_s)
+        except LineError as exc:
+            raise _responses_error(exc) from None
     except LineError as exc:
         exc.custom_id = cid
         raise
+
+
+def _job_line(
+    line_no: int,
+    cid: str,
+    kind: str,
+    body: dict[str, Any],
+    read: dict[str, Any],
+    echo: dict[str, Any] | None,
+    run_key: str,
+    default_max_tokens: int,
+    timeout_s: float | None,
+) -> BatchLine:
+    """The job for ``read``, the body as the chat or completions reader takes it (a ``responses`` line's, once
+    rewritten): one path to the job and its id whatever the url, so a Responses line's job is the chat
+    line's job for the same question (same fields, same id rule)."""
+    fields = body_to_fields("chat" if kind == "responses" else kind, read, default_max_tokens)
+    if timeout_s is not None:
+        fields["timeout_s"] = timeout_s
+    job_id = job_id_for(run_key, cid, fields)
+    try:
+        job = JobRequest.model_validate({**fields, "id": job_id, "stream": False})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        if tuple(first.get("loc", ()))[:1] == ("affinity",):  # the job's name for the line's field
+            raise LineError(f"body.prompt_cache_key: {first['msg']}") from None
+        raise LineError(describe_validation_error(exc)) from None
+    model = body.get("model")
+    return BatchLine(line_no, cid, kind, model if isinstance(model, str) else None, job, echo)

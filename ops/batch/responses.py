@@ -1,7 +1,9 @@
 """Response mapping: a job's terminal event -> the OpenAI Batch output or errors-file record.
 
 An answer is one output line ``{id, custom_id, response: {status_code, request_id, body}, error}`` whose body
-is shaped like an OpenAI ``chat.completion`` / ``text_completion`` object with ``usage``; a failure is an
+is shaped like an OpenAI ``chat.completion`` / ``text_completion`` object with ``usage`` (a ``/v1/responses``
+line's like a ``response`` object, shaped by the gateway's own :func:`ops.gateway.responses_api.response_body`,
+so the batch and ``pagedq serve`` cannot answer the same request in two shapes); a failure is an
 errors-file line ``{id, custom_id, response: null, error: {code, message, line}}``.
 
 **The body's ``model`` is the model that served the request**, as OpenAI's is (a request for ``gpt-4o`` is
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from ops.batch.requests import BatchLine
+from ops.gateway.responses_api import ResponsesRequest
+from ops.gateway.responses_api import response_body as responses_api_body
 from schemas.jobs import ErrorEvent, FinalEvent
 
 TerminalEvent = FinalEvent | ErrorEvent
@@ -88,8 +92,11 @@ def _completion_logprobs(choice: Any, text: TokenText) -> dict[str, Any]:
 def response_body(line: BatchLine, event: FinalEvent, served_model: str, text: TokenText) -> dict[str, Any]:
     """The OpenAI ``chat.completion`` / ``text_completion`` object for a job's final event: the two differ
     only in their id prefix, object name and how a choice carries its text and logprobs. ``model`` is
-    ``served_model`` whatever the request named (module doc)."""
+    ``served_model`` whatever the request named (module doc). A ``responses`` line's is a ``response``
+    object (:func:`_response_object`)."""
     created = int(time.time())
+    if line.kind == "responses":
+        return _response_object(line, event, served_model, created)
     choices: list[dict[str, Any]]
     if line.kind == "chat":
         id_prefix, object_name = "chatcmpl", "chat.completion"
@@ -122,6 +129,18 @@ def response_body(line: BatchLine, event: FinalEvent, served_model: str, text: T
         "usage": _usage(event),
         "system_fingerprint": None,
     }
+
+
+def _response_object(line: BatchLine, event: FinalEvent, served_model: str, created: int) -> dict[str, Any]:
+    """The Responses API's ``response`` object, as the gateway makes it: ``completed``, or ``incomplete``
+    with ``max_output_tokens`` for an answer cut at its limit. The gateway's request type carries what the
+    object names: its ids come from the job id's hex (``resp_<hex>``, ``msg_<hex>``: ``batch-<hex>`` read
+    as the gateway's ``resp-<hex>``), its ``model`` is the served one, its echo the line's."""
+    hex_id = event.id.split("-", 1)[-1]
+    req = ResponsesRequest(
+        "chat", served_model, {"id": f"resp-{hex_id}"}, False, False, created=created, echo=dict(line.echo or {})
+    )
+    return responses_api_body(req, event)
 
 
 def _record_id() -> str:

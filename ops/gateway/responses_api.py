@@ -75,7 +75,7 @@ class ResponsesRequest(Request):
         return "msg_" + self.job_id.removeprefix("resp-")
 
 
-def _input_messages(raw: Any) -> list[dict[str, str]]:
+def input_messages(raw: Any) -> list[dict[str, str]]:
     """``input`` as chat messages: a string is one user message; a list holds message items (``type``
     ``message`` or absent), each a role and a content: a string, or ``input_text`` parts (joined)."""
     if isinstance(raw, str):
@@ -136,11 +136,10 @@ def renamed_error(exc: ApiError) -> ApiError:
     return exc
 
 
-def parse_responses_request(
-    body: Any, *, default_max_tokens: int, timeout_s: float, random_seed: int | None = None
-) -> ResponsesRequest:
-    """Check a Responses request body and build its chat job's fields; :class:`ApiError` (400) names the
-    field that is wrong or that pagedq cannot do."""
+def responses_chat_body(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Responses request body as (the chat body it asks for, what its answer echoes back); :class:`ApiError`
+    (400) names the field that is wrong or that pagedq cannot do. Shared by the gateway and ``pagedq batch``'s
+    ``/v1/responses`` lines, so both refuse the same requests by the same names."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     body = {name: value for name, value in body.items() if value is not None}  # null: not given, as in chat
@@ -154,24 +153,17 @@ def parse_responses_request(
         )
     if "input" not in body:
         raise bad_request("input: required", "input")
-    messages = _input_messages(body["input"])
+    messages = input_messages(body["input"])
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise bad_request("instructions: must be a string", "instructions")
         messages.insert(0, {"role": "system", "content": instructions})
-    chat = {k: v for k, v in body.items() if k not in ("input", "instructions", "max_output_tokens")}
-    chat = {k: v for k, v in chat.items() if k not in RESPONSES_NEUTRAL}
+    dropped = {"input", "instructions", "max_output_tokens", *RESPONSES_NEUTRAL}
+    chat = {k: v for k, v in body.items() if k not in dropped}
     chat["messages"] = messages
     if "max_output_tokens" in body:
         chat["max_completion_tokens"] = body["max_output_tokens"]
-    try:
-        spec = parse_request(
-            "chat", chat, default_max_tokens=default_max_tokens, timeout_s=timeout_s, random_seed=random_seed
-        )
-    except ApiError as exc:
-        raise renamed_error(exc) from None
-    spec.fields["id"] = "resp-" + spec.job_id.split("-", 1)[1]
     echo = {
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),
@@ -184,6 +176,22 @@ def parse_responses_request(
         "safety_identifier": body.get("safety_identifier"),
         "prompt_cache_key": body.get("prompt_cache_key"),
     }
+    return chat, echo
+
+
+def parse_responses_request(
+    body: Any, *, default_max_tokens: int, timeout_s: float, random_seed: int | None = None
+) -> ResponsesRequest:
+    """Check a Responses request body and build its chat job's fields; :class:`ApiError` (400) names the
+    field that is wrong or that pagedq cannot do."""
+    chat, echo = responses_chat_body(body)
+    try:
+        spec = parse_request(
+            "chat", chat, default_max_tokens=default_max_tokens, timeout_s=timeout_s, random_seed=random_seed
+        )
+    except ApiError as exc:
+        raise renamed_error(exc) from None
+    spec.fields["id"] = "resp-" + spec.job_id.split("-", 1)[1]
     return ResponsesRequest(
         spec.kind, spec.model, spec.fields, spec.stream, spec.include_usage, created=spec.created, echo=echo
     )

@@ -109,7 +109,7 @@ def test_batch_runs_completions_lines(
     body = record["response"]["body"]
     assert record["custom_id"] == "p1" and body["object"] == "text_completion" and body["choices"][0]["text"]
     commands = section("Commands")
-    assert "OpenAI Batch format (`/v1/chat/completions` and `/v1/completions` lines)" in commands
+    assert "OpenAI Batch format (`/v1/chat/completions`, `/v1/completions` and `/v1/responses` lines)" in commands
 
 
 @DEBIAN

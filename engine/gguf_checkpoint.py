@@ -38,13 +38,11 @@ import torch
 
 from engine.checkpoint import (
     GGUF_ARCHITECTURES,
-    GGUF_FLOAT_TYPES,
     GGUFError,
     GGUFHeader,
     GGUFTensorInfo,
     check_gguf,
     gguf_file,
-    gguf_tensor_types,
 )
 from engine.gguf_quants import FORMATS, to_int8_weight
 from engine.kernel_dispatch import get_ops
@@ -102,10 +100,7 @@ def read_config(header: GGUFHeader, path: Path) -> ModelConfig:
     Rotary scaling: ``rope.scaling.type`` ``linear`` is position interpolation; Llama 3.1's scaling has no
     metadata key at all: llama.cpp's converter stores it as the ``rope_freqs`` tensor, one divisor per
     frequency, which is read here (a file loaded without it would run with the wrong rotary everywhere)."""
-    arch = header.field("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        loads = ", ".join(map(repr, GGUF_ARCHITECTURES))
-        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported (pagedq loads {loads})")
+    arch = header.field("general.architecture")  # one of GGUF_ARCHITECTURES: read_gguf_header checked it
     tensors = {t.name: t for t in header.tensors}
     hidden = int(header.field(f"{arch}.embedding_length"))
     heads = int(header.field(f"{arch}.attention.head_count"))
@@ -201,14 +196,8 @@ def load_gguf_model(
                 items[name] = quantised if is_linear else quantised.dequantize()
                 if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and config.tie_word_embeddings):
                     head_int8 = quantised  # the lm_head's values as int8 too (LlamaForCausalLM.lm_head_int8)
-            elif type_name in GGUF_FLOAT_TYPES:
+            else:  # GGUF_FLOAT_TYPES: read_gguf_header refused every other type
                 items[name] = torch.from_numpy(np.array(_as_floats(_tensor_data(file, tensor), tensor)))
-            else:
-                supported = ", ".join(gguf_tensor_types())
-                raise GGUFError(
-                    f"{path}: tensor {tensor.name} has type {type_name}, which pagedq does not load "
-                    f"(supported: {supported})"
-                )
         except GGUFError:
             raise
         except Exception as exc:  # a short data section shows up here, as a reshape or memmap error

@@ -79,15 +79,18 @@ def redis_client_when_up(url: str, block_s: float, *, backoff_max_s: float, log:
     traceback where a single server's worker waits. Here it waits the same way, except for a node's
     refusal (:class:`NotAClusterError`), which no wait fixes."""
 
-    def attempt() -> Any:
-        try:
-            return redis_client(url, block_s)
-        except redis.exceptions.RedisClusterException as exc:
-            if (refusal := node_refusal(exc)) is not None:
-                raise NotAClusterError(url, refusal) from None
-            raise
+    return wait_for_redis(lambda: _client_unless_refused(url, block_s), backoff_max_s=backoff_max_s, log=log)
 
-    return wait_for_redis(attempt, backoff_max_s=backoff_max_s, log=log)
+
+def _client_unless_refused(url: str, block_s: float) -> Any:
+    """:func:`redis_client`, a node's refusal of a cluster client raised as :class:`NotAClusterError` (any
+    other failure as it came: an outage, which the callers wait out or leave for later)."""
+    try:
+        return redis_client(url, block_s)
+    except redis.exceptions.RedisClusterException as exc:
+        if (refusal := node_refusal(exc)) is not None:
+            raise NotAClusterError(url, refusal) from None
+        raise
 
 
 class NotAClusterError(ValueError):
@@ -121,20 +124,13 @@ def node_refusal(exc: BaseException) -> redis.ResponseError | None:
     return None
 
 
-def cluster_refusal(url: str, block_s: float) -> str | None:
-    """For worker/run.py, before the model loads: why ``url``'s cluster refuses the client (one attempt,
-    :class:`NotAClusterError`'s message), or None: not a cluster URL, the client started, or no node
-    answered (an outage, which the worker waits out once its model is loaded)."""
-    if not is_cluster_url(url):
-        return None
-    try:
-        redis_client(url, block_s).close()
-    except redis.exceptions.RedisClusterException as exc:
-        if (refusal := node_refusal(exc)) is not None:
-            return str(NotAClusterError(url, refusal))
-    except REDIS_DOWN:
-        pass
-    return None
+def check_cluster(url: str, block_s: float) -> None:
+    """For worker/run.py, before the model loads: :class:`NotAClusterError` if ``url``'s cluster refuses the
+    client (one attempt). Not a cluster URL, a client that started, or no node answering (an outage, which
+    the worker waits out once its model is loaded) pass."""
+    if is_cluster_url(url):
+        with contextlib.suppress(*REDIS_DOWN):
+            _client_unless_refused(url, block_s).close()
 
 
 class RedisLink:

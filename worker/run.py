@@ -18,7 +18,7 @@ from schemas.keys import Keys
 from worker.consumer import EngineLike, Worker
 from worker.embedded_redis import EmbeddedRedis
 from worker.health import HealthServer, start_health_server
-from worker.redis_link import NotAClusterError, cluster_refusal
+from worker.redis_link import NotAClusterError, check_cluster
 from worker.settings import Settings
 from worker.watchdog import CHECK_EVERY_S, Watchdog
 
@@ -170,9 +170,7 @@ def run_worker(settings: Settings) -> int:
                 )
                 return EXIT_METRICS_PORT_UNAVAILABLE
             log.info("worker.metrics", host=settings.metrics_host, port=health.port)
-        if (problem := cluster_refusal(url, settings.block_s)) is not None:  # before the model loads
-            log.error("worker.redis_not_a_cluster", error=problem)
-            return EXIT_CONFIG
+        check_cluster(url, settings.block_s)  # before the model loads (NotAClusterError: below)
         if (problem := _model_problem(settings)) is not None:
             log.error("worker.model_unavailable", model=settings.model, error=problem)
             return EXIT_MODEL_UNAVAILABLE
@@ -202,7 +200,7 @@ def run_worker(settings: Settings) -> int:
         finally:
             watchdog.stop()
             watchdog.join(timeout=2 * CHECK_EVERY_S)  # not left running while the interpreter shuts down
-    except NotAClusterError as exc:  # its cluster refused the client after the check above (it was down then)
+    except NotAClusterError as exc:  # at check_cluster, or once the model loaded (the cluster was down before)
         log.error("worker.redis_not_a_cluster", error=str(exc))
         return EXIT_CONFIG
     except _StopWhileStarting as stop:

@@ -257,6 +257,8 @@ def test_openai_tags_are_taken_as_the_gateway_takes_them_and_leave_the_job_id_al
         (chat("x", [{"type": "image_url"}]), "text content parts only", "x"),
         (chat("x", "hi", temperature="hot"), "temperature", "x"),
         (chat("x", "hi", max_tokens=0), "max_tokens", "x"),
+        # The engine's invariants, refused at read rather than dead-lettered by the worker after submission:
+        (chat("x", "hi", max_tokens=5, min_tokens=9), "body.min_tokens: Value error, min_tokens (9) must be <=", "x"),
         (chat("x", "hi", prompt_cache_key=5), "body.prompt_cache_key: must be a string", "x"),
         (chat("x", "hi", prompt_cache_key="k" * 1025), "body.prompt_cache_key: String should have at most 1024", "x"),
         (chat("x", "hi", safety_identifier=["s"]), "body.safety_identifier: must be a string", "x"),
@@ -334,6 +336,7 @@ def test_a_responses_line_is_the_chat_lines_job() -> None:
         (responses("x", "hi", instructions=3), "body.instructions: must be a string"),
         (responses("x", "hi", max_output_tokens=0), "max_output_tokens: Input should be greater"),
         (responses("x", "hi", temperature="hot"), "temperature"),
+        (responses("x", "hi", max_output_tokens=5, min_tokens=9), "must be <= max_output_tokens (5)"),
     ],
 )
 def test_bad_responses_lines_name_the_field(raw: str, needle: str) -> None:

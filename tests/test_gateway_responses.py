@@ -16,7 +16,7 @@ import pytest
 from openai.types.responses import ResponseOutputMessage
 
 from ops.gateway.openai_api import ApiError
-from ops.gateway.responses_api import ResponseEvents, parse_responses_request
+from ops.gateway.responses_api import ResponseEvents, parse_responses_request, responses_names
 from schemas.jobs import FinalEvent
 from tests.test_gateway import Fleet, chat, fleet, redis_srv  # noqa: F401
 from tests.worker_harness import wait_for
@@ -277,6 +277,22 @@ def test_request_mapping_to_a_chat_job() -> None:
         "message": "too slow",
         "param": None,
     }
+
+
+def test_errors_name_the_responses_fields() -> None:
+    """A chat reader's error names the field the Responses request holds: ``max_output_tokens`` where the chat
+    job says ``max_completion_tokens``, and ``input[i]`` where it says ``messages[j]`` (one less after
+    ``instructions``, which became the first message)."""
+    with pytest.raises(ApiError) as conflict:
+        parse_responses_request(
+            {"model": "m", "input": "x", "max_output_tokens": 5, "min_tokens": 9}, default_max_tokens=1, timeout_s=1
+        )
+    assert conflict.value.param == "min_tokens"
+    assert conflict.value.message == "min_tokens: must be at most max_output_tokens (5), got 9"
+    assert responses_names("messages[2].content: too long", instructions=True) == "input[1].content: too long"
+    assert responses_names("messages[0].content", instructions=True) == "instructions"
+    assert responses_names("messages[0]; max_tokens", instructions=False) == "input[0]; max_output_tokens"
+    assert responses_names("messages: required") == "input: required"
 
 
 @pytest.mark.parametrize("finish", ["stop", "length"])

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from ops.gateway.openai_api import ApiError
-from ops.gateway.responses_api import responses_chat_body
+from ops.gateway.responses_api import responses_chat_body, responses_names
 from ops.openai_request import (
     PASSTHROUGH_FIELDS,
     TAG_FIELDS,
@@ -35,7 +35,7 @@ from ops.openai_request import (
     openai_tags,
     passthrough_fields,
 )
-from schemas.jobs import JobRequest, describe_validation_error, loads_strict
+from schemas.jobs import InvalidJob, JobRequest, describe_validation_error, loads_strict
 
 T = TypeVar("T")
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses"}
@@ -119,21 +119,10 @@ def body_to_fields(kind: str, body: dict[str, Any], default_max_tokens: int) -> 
     return fields
 
 
-_RESPONSES_NAMES = (
-    ("body.messages", "body.input"),
-    ("body.max_completion_tokens", "body.max_output_tokens"),
-    ("max_tokens:", "max_output_tokens:"),
-)
-"""The chat reader's names for what a Responses body calls otherwise, as the gateway's ``renamed_error``
-renames them: an error line must name the field the line holds, not the chat field it became."""
-
-
-def _responses_error(exc: LineError) -> LineError:
-    """``exc`` in the Responses line's names (:data:`_RESPONSES_NAMES`), its code kept."""
-    for chat_name, name in _RESPONSES_NAMES:
-        if exc.message.startswith(chat_name):
-            return LineError(name + exc.message[len(chat_name) :], exc.code)
-    return exc
+def _responses_error(exc: LineError, instructions: bool) -> LineError:
+    """``exc`` in the Responses line's names (the gateway's ``responses_names``: an error line names the field
+    the line holds, not the chat field it became), its code kept."""
+    return LineError(responses_names(exc.message, instructions), exc.code)
 
 
 def responses_to_chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -209,7 +198,7 @@ def parse_line(
         try:
             return _job_line(line_no, cid, kind, body, chat, echo, run_key, default_max_tokens, timeout_s)
         except LineError as exc:
-            raise _responses_error(exc) from None
+            raise _responses_error(exc, echo["instructions"] is not None) from None
     except LineError as exc:
         exc.custom_id = cid
         raise
@@ -240,5 +229,9 @@ def _job_line(
         if tuple(first.get("loc", ()))[:1] == ("affinity",):  # the job's name for the line's field
             raise LineError(f"body.prompt_cache_key: {first['msg']}") from None
         raise LineError(describe_validation_error(exc)) from None
+    try:  # the engine's own invariants (min_tokens <= max_tokens...), as the worker checks them on reading the job
+        job.sampling_params()
+    except InvalidJob as exc:
+        raise LineError(f"body.{exc}") from None
     model = body.get("model")
     return BatchLine(line_no, cid, kind, model if isinstance(model, str) else None, job, echo)

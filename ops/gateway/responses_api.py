@@ -20,6 +20,7 @@ so the job is ``resp-<hex>`` and its response ``resp_<hex>`` (the ``x-request-id
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,18 +122,33 @@ def input_messages(raw: Any) -> list[dict[str, str]]:
     return out
 
 
-_RENAMED = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input"}
+_CHAT_NAME = re.compile(r"\b(max_completion_tokens|max_tokens)\b|\bmessages(?:\[(\d+)\](\.content)?)?")
 
 
-def renamed_error(exc: ApiError) -> ApiError:
-    """A chat reader's error in the Responses API's names (``max_tokens`` is ``max_output_tokens`` here,
-    ``messages`` is ``input``): the request's and the worker's (a prompt too long names ``messages``)."""
-    if exc.param in _RENAMED:
-        new = _RENAMED[exc.param]
-        if exc.code != "context_length_exceeded":  # OpenAI's sentence stays as clients parse it: only param
-            exc.message = exc.message.replace(exc.param, new, 1)
+def responses_names(text: str, instructions: bool = False) -> str:
+    """``text`` (an error's message or param) in the Responses API's names: ``max_tokens`` and
+    ``max_completion_tokens`` are ``max_output_tokens``, ``messages[i]`` is ``input[i]``, one less where
+    ``instructions`` became the first message (whose content is ``instructions`` itself)."""
+
+    def rename(match: re.Match[str]) -> str:
+        if match.group(1):
+            return "max_output_tokens"
+        if match.group(2) is None:
+            return "input"
+        index = int(match.group(2)) - instructions
+        return "instructions" if index < 0 else f"input[{index}]{match.group(3) or ''}"
+
+    return _CHAT_NAME.sub(rename, text)
+
+
+def renamed_error(exc: ApiError, instructions: bool = False) -> ApiError:
+    """A chat reader's error in the Responses API's names (:func:`responses_names`): the request's and the
+    worker's (a prompt too long names ``messages``; OpenAI's sentence for it stays as clients parse it)."""
+    if exc.code != "context_length_exceeded":
+        exc.message = responses_names(exc.message, instructions)
         exc.args = (exc.message,)
-        exc.param = new
+    if exc.param is not None:
+        exc.param = responses_names(exc.param, instructions)
     return exc
 
 
@@ -190,7 +206,7 @@ def parse_responses_request(
             "chat", chat, default_max_tokens=default_max_tokens, timeout_s=timeout_s, random_seed=random_seed
         )
     except ApiError as exc:
-        raise renamed_error(exc) from None
+        raise renamed_error(exc, echo["instructions"] is not None) from None
     spec.fields["id"] = "resp-" + spec.job_id.split("-", 1)[1]
     return ResponsesRequest(
         spec.kind, spec.model, spec.fields, spec.stream, spec.include_usage, created=spec.created, echo=echo

@@ -233,18 +233,21 @@ def test_gguf_architectures_and_rope_scaling_match_transformers(
 
 @pytest.mark.usefixtures("isa_variant")
 def test_quantised_lm_head_serves_decode_sized_calls_as_int8(tiny_gguf: tuple[Path, Path]) -> None:
-    """The tied Q8_0 embedding is also held as int8 for the lm_head: calls of up to ``fused_rows`` rows (a
-    lone sequence's decode step) read it there, a quarter of the bytes, and give the dense panels' floats;
-    larger calls keep the dense panels and their greedy argmax without logits."""
+    """The tied Q8_0 embedding is also held as int8 for the lm_head: calls of up to ``lm_head_int8_rows`` rows (a
+    lone sequence's decode step: the fused path's rows, at most LM_HEAD_INT8_ROWS) read it there, a quarter of the
+    bytes, and give the dense panels' floats; larger calls keep the dense panels and their greedy argmax without
+    logits."""
+    from engine.models.llama import LM_HEAD_INT8_ROWS
     from pagedq_kernels import cpu_linear, int8_linear
 
     model, config = load_gguf_model(tiny_gguf[0], torch.float32, CPU, "torch")
     model.prepack_cpu_weights()
-    fused = int8_linear.fused_rows()
+    fused = model.lm_head_int8_rows
+    assert fused == min(int8_linear.fused_rows(), LM_HEAD_INT8_ROWS)
     assert model.lm_head_int8 is None  # packed, or dropped where nothing would use it
     if not fused:
         assert model.lm_head_int8_packed is None
-        pytest.skip("this kernel build has no fused int8 path (generic or AVX-512): the dense lm_head serves all")
+        pytest.skip("this kernel build has no fused int8 path (the generic one): the dense lm_head serves all")
     assert model.lm_head_packed is not None and model.lm_head_int8_packed is not None
     hidden = torch.randn(fused + 1, config.hidden_size, generator=torch.Generator().manual_seed(2))
     dense = cpu_linear.linear(hidden, model.lm_head_packed, None)

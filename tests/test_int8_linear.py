@@ -64,17 +64,19 @@ def test_c_kernel_matches_reference(n: int, k: int, group: int, offsets: bool) -
 @pytest.mark.usefixtures("isa_variant")
 @pytest.mark.parametrize(("group", "offsets", "glu"), [(32, True, False), (16, False, False), (32, True, True)])
 def test_decode_sized_calls_give_the_same_floats_as_larger_ones(group: int, offsets: bool, glu: bool) -> None:
-    """One to six rows take the fused path on AVX2 (dequantised in registers, no fp32 panel buffer); more
-    rows the buffered one. Same weights, same order of sums: each row's output is the same float either way."""
+    """Up to fused_rows() rows (six on AVX2, twelve on AVX-512) take the fused path (dequantised in registers, no
+    fp32 panel buffer); more rows the buffered one. Same weights, same order of sums: each row's output is the
+    same float either way."""
     if not int8_linear.kernel_available():
         pytest.skip("no C compiler: the reference runs here")
     weight = _weight(72, 512, group, offsets, seed=11)  # 4.5 panels (9 of the glu layout's half-panels)
     packed = int8_linear.pack(weight, glu=glu)
     assert packed is not None
     bias = None if glu else torch.randn(72)
-    x = torch.randn(9, 512)
-    many = int8_linear.linear(x, packed, bias)
-    for rows in (1, 2, 3, 4, 5, 6):
+    fused = int8_linear.fused_rows()
+    x = torch.randn(max(fused, 8) + 1, 512)
+    many = int8_linear.linear(x, packed, bias)  # past the fused path: buffered
+    for rows in range(1, max(fused, 1) + 1):
         assert torch.equal(int8_linear.linear(x[:rows], packed, bias), many[:rows]), rows
     strided = torch.randn(2, 530)[:, 7:519]  # a column slice, as the model's split views
     assert torch.equal(

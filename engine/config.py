@@ -30,8 +30,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory given to the KV cache
     block_size: int = 16
     enable_prefix_caching: bool = True
-    # auto: bfloat16 on CUDA, and on CPUs that multiply bf16 in hardware (AMX, AVX512-bf16; probed by
-    # pagedq_kernels/cpu_isa), else float32. bfloat16 on CPU means bf16 matmul weights under fp32 activations.
+    # auto: bfloat16 on CUDA, and on CPUs that multiply bf16 faster than fp32 in hardware (AMX, AVX512-bf16 dot
+    # products at least at fp32's FLOP rate; probed by pagedq_kernels/cpu_isa: CpuIsa.bf16_pays), else float32.
+    # bfloat16 on CPU means bf16 matmul weights under fp32 activations.
     dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None -> the model's own context length
@@ -125,7 +126,7 @@ class EngineConfig:
                 return torch.bfloat16
             from pagedq_kernels import cpu_isa
 
-            return torch.bfloat16 if cpu_isa.current().bf16_matmul else torch.float32
+            return torch.bfloat16 if cpu_isa.current().bf16_pays else torch.float32
         return _DTYPES[self.dtype]
 
     @property

@@ -69,6 +69,19 @@ class CpuIsa:
         return "avx512_bf16" in self.levels
 
     @property
+    def bf16_pays(self) -> bool:
+        """Whether ``dtype=auto`` takes bf16: AMX tiles, or AVX512-bf16 dot products that multiply at least as fast
+        as fp32 FMAs (:func:`bf16_dot_rate`; where that could not be timed, their presence). Where they are slower,
+        bf16 weights only halve the bytes a step streams while every product costs more: on an Intel Xeon (family 6
+        model 207, AMX not exposed; rate 0.5) pagedq ran compass 199 tok/s in fp32 against 178 in bf16."""
+        if "amx" in self.levels:
+            return True
+        if not self.bf16_matmul:
+            return False
+        rate = bf16_dot_rate()
+        return rate is None or rate >= BF16_RATE_FLOOR
+
+    @property
     def runnable_variants(self) -> tuple[Variant, ...]:
         """Every kernel variant this process can run (tests run each one)."""
         if not is_x86_64():
@@ -77,7 +90,15 @@ class CpuIsa:
 
     def describe(self) -> dict[str, object]:
         """For startup logs, stats and benchmark reports."""
-        return {"kernel_variant": self.kernel_variant, "isa": self.best, "probed": list(self.probed), "cap": self.cap}
+        described: dict[str, object] = {
+            "kernel_variant": self.kernel_variant,
+            "isa": self.best,
+            "probed": list(self.probed),
+            "cap": self.cap,
+        }
+        if "avx512_bf16" in self.probed:
+            described["bf16_dot_rate"] = bf16_dot_rate()  # bf16 dot products' FLOP rate over fp32 FMAs'
+        return described
 
 
 @functools.cache
@@ -125,6 +146,31 @@ def probe() -> tuple[str, ...]:
         runnable.append(level)
     _cap_onednn(tuple(runnable))
     return tuple(runnable)
+
+
+BF16_RATE_FLOOR = 1.0
+"""The least :func:`bf16_dot_rate` at which ``dtype=auto`` takes bf16 without AMX. The CPUs seen sit far on either
+side: AMD Zen 4 / Zen 5 near 2 (one dot product per FMA slot, twice the products), an Intel Xeon without AMX at 0.5."""
+
+
+@functools.cache
+def bf16_dot_rate() -> float | None:
+    """The FLOP rate of AVX512-bf16 dot products over that of fp32 FMAs on this core, timed once per process in the
+    probe's child (``isa_probe bf16_rate``, a few milliseconds), or None where AVX512-bf16 did not run or the timing
+    failed. Run on demand (``dtype=auto``, reports), not by :func:`probe`."""
+    if "avx512_bf16" not in probe():
+        return None
+    from pagedq_kernels import c_build
+
+    exe = c_build.build_executable("isa_probe")
+    if exe is None:
+        return None
+    try:
+        result = subprocess.run([str(exe), "bf16_rate"], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+        rate = float(result.stdout.strip()) if result.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+    return rate if rate is not None and rate > 0 else None
 
 
 # oneDNN's names for the levels: the most it may use when the probe stopped short of what the flags claim.

@@ -32,11 +32,12 @@ def needs_bf16(isa: cpu_isa.CpuIsa) -> None:
         pytest.skip(f"this CPU multiplies no bf16 in hardware (probed: {list(isa.probed)})")
 
 
-def test_auto_picks_bf16_only_where_the_cpu_multiplies_it(
+def test_auto_picks_bf16_only_where_the_cpu_multiplies_it_faster(
     uncapped: cpu_isa.CpuIsa, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     auto = EngineConfig(dtype="auto")
-    assert auto.torch_dtype == (torch.bfloat16 if uncapped.bf16_matmul else torch.float32)
+    assert auto.torch_dtype == (torch.bfloat16 if uncapped.bf16_pays else torch.float32)
+    assert not uncapped.bf16_pays or uncapped.bf16_matmul
     assert auto.activation_dtype == torch.float32  # bf16 on CPU is a matmul-weight and KV-cache format
     assert auto.kv_cache_dtype == auto.torch_dtype
     bf16 = EngineConfig(dtype="bf16")
@@ -45,6 +46,11 @@ def test_auto_picks_bf16_only_where_the_cpu_multiplies_it(
     unpacked = EngineConfig(dtype="bfloat16", cpu_weight_prepack=False)
     assert unpacked.activation_dtype == torch.bfloat16  # no packed bf16 matmul: all of it in torch bf16
     assert bf16.kv_cache_dtype == torch.bfloat16 and EngineConfig(dtype="float32").kv_cache_dtype == torch.float32
+    if uncapped.bf16_matmul and "amx" not in uncapped.levels:  # dot products: taken by their timed rate
+        for rate, dtype in ((0.5, torch.float32), (2.0, torch.bfloat16), (None, torch.bfloat16)):
+            monkeypatch.setattr(cpu_isa, "bf16_dot_rate", lambda rate=rate: rate)
+            assert EngineConfig(dtype="auto").torch_dtype == dtype, rate
+        monkeypatch.undo()
     monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512")  # below bf16: fp32, whatever the CPU
     assert EngineConfig(dtype="auto").torch_dtype == torch.float32
     assert EngineConfig(dtype="auto").kv_cache_dtype == torch.float32

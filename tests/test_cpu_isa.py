@@ -54,6 +54,23 @@ def test_the_cap_limits_levels_and_the_kernel_variant(cap: str, monkeypatch: pyt
     assert isa.describe()["kernel_variant"] == expected
 
 
+def test_bf16_dot_products_are_timed_against_fp32_fmas() -> None:
+    """Where AVX512-bf16 runs, the probe times its dot products against fp32 FMAs (a ratio of FLOP rates, near 2
+    on AMD Zen 4/5, 0.5 on an Intel Xeon without AMX); elsewhere there is no rate, and the probe refuses the
+    timing on a CPU that cannot run the instruction rather than dying of it."""
+    rate = cpu_isa.bf16_dot_rate()
+    if "avx512_bf16" not in cpu_isa.probe():
+        assert rate is None
+        exe = c_build.build_executable("isa_probe")
+        if exe is not None and "avx512" in cpu_isa.probe():  # runs AVX-512 but not bf16: refused in the child
+            assert subprocess.run([str(exe), "bf16_rate"], capture_output=True, timeout=10).returncode != 0
+        pytest.skip("AVX512-bf16 does not run here")
+    assert rate is not None and 0.1 < rate < 8
+    assert cpu_isa.current().describe()["bf16_dot_rate"] == rate
+    amx = "amx" in cpu_isa.current().levels
+    assert cpu_isa.current().bf16_pays == (amx or rate >= cpu_isa.BF16_RATE_FLOOR)
+
+
 def test_an_unknown_cap_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_isa.ENV_CAP, "avx1024")
     with pytest.raises(ValueError, match="PAGEDQ_CPU_ISA='avx1024' is not one of generic, avx2"):

@@ -93,13 +93,15 @@ def kernel_path(settings: Settings) -> tuple[bool, dict[str, Any]]:
     matmul = [*cpu_linear.available_kinds(dtype), "torch"][0]  # panels (fp32), amx or dpbf16 (bf16), onednn, torch
     fields: dict[str, Any] = {
         "device": device,
-        "dtype": str(dtype).removeprefix("torch."),  # the choice auto made (bf16 where AMX/AVX512-bf16 run)
+        "dtype": str(dtype).removeprefix("torch."),  # the choice auto made (bf16 where AMX or fast dot products run)
         "kernel_variant": isa.kernel_variant,  # the C build in use: generic, avx2, avx512 (PAGEDQ_CPU_ISA caps)
         "isa": isa.best,  # the best instruction set the probe ran, under the cap (amx, avx512_bf16...)
         "matmul": matmul if dtype == torch.float32 else f"{matmul}-bf16",
         "attention": "c" if cpu_attention.available() else "torch",
         "fused_ops": "c" if cpu_ops.available() else "torch",
     }
+    if "avx512_bf16" in isa.probed:  # why auto took bf16 or not: the dot products' FLOP rate over fp32 FMAs'
+        fields["bf16_dot_rate"] = cpu_isa.bf16_dot_rate()
     fast_matmul = matmul in ("panels", *cpu_linear.BF16_KINDS) or (dtype == torch.bfloat16 and matmul == "onednn")
     on_c = [fast_matmul, fields["attention"] == "c", fields["fused_ops"] == "c"]
     fields["path"] = "c" if all(on_c) else "torch" if not any(on_c) else "mixed"

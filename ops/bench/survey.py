@@ -56,10 +56,18 @@ ROWS = (
 
 
 def bf16_runs() -> bool:
-    """Whether `dtype=auto` picks bf16 here: the probe ran AVX512-bf16 or AMX (``engine``'s own rule)."""
+    """Whether the bf16 rows run here: the probe ran bf16 products (AVX512-bf16 or AMX), fast or not (`dtype=auto`
+    takes them only where they pay, :func:`auto_dtype`; the rows show either way)."""
     from pagedq_kernels import cpu_isa
 
     return cpu_isa.current().bf16_matmul
+
+
+def auto_dtype() -> str:
+    """What `dtype=auto` resolves to here (``engine``'s own rule)."""
+    from engine.config import EngineConfig
+
+    return str(EngineConfig().torch_dtype).removeprefix("torch.")
 
 
 def rows_for(names: Sequence[str] | None, bf16: bool) -> list[SurveyRow]:
@@ -158,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"# pagedq survey: {cpu.describe()}",
         "",
         f"{started} to {dt.datetime.now(dt.UTC).strftime('%H:%M UTC')}, commit {_commit()}, "
-        f"`dtype=auto` = {'bfloat16' if bf16 else 'float32'}"
+        f"`dtype=auto` = {auto_dtype()}"
         + (", `--quick` (tiny model)" if args.quick else "")
         + (f", each bench `--repeat {args.repeat}`" if args.repeat > 1 else ""),
         "",

@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "amx_tile.h" /* the tile-data permission and config the kernels use (this build: nothing else of it) */
 
@@ -55,9 +56,74 @@ __attribute__((target("amx-tile,amx-bf16"), noinline)) static int probe_amx(void
     return out[0] == 0.f ? 0 : 3;
 }
 
+/* `isa_probe bf16_rate`: how fast AVX512-bf16 dot products multiply against fp32 FMAs on this core, printed as
+ * the ratio of their FLOP rates. Why: the instruction's presence says nothing of its speed. On AMD Zen 4 and 5 one
+ * VDPBF16PS issues as often as one 512-bit FMA and does twice its products, so bf16 doubles the peak; on an Intel
+ * Xeon (family 6 model 207, AMX not exposed) it issues half as often, the same peak at best: bf16 there only
+ * halved the weight bytes, and pagedq ran 11-13 % slower in bf16 than in fp32 (README run 42). Twelve independent
+ * chains per loop (enough to cover either instruction's latency on two pipes), distinct starting values so that
+ * no two chains can be merged, the best of seven interleaved rounds of a few hundred microseconds each. */
+#define RATE_CHAINS(OP)                                                                                          \
+    __m512 a0 = _mm512_set1_ps(0.f), a1 = _mm512_set1_ps(1.f), a2 = _mm512_set1_ps(2.f), a3 = _mm512_set1_ps(3.f), \
+           a4 = _mm512_set1_ps(4.f), a5 = _mm512_set1_ps(5.f), a6 = _mm512_set1_ps(6.f), a7 = _mm512_set1_ps(7.f), \
+           a8 = _mm512_set1_ps(8.f), a9 = _mm512_set1_ps(9.f), a10 = _mm512_set1_ps(10.f),                     \
+           a11 = _mm512_set1_ps(11.f);                                                                         \
+    for (long i = 0; i < n; i++) {                                                                             \
+        OP(a0) OP(a1) OP(a2) OP(a3) OP(a4) OP(a5) OP(a6) OP(a7) OP(a8) OP(a9) OP(a10) OP(a11)                  \
+        __asm__ volatile("" : "+v"(x)); /* x may change: the loop stays a loop */                              \
+    }                                                                                                          \
+    sink = _mm512_reduce_add_ps(_mm512_add_ps(                                                                  \
+        _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),                            \
+                      _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7))),                          \
+        _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11))));
+
+__attribute__((target("avx512f,fma"), noinline)) static void fma_chains(long n)
+{
+    __m512 x = _mm512_set1_ps(1e-7f);
+#define FMA_STEP(acc) acc = _mm512_fmadd_ps(x, x, acc);
+    RATE_CHAINS(FMA_STEP)
+#undef FMA_STEP
+}
+
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"), noinline)) static void dp_chains(long n)
+{
+    __m512bh x = (__m512bh)_mm512_set1_epi16(0x3380); /* bf16 ~6e-8: the sums stay finite */
+#define DP_STEP(acc) acc = _mm512_dpbf16_ps(acc, x, x);
+    RATE_CHAINS(DP_STEP)
+#undef DP_STEP
+}
+
+static double seconds(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int bf16_rate(void)
+{
+    const long n = 20000; /* 240k instructions a loop: ~0.1-0.3 ms */
+    double fma = 1e9, dp = 1e9;
+    fma_chains(n / 10); /* warm the 512-bit units up */
+    for (int round = 0; round < 7; round++) {
+        double t = seconds();
+        fma_chains(n);
+        const double f = seconds() - t;
+        t = seconds();
+        dp_chains(n);
+        const double d = seconds() - t;
+        fma = f < fma ? f : fma;
+        dp = d < dp ? d : dp;
+    }
+    /* a dot product does 64 FLOP (32 products, 32 sums) where a 16-lane FMA does 32 */
+    printf("%.3f\n", (64.0 / dp) / (32.0 / fma));
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) return 64;
+    if (!strcmp(argv[1], "bf16_rate")) return probe_avx512_bf16() || bf16_rate();
     if (!strcmp(argv[1], "avx2")) return probe_avx2();
     if (!strcmp(argv[1], "avx512")) return probe_avx512();
     if (!strcmp(argv[1], "avx512_bf16")) return probe_avx512_bf16();

@@ -149,8 +149,10 @@ def probe() -> tuple[str, ...]:
 
 
 BF16_RATE_FLOOR = 1.0
-"""The least :func:`bf16_dot_rate` at which ``dtype=auto`` takes bf16 without AMX. The CPUs seen sit far on either
-side: AMD Zen 4 / Zen 5 near 2 (one dot product per FMA slot, twice the products), an Intel Xeon without AMX at 0.5."""
+"""The least :func:`bf16_dot_rate` at which ``dtype=auto`` takes bf16 without AMX. An Intel Xeon without AMX (family 6
+model 207) times 0.50; AMD Zen 4 and Zen 5, whose bf16 matmul peak the bench measured at about twice their fp32 one
+(README runs 29-37), are expected near 2 (one dot product per FMA slot, twice the products; not yet timed by this
+probe): far on either side of 1."""
 
 
 @functools.cache

@@ -57,9 +57,9 @@ __attribute__((target("amx-tile,amx-bf16"), noinline)) static int probe_amx(void
 }
 
 /* `isa_probe bf16_rate`: how fast AVX512-bf16 dot products multiply against fp32 FMAs on this core, printed as
- * the ratio of their FLOP rates. Why: the instruction's presence says nothing of its speed. On AMD Zen 4 and 5 one
- * VDPBF16PS issues as often as one 512-bit FMA and does twice its products, so bf16 doubles the peak; on an Intel
- * Xeon (family 6 model 207, AMX not exposed) it issues half as often, the same peak at best: bf16 there only
+ * the ratio of their FLOP rates. Why: the instruction's presence says nothing of its speed. On AMD Zen 4 and 5 the
+ * bench measured bf16 matmuls at about twice the fp32 peak (README runs 29-37); on an Intel Xeon (family 6 model
+ * 207, AMX not exposed) this times 0.50: one VDPBF16PS issues a quarter as often as an FMA, so bf16 there only
  * halved the weight bytes, and pagedq ran 11-13 % slower in bf16 than in fp32 (README run 42). Twelve independent
  * chains per loop (enough to cover either instruction's latency on two pipes), distinct starting values so that
  * no two chains can be merged, the best of seven interleaved rounds of a few hundred microseconds each. */

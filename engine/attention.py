@@ -75,7 +75,9 @@ class _Split:
 
 # Query chunks of up to this many tokens (by cache dtype) go to the decode kernel where it takes several per
 # sequence (cpu_attention.multi_query_supported: the avx512 build): speculative verification (1 + up to 8
-# drafts) and short prefill tails. Measured in pagedq_kernels/csrc/cpu_attention.c (paged_decode_attention_f32's
+# drafts). Short prompt tails did too, until a prefix-cache hit was seen to change a request's logprobs in the
+# last bit (the tail on the decode kernel, the whole prompt on the prefill kernel): they stay on the prefill one.
+# Measured in pagedq_kernels/csrc/cpu_attention.c (paged_decode_attention_f32's
 # comment) against the prefill kernel: the crossover lies at 11-12 queries over a bf16 cache, past 16 over
 # an fp32 one (whose prefill path copies twice the bytes per key).
 MULTI_QUERY_MAX = {torch.bfloat16: 10, torch.float32: 16}
@@ -89,6 +91,7 @@ class _TorchPlan:
     block_tables: torch.Tensor
     q_lens: list[int]
     seq_lens: list[int]
+    prompt_chunks: list[bool]  # AttentionMetadata.prompt_chunks_cpu (empty: not known)
     single: _Split  # decode kernel for single-token queries only
     prefills: list[_Prefill]
     multi: _Split | None = None  # decode kernel up to multi_max tokens; made on first use in a step
@@ -97,7 +100,7 @@ class _TorchPlan:
     def multi_query(self, max_q: int) -> _Split:
         if self.multi is None or self.multi_max != max_q:
             batch = (self.query_start_loc, self.seq_lens_tensor, self.block_tables)
-            self.multi, self.multi_max = _split(*batch, self.q_lens, self.seq_lens, max_q), max_q
+            self.multi, self.multi_max = _split(*batch, self.q_lens, self.seq_lens, max_q, self.prompt_chunks), max_q
         return self.multi
 
 
@@ -108,6 +111,7 @@ def _split(
     q_lens: list[int],
     seq_lens: list[int],
     decode_max_q: int,
+    prompt_chunks: list[bool] | None = None,
 ) -> _Split:
     def rows(chosen: list[int], with_q_lens: bool) -> _DecodeRows:
         idx = torch.tensor(chosen, dtype=torch.long)
@@ -119,8 +123,12 @@ def _split(
             max_len=max((seq_lens[i] for i in chosen), default=0),
         )
 
-    verify = [i for i, n in enumerate(q_lens) if 1 < n <= decode_max_q]
-    pre = [i for i, n in enumerate(q_lens) if n > max(decode_max_q, 1)]
+    # A prompt's chunk, however short the prefix cache left it (one token included), goes to the prefill kernel as
+    # the whole prompt would (the same floats); decode tokens and verification chunks to the decode kernel.
+    prompt = prompt_chunks or [n > decode_max_q for n in q_lens]
+    single = [i for i, n in enumerate(q_lens) if n == 1 and not prompt[i]]
+    verify = [i for i, n in enumerate(q_lens) if 1 < n <= decode_max_q and not prompt[i]]
+    pre = [i for i, n in enumerate(q_lens) if n > decode_max_q or (n >= 1 and prompt[i])]
     batch = None
     if pre and block_tables.device.type == "cpu":
         pre_idx = torch.tensor(pre, dtype=torch.long)
@@ -131,7 +139,7 @@ def _split(
             tables=block_tables[pre_idx].to(torch.int32).contiguous(),
         )
     return _Split(
-        decode=rows([i for i, n in enumerate(q_lens) if n == 1], False),
+        decode=rows(single, False),
         verify=rows(verify, True) if verify else None,
         prefill_batch=batch,
     )
@@ -146,8 +154,9 @@ class TorchAttention:
     cover, torch paths gather the blocks instead (decode: one batched SDPA; prefill: one per chunk).
     The cache may hold a narrower dtype than the queries (bf16 under fp32 activations: half the bytes):
     the K/V are written rounded to nearest even, and read back widened to the queries' dtype. In the avx512
-    build, chunks of up to :data:`MULTI_QUERY_MAX` queries (speculative verification) go to the decode
-    kernel too, which reads every K/V row once for all of a sequence's queries.
+    build, chunks of up to :data:`MULTI_QUERY_MAX` queries of speculative verification go to the decode
+    kernel too, which reads every K/V row once for all of a sequence's queries (a prompt's chunk never does:
+    ``AttentionMetadata.prompt_chunks_cpu``).
     """
 
     name = "torch"
@@ -164,10 +173,11 @@ class TorchAttention:
                 _chunk_mask(q_lens[i], seq_lens[i], meta.block_tables.device),
             )
             for i, n in enumerate(q_lens)
-            if n > 1
+            if n > 1 or (meta.prompt_chunks_cpu and meta.prompt_chunks_cpu[i])
         ]
         batch = (meta.query_start_loc, meta.seq_lens, meta.block_tables)
-        meta.backend_state = _TorchPlan(*batch, q_lens, seq_lens, _split(*batch, q_lens, seq_lens, 1), prefills)
+        single = _split(*batch, q_lens, seq_lens, 1, meta.prompt_chunks_cpu)
+        meta.backend_state = _TorchPlan(*batch, q_lens, seq_lens, meta.prompt_chunks_cpu, single, prefills)
 
     def forward(
         self,
@@ -211,8 +221,9 @@ class TorchAttention:
             for p in plan.prefills:
                 out[p.rows] = _prefill_torch(q[p.rows], k_cache, v_cache, p, scale)
         else:  # only the chunks the decode kernel did not take
+            taken = set(split.verify.rows.tolist()) if split.verify is not None else set()
             for p in plan.prefills:
-                if p.rows.stop - p.rows.start > plan.multi_max:
+                if p.rows.start not in taken:
                     out[p.rows] = _prefill_torch(q[p.rows], k_cache, v_cache, p, scale)
         return out
 

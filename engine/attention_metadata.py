@@ -30,6 +30,11 @@ class AttentionMetadata:
     # Host-side copies, so CPU backends can plan without device syncs.
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    # Per sequence: whether its queries hold prompt tokens (a prefill chunk, however short the prefix cache left
+    # it). A CPU backend sends those to its prefill kernel, never to the decode kernel that takes single tokens
+    # and a token with its drafts, so a prompt's floats are the same with and without a cache hit. Empty: not
+    # known (chunks go by length alone).
+    prompt_chunks_cpu: list[bool] = field(default_factory=list)
     # Per-step scratch a backend computes once in ``prepare`` and reuses in every layer.
     backend_state: Any = None
 

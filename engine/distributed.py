@@ -293,7 +293,7 @@ def gather_sizes(runner: ModelRunner, group: Any) -> list[tuple[int, int]]:
 
 def pack_step(host: HostInputs, rows: list[int]) -> torch.Tensor:
     """One step's inputs as one int64 tensor (one broadcast): ids, positions, query starts, sequence
-    lengths, block tables, slots, logit rows."""
+    lengths, block tables, slots, logit rows, which sequences' chunks hold prompt tokens."""
     return torch.cat(
         [
             host.input_ids,
@@ -303,14 +303,15 @@ def pack_step(host: HostInputs, rows: list[int]) -> torch.Tensor:
             host.block_tables.long().flatten(),
             host.slot_mapping,
             torch.tensor(rows, dtype=torch.int64),
+            torch.tensor(host.prompt_chunks_cpu, dtype=torch.int64),
         ]
     )
 
 
 def unpack_step(payload: torch.Tensor, tokens: int, seqs: int, width: int, rows: int) -> tuple[HostInputs, list[int]]:
     """The inverse of :func:`pack_step`, from the sizes in the command's header."""
-    parts = payload.split([tokens, tokens, seqs + 1, seqs, seqs * width, tokens, rows])
-    ids, positions, starts, seq_lens, tables, slots, row_ids = parts
+    parts = payload.split([tokens, tokens, seqs + 1, seqs, seqs * width, tokens, rows, seqs])
+    ids, positions, starts, seq_lens, tables, slots, row_ids, prompt_chunks = parts
     query_start_loc = starts.int()
     host = HostInputs(
         input_ids=ids,
@@ -321,6 +322,7 @@ def unpack_step(payload: torch.Tensor, tokens: int, seqs: int, width: int, rows:
         slot_mapping=slots,
         query_lens_cpu=(query_start_loc[1:] - query_start_loc[:-1]).tolist(),
         seq_lens_cpu=seq_lens.tolist(),
+        prompt_chunks_cpu=[bool(flag) for flag in prompt_chunks.tolist()],
     )
     return host, row_ids.tolist()
 

@@ -44,6 +44,7 @@ class HostInputs:
     slot_mapping: torch.Tensor  # int64 [N]
     query_lens_cpu: list[int]  # the same lengths as Python ints, for the attention backends' planning
     seq_lens_cpu: list[int]
+    prompt_chunks_cpu: list[bool]  # per sequence: its new tokens hold prompt tokens (AttentionMetadata's)
 
 
 def logit_rows(batch: ScheduledBatch, sample_rows: list[int], num_logits: list[int] | None) -> list[int]:
@@ -198,10 +199,12 @@ class ModelRunner:
         token_ids: list[int] = []
         computed: list[int] = []
         seq_lens: list[int] = []
+        prompt_chunks: list[bool] = []
         for seq, n in zip(seqs, q_lens, strict=True):
             c = seq.num_computed_tokens
             ids = seq.token_ids[c : c + n]
             token_ids.extend(ids)
+            prompt_chunks.append(c < seq.num_prompt_tokens)
             if len(ids) < n:  # speculative decoding: the drafts follow the last real token
                 token_ids.extend(seq.spec_token_ids[: n - len(ids)])
             computed.append(c)
@@ -231,6 +234,7 @@ class ModelRunner:
             slot_mapping=slots,
             query_lens_cpu=list(q_lens),
             seq_lens_cpu=seq_lens,
+            prompt_chunks_cpu=prompt_chunks,
         )
 
     def device_inputs(self, host: HostInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -246,6 +250,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_lens_cpu=q_lens,
             seq_lens_cpu=seq_lens,
+            prompt_chunks_cpu=host.prompt_chunks_cpu,
         )
         return host.input_ids.to(dev), host.positions.to(dev), meta
 

@@ -128,7 +128,7 @@ def _split(
     prompt = prompt_chunks or [n > decode_max_q for n in q_lens]
     single = [i for i, n in enumerate(q_lens) if n == 1 and not prompt[i]]
     verify = [i for i, n in enumerate(q_lens) if 1 < n <= decode_max_q and not prompt[i]]
-    pre = [i for i, n in enumerate(q_lens) if n > decode_max_q or (n >= 1 and prompt[i])]
+    pre = [i for i, n in enumerate(q_lens) if n > decode_max_q or prompt[i]]
     batch = None
     if pre and block_tables.device.type == "cpu":
         pre_idx = torch.tensor(pre, dtype=torch.long)

@@ -427,6 +427,8 @@ def test_a_worker_whose_model_cannot_load_exits_at_start(redis_server: RedisServ
         reap(worker)
 
 
+@pytest.mark.slow  # ~7 s (a prefork pool starts a child that tries the load); the threads pool's exit at start
+# (test_a_worker_whose_model_cannot_load_exits_at_start) stays in the default tier
 def test_tasks_reaching_an_engine_that_cannot_load_get_error_events(redis_server: RedisServer, tmp_path: Path) -> None:
     """A pool that builds the engine in the task's process on first use (prefork) cannot stop the worker at
     start: its tasks get error ``internal``, and the load is tried once, not once per task.

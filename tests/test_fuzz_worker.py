@@ -608,6 +608,8 @@ def campaign(server: RedisServer, model_dir: Path, tmp_path: Path, names: list[s
         yield c
 
 
+@pytest.mark.slow  # ~12 s on 2 cores (worker processes and a whole campaign); tests/test_hostile_producers.py
+# keeps the default tier's checks of single hostile entries
 @pytest.mark.parametrize("fresh_redis_server", ["embedded"], indirect=True)
 def test_fuzzed_entries_fail_only_themselves(fresh_redis_server: RedisServer, model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     with campaign(fresh_redis_server, model_dir, tmp_path, ["w0"]) as c:

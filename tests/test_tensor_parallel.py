@@ -7,8 +7,8 @@ vocabulary neither 2 nor 3 divides (padded vocab-parallel embedding and lm_head)
 with per-head q/k norms (qwen3). Every case runs the parity workload (20 prompts) with chunked prefill
 and preemption forced, then again with the prompts' blocks in the prefix cache.
 
-Starting the ranks costs several seconds (each imports torch and loads its shard), so the default tier
-keeps one case, and the cheap in-process checks of the shard arithmetic; the rest is slow-tier.
+Starting the ranks costs several seconds (each imports torch and loads its shard: ~10 s a case on 2 cores), so
+the default tier keeps the cheap in-process checks of the shard arithmetic; every rank-process case is slow-tier.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ FORCED: dict[str, Any] = {"max_num_batched_tokens": 24, "num_kv_blocks": 16, "en
 def _cases() -> list[Any]:
     slow = pytest.mark.slow  # each case starts N rank processes (~10-20 s on 2 cores)
     return [
-        pytest.param("llama_gqa", 2),
+        pytest.param("llama_gqa", 2, marks=slow),
         pytest.param("llama_mqa_tied", 2, marks=slow),
         pytest.param("llama_tp_odd_vocab", 2, marks=slow),
         pytest.param("llama_tp_odd_vocab", 3, marks=slow),

@@ -89,7 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument(
-        "--dtype", default="auto", help="auto (bfloat16 on CUDA and on CPUs with AMX or AVX512-bf16, else float32), ..."
+        "--dtype",
+        default="auto",
+        help="auto (as the engine: bfloat16 on CUDA, on AMX, and where AVX512-bf16 is timed at least as fast "
+        "per FLOP as fp32; else float32), ...",
     )
     parser.add_argument(
         "--quantization",
@@ -310,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
 
     threads = args.threads or cpu_runtime.usable_cpus()
     torch.set_num_threads(threads)
-    try:  # auto as the engine resolves it: bf16 on CUDA and on CPUs with AMX/AVX512-bf16, else fp32
+    try:  # auto as the engine resolves it (bf16 only where it outruns fp32)
         dtype = str(EngineConfig(dtype=args.dtype, device=args.device).torch_dtype).removeprefix("torch.")
     except ValueError:
         print(f"pagedq bench: --dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}", file=sys.stderr)

@@ -22,6 +22,7 @@ import os
 import platform
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 ENV_CAP = "PAGEDQ_CPU_ISA"
@@ -137,15 +138,23 @@ def probe() -> tuple[str, ...]:
         return ()
     runnable: list[str] = []
     for level in LEVELS[1:]:
-        try:
-            result = subprocess.run([str(exe), level], capture_output=True, timeout=PROBE_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired):
-            break
-        if result.returncode != 0:  # SIGILL shows as -4; 2: the kernel refused AMX tile state
+        result = _run_probe(exe, level)
+        if result is None or result.returncode != 0:  # SIGILL shows as -4; 2: the kernel refused AMX tile state
             break
         runnable.append(level)
     _cap_onednn(tuple(runnable))
     return tuple(runnable)
+
+
+def _run_probe(exe: Path, command: str) -> subprocess.CompletedProcess[str] | None:
+    """The probe's child run on one command (a level to try, or ``bf16_rate``), or None where it could not start or
+    outlived :data:`PROBE_TIMEOUT_S` (a hung child is killed)."""
+    try:
+        return subprocess.run(
+            [str(exe), command], capture_output=True, text=True, errors="replace", timeout=PROBE_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
 
 
 BF16_RATE_FLOOR = 1.0
@@ -167,10 +176,10 @@ def bf16_dot_rate() -> float | None:
     exe = c_build.build_executable("isa_probe")
     if exe is None:
         return None
+    result = _run_probe(exe, "bf16_rate")
     try:
-        result = subprocess.run([str(exe), "bf16_rate"], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-        rate = float(result.stdout.strip()) if result.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired, ValueError):
+        rate = float(result.stdout.strip()) if result is not None and result.returncode == 0 else None
+    except ValueError:
         return None
     return rate if rate is not None and rate > 0 else None
 

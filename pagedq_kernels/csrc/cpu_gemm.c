@@ -31,6 +31,15 @@
  * within +-3 %. Not yet measured on an AVX2-only CPU (Zen 3), whose memory is slower per FMA, where it
  * should matter more.
  *
+ * From TRIPLE_MIN_ROWS rows (prefill steps) the avx512 build's work items are three panels through an 8-row tile
+ * (gemm_tile.h tile_triple: 8 broadcasts + 3 weight loads for 24 FMAs, where tile_pair issues 12 + 2), the same
+ * chain of FMAs per output, so a row's floats do not depend on its step's size (tests/test_cpu_kernels.py). Intel
+ * Xeon family 6 model 207, 2 threads, SmolLM2's shapes, interleaved builds, best of 5, GFLOP/s pair -> triple:
+ * 2048 rows qkv 197 -> 208, o 197 -> 209, gate_up 195 -> 244, down 261 -> 281; 512 rows qkv 200 -> 210, o 204
+ * -> 207, gate_up 193 -> 198, down 183 -> 206; 256 rows 235 -> 239, 226 -> 249, 192 -> 200, 200 -> 217 (oneDNN
+ * there: 237-260 at 2048 rows). compass fp32 without drafts, old and new in alternating processes: its eight
+ * 2048-token prefill steps 21.5 / 20.2 s -> 19.0 / 19.3 s, 192.9 / 202.4 -> 215.5 / 206.6 tok/s.
+ *
  * Layout of a packed weight: ceil(N/16) panels of K x 16 floats; columns past N are zero. The
  * register tile lives in gemm_tile.h (prefill attention runs on it too); with glu, the merged
  * gate/up weight is packed so the tile's epilogue emits silu(gate) * up directly.
@@ -53,6 +62,9 @@
 
 #ifndef PAGEDQ_AVX2
 #error "cpu_gemm needs AVX2/FMA: without them the packed weights go to oneDNN (pagedq_kernels/cpu_linear.py)"
+#endif
+#ifndef TRIPLE_MIN_ROWS
+#define TRIPLE_MIN_ROWS 256 /* rows from which the avx512 build's items are three panels (measured in the header) */
 #endif
 #ifndef MB
 #define MB 384 /* rows of x per block (measured 256-384 best here): the block is reused across every panel */
@@ -118,7 +130,9 @@ static void panel_items(const float *x, int64_t ldx, const float *packed, const 
     const int64_t width = glu ? NR / 2 : NR; /* output columns per panel */
     const int64_t panels = (n + width - 1) / width;
 #ifdef PAGEDQ_AVX512
-    const int64_t step = 2; /* panels per work item: tile_pair's two, a last odd one alone */
+    /* panels per work item: tile_triple's three from TRIPLE_MIN_ROWS rows where that leaves two items or more (the
+     * last one or two panels alone), else tile_pair's two (a last odd one alone) */
+    const int64_t step = m >= TRIPLE_MIN_ROWS && panels >= 6 ? 3 : 2;
 #else
     const int64_t step = 1;
 #endif
@@ -133,6 +147,28 @@ static void panel_items(const float *x, int64_t ldx, const float *packed, const 
             const int ncols = (int)(n - col < width ? n - col : width);
             const float *bp = bias && !glu ? bias + col : NULL;
 #ifdef PAGEDQ_AVX512
+            if (step == 3) {
+                if (p + 2 < panels) {
+                    const int ncols1 = (int)(n - col - width < width ? n - col - width : width);
+                    const int ncols2 = (int)(n - col - 2 * width < width ? n - col - 2 * width : width);
+                    for (int64_t r = m0; r < m1; r += TR) {
+                        const int rows = (int)(m1 - r < TR ? m1 - r : TR);
+                        tile_triple_rows(rows, x + r * ldx, ldx, panel, k, y + r * ldy + col, ldy, bp, width, ncols,
+                                         ncols1, ncols2, glu);
+                    }
+                    continue;
+                }
+                for (int64_t q = p; q < panels; q++) { /* the last one or two panels */
+                    const int64_t cq = q * width;
+                    const int nq = (int)(n - cq < width ? n - cq : width);
+                    for (int64_t r = m0; r < m1; r += MR) {
+                        const int rows = (int)(m1 - r < MR ? m1 - r : MR);
+                        tile_rows(rows, x + r * ldx, ldx, packed + q * k * NR, NR, k, y + r * ldy + cq, ldy,
+                                  bias && !glu ? bias + cq : NULL, nq, glu, NULL, 0);
+                    }
+                }
+                continue;
+            }
             if (p + 1 < panels) {
                 const int64_t col1 = col + width;
                 const int ncols1 = (int)(n - col1 < width ? n - col1 : width);

@@ -260,6 +260,60 @@ static inline void tile_pair_rows(int rows, const float *x, int64_t ldx, const f
     }
 #undef PAIR_CASE
 }
+
+/* Three panels at once for many rows (cpu_gemm.c panel_items, from TRIPLE_MIN_ROWS): rows <= TR x 48 columns, 24
+ * accumulators, each k step 8 broadcasts + 3 weight loads for 24 FMAs (tile_pair: 12 + 2). panel1 and panel2 follow
+ * panel0 at k x NR floats each; their outputs go to y + width and y + 2 * width (width: a panel's output columns,
+ * NR or with glu NR / 2), their biases likewise. Every output is the same chain of FMAs over k as in tile_pair, so
+ * the floats are the same. No prefetch of a next item: at these row counts a panel is read once from memory and
+ * then from L2 by every later row tile. */
+#define TR 8
+static inline __attribute__((always_inline)) void tile_triple(int rows, const float *x, int64_t ldx,
+                                                              const float *panel0, int64_t k, float *y, int64_t ldy,
+                                                              const float *bias, int64_t width, int ncols0,
+                                                              int ncols1, int ncols2, int glu)
+{
+    __m512 a[TR], b[TR], c[TR];
+    for (int r = 0; r < TR; r++) {
+        a[r] = _mm512_setzero_ps();
+        b[r] = a[r];
+        c[r] = a[r];
+    }
+    const float *panel1 = panel0 + k * NR, *panel2 = panel1 + k * NR;
+    for (int64_t kk = 0; kk < k; kk++) {
+        const float *wp0 = panel0 + kk * NR, *wp1 = panel1 + kk * NR, *wp2 = panel2 + kk * NR;
+        _mm_prefetch((const char *)(wp0 + PF * NR), PF_HINT);
+        _mm_prefetch((const char *)(wp1 + PF * NR), PF_HINT);
+        _mm_prefetch((const char *)(wp2 + PF * NR), PF_HINT);
+        const __m512 w0 = _mm512_loadu_ps(wp0), w1 = _mm512_loadu_ps(wp1), w2 = _mm512_loadu_ps(wp2);
+#pragma GCC unroll 8
+        for (int r = 0; r < TR; r++) {
+            if (r < rows) { /* a constant per inlined copy (tile_triple_rows) */
+                const __m512 xb = _mm512_set1_ps(x[r * ldx + kk]);
+                a[r] = _mm512_fmadd_ps(xb, w0, a[r]);
+                b[r] = _mm512_fmadd_ps(xb, w1, b[r]);
+                c[r] = _mm512_fmadd_ps(xb, w2, c[r]);
+            }
+        }
+    }
+    tile_store(a, rows, y, ldy, bias, ncols0, glu);
+    tile_store(b, rows, y + width, ldy, bias ? bias + width : NULL, ncols1, glu);
+    tile_store(c, rows, y + 2 * width, ldy, bias ? bias + 2 * width : NULL, ncols2, glu);
+}
+
+/* tile_triple, one inlined copy per row count (as tile_rows). */
+static inline void tile_triple_rows(int rows, const float *x, int64_t ldx, const float *panel0, int64_t k, float *y,
+                                    int64_t ldy, const float *bias, int64_t width, int ncols0, int ncols1, int ncols2,
+                                    int glu)
+{
+#define TRIPLE_CASE(n) \
+    case n: tile_triple(n, x, ldx, panel0, k, y, ldy, bias, width, ncols0, ncols1, ncols2, glu); break;
+    switch (rows) {
+    TRIPLE_CASE(8) TRIPLE_CASE(7) TRIPLE_CASE(6) TRIPLE_CASE(5) TRIPLE_CASE(4) TRIPLE_CASE(3) TRIPLE_CASE(2)
+    default: tile_triple(1, x, ldx, panel0, k, y, ldy, bias, width, ncols0, ncols1, ncols2, glu); break;
+    }
+#undef TRIPLE_CASE
+}
 #endif
 
 #endif /* PAGEDQ_GEMM_TILE_H */

@@ -117,6 +117,11 @@ def test_rows_the_screen_cannot_narrow_are_settled_over_every_column() -> None:
     assert int(argmax_screen.argmax(x[:1], head)[1][0]) == 50
 
 
+def _bf16_pays(monkeypatch: pytest.MonkeyPatch, pays: bool) -> None:
+    """This CPU's bf16 products as faster (or slower) than its fp32 ones, whatever the probe timed."""
+    monkeypatch.setattr(cpu_isa.CpuIsa, "bf16_pays", property(lambda self: pays))
+
+
 def test_a_tiny_fp32_model_generates_the_same_tokens_with_the_screen(
     tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -138,11 +143,6 @@ def test_a_tiny_fp32_model_generates_the_same_tokens_with_the_screen(
     plain = LLM(str(path), dtype="float32", num_kv_blocks=64)
     assert plain.engine.runner.model.lm_head_screen is None
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == with_screen
-
-
-def _bf16_pays(monkeypatch: pytest.MonkeyPatch, pays: bool) -> None:
-    """This CPU's bf16 products as faster (or slower) than its fp32 ones, whatever the probe timed."""
-    monkeypatch.setattr(cpu_isa.CpuIsa, "bf16_pays", property(lambda self: pays))
 
 
 @pytest.mark.parametrize("pays", [True, False])

@@ -130,8 +130,8 @@ static void panel_items(const float *x, int64_t ldx, const float *packed, const 
     const int64_t width = glu ? NR / 2 : NR; /* output columns per panel */
     const int64_t panels = (n + width - 1) / width;
 #ifdef PAGEDQ_AVX512
-    /* panels per work item: tile_triple's three from TRIPLE_MIN_ROWS rows where that leaves two items or more (the
-     * last one or two panels alone), else tile_pair's two (a last odd one alone) */
+    /* panels per work item: tile_triple's three from TRIPLE_MIN_ROWS rows where that leaves two items or more (a
+     * last one or two panels through tile_pair or alone), else tile_pair's two (a last odd one alone) */
     const int64_t step = m >= TRIPLE_MIN_ROWS && panels >= 6 ? 3 : 2;
 #else
     const int64_t step = 1;
@@ -147,25 +147,13 @@ static void panel_items(const float *x, int64_t ldx, const float *packed, const 
             const int ncols = (int)(n - col < width ? n - col : width);
             const float *bp = bias && !glu ? bias + col : NULL;
 #ifdef PAGEDQ_AVX512
-            if (step == 3) {
-                if (p + 2 < panels) {
-                    const int ncols1 = (int)(n - col - width < width ? n - col - width : width);
-                    const int ncols2 = (int)(n - col - 2 * width < width ? n - col - 2 * width : width);
-                    for (int64_t r = m0; r < m1; r += TR) {
-                        const int rows = (int)(m1 - r < TR ? m1 - r : TR);
-                        tile_triple_rows(rows, x + r * ldx, ldx, panel, k, y + r * ldy + col, ldy, bp, width, ncols,
-                                         ncols1, ncols2, glu);
-                    }
-                    continue;
-                }
-                for (int64_t q = p; q < panels; q++) { /* the last one or two panels */
-                    const int64_t cq = q * width;
-                    const int nq = (int)(n - cq < width ? n - cq : width);
-                    for (int64_t r = m0; r < m1; r += MR) {
-                        const int rows = (int)(m1 - r < MR ? m1 - r : MR);
-                        tile_rows(rows, x + r * ldx, ldx, packed + q * k * NR, NR, k, y + r * ldy + cq, ldy,
-                                  bias && !glu ? bias + cq : NULL, nq, glu, NULL, 0);
-                    }
+            if (step == 3 && p + 2 < panels) { /* a last item of one or two panels goes on below, as with step 2 */
+                const int ncols1 = (int)(n - col - width < width ? n - col - width : width);
+                const int ncols2 = (int)(n - col - 2 * width < width ? n - col - 2 * width : width);
+                for (int64_t r = m0; r < m1; r += TR) {
+                    const int rows = (int)(m1 - r < TR ? m1 - r : TR);
+                    tile_triple_rows(rows, x + r * ldx, ldx, panel, k, y + r * ldy + col, ldy, bp, width, ncols,
+                                     ncols1, ncols2, glu);
                 }
                 continue;
             }

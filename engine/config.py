@@ -30,8 +30,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory given to the KV cache
     block_size: int = 16
     enable_prefix_caching: bool = True
-    # auto: bfloat16 on CUDA, and on CPUs that multiply bf16 faster than fp32 in hardware (AMX, AVX512-bf16 dot
-    # products at least at fp32's FLOP rate; probed by pagedq_kernels/cpu_isa: CpuIsa.bf16_pays), else float32.
+    # auto: bfloat16 on CUDA, and on CPUs with AMX or AVX512-bf16 (pagedq_kernels/cpu_isa: CpuIsa.bf16_pays; where
+    # the dot products are slower than fp32 FMAs the bf16 kernels multiply on the FMAs), else float32.
     # bfloat16 on CPU means bf16 matmul weights under fp32 activations.
     dtype: str = "auto"
     device: str = "cpu"

@@ -284,8 +284,8 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="auto (bfloat16 on CUDA, and on CPUs whose bf16 multiplies outrun fp32: AMX, or AVX512-bf16 timed "
-        "at start at least as fast per FLOP; else float32), float32, bfloat16 (default auto)",
+        help="auto (bfloat16 on CUDA, and on CPUs with AMX or AVX512-bf16; else float32), float32, bfloat16 "
+        "(default auto)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument(

@@ -12,11 +12,12 @@ prompts), and recomputes those exactly as the panel kernel does. A row it cannot
 inputs, too many near-ties) goes to ``argmax_linear`` on the fp32 panels, every column. So the answer is
 ``argmax_linear``'s on the fp32 panels, bit for bit: values, first column on ties, NaN first.
 
-Where AVX512-bf16 dot products run slower than fp32 FMAs (:attr:`cpu_isa.CpuIsa.bf16_pays` false), the screen
-serves steps of up to :data:`SLOW_BF16_ROWS` rows only: there halving the bytes streamed pays while a step is
-mostly the weight's stream, and the slower products lose past it. Intel Xeon family 6 model 207 (rate 0.50), 2
-threads, SmolLM2's head evicted from the caches before each call, best of 7 interleaved, ms screen / fp32 panels:
-1 row 2.64 / 4.45, 8: 3.60-3.91 / 4.83-5.51, 12: 6.61 / 5.83, 16: 8.91 / 7.42, 36: 13.8-18.8 / 11.5-12.1.
+Where AVX512-bf16 dot products run slower than fp32 FMAs (:attr:`cpu_isa.CpuIsa.bf16_products_on_fma`), the
+screen's products run on the FMAs (the same floats), and it still wins at every row count, by the bytes it does not
+stream: Intel Xeon family 6 model 207 (dot products at half the FMAs' rate), 2 threads, SmolLM2's head evicted from
+the caches before each call, best of 7 interleaved, ms screened / fp32 panels: 1 row 2.66 / 4.48, 8: 3.51 / 5.55,
+16: 4.44 / 5.74, 36: 7.90 / 8.56, 64: 13.24 / 13.56 (on the dot products it had lost from 12 rows: 36 rows
+13.8-18.8 / 11.5-12.1).
 
 ``PAGEDQ_DISABLE_SCREENED_ARGMAX=1`` switches it off (the fp32 panels' argmax serves)."""
 
@@ -28,10 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedq_kernels import cpu_isa, cpu_linear
+from pagedq_kernels import cpu_linear
 
 BLOCK = 32  # output columns per dpbf16 column block: the norm arrays are padded to a multiple (zeros)
-SLOW_BF16_ROWS = 8  # the most rows the screen serves where bf16 products are slower than fp32 ones (measured above)
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,11 +44,6 @@ class ScreenedHead:
     rounding_norm: torch.Tensor  # fp32 [blocks * 32]: ||bf16(w_v) - w_v||, rounded up
     max_row_norm: float
     kernels: ctypes.CDLL  # the AVX512-bf16 build, held as the dpbf16 weights hold it (a later ISA cap moves neither)
-    max_rows: int | None  # the most rows a call should bring (None: any); past it the fp32 panels are faster
-
-    def serves(self, rows: int) -> bool:
-        """Whether the screen is the faster way to the argmax of ``rows`` rows here (it is exact at any count)."""
-        return self.max_rows is None or rows <= self.max_rows
 
 
 @dataclass
@@ -94,7 +89,6 @@ def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None) -> Screen
         torch.nn.functional.pad(_rounded_up(rounding_norm), pad),
         float(_rounded_up(row_norm.max()).item()),
         kernels,
-        None if cpu_isa.current().bf16_pays else SLOW_BF16_ROWS,
     )
 
 

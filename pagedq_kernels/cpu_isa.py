@@ -71,16 +71,23 @@ class CpuIsa:
 
     @property
     def bf16_pays(self) -> bool:
-        """Whether ``dtype=auto`` takes bf16: AMX tiles, or AVX512-bf16 dot products that multiply at least as fast
-        as fp32 FMAs (:func:`bf16_dot_rate`; where that could not be timed, their presence). Where they are slower,
-        bf16 weights only halve the bytes a step streams while every product costs more: on an Intel Xeon (family 6
-        model 207, AMX not exposed; rate 0.5) pagedq ran compass 199 tok/s in fp32 against 178 in bf16."""
-        if "amx" in self.levels:
-            return True
-        if not self.bf16_matmul:
+        """Whether ``dtype=auto`` takes bf16: AMX tiles, or AVX512-bf16. Where its dot products multiply slower than
+        fp32 FMAs (:attr:`bf16_products_on_fma`), pagedq's bf16 kernels run the same sums on the FMAs, so bf16
+        weights and KV cache still halve the bytes a step streams at fp32's FLOP rate: on an Intel Xeon (family 6
+        model 207, AMX not exposed; rate 0.5) compass without drafts ran 199 tok/s in fp32 against 178 in bf16 on
+        the dot products, and 207.7 in fp32 against 276.5 in bf16 once the products moved to the FMAs."""
+        return "amx" in self.levels or self.bf16_matmul
+
+    @property
+    def bf16_products_on_fma(self) -> bool:
+        """Whether pagedq's bf16 kernels run their products on fp32 FMAs rather than on AVX512-bf16 dot products:
+        where those multiply slower than FMAs (:func:`bf16_dot_rate` under :data:`BF16_RATE_FLOOR`) and AMX does not
+        run. The matmul (``csrc/cpu_bf16_dp.c``) widens the weights in registers and gives the same floats either
+        way; attention over a bf16 cache takes its fp32-arithmetic task (``cpu_attention.dp_attention_enabled``)."""
+        if "amx" in self.levels or not self.bf16_matmul:
             return False
         rate = bf16_dot_rate()
-        return rate is None or rate >= BF16_RATE_FLOOR
+        return rate is not None and rate < BF16_RATE_FLOOR
 
     @property
     def runnable_variants(self) -> tuple[Variant, ...]:
@@ -158,10 +165,10 @@ def _run_probe(exe: Path, command: str) -> subprocess.CompletedProcess[str] | No
 
 
 BF16_RATE_FLOOR = 1.0
-"""The least :func:`bf16_dot_rate` at which ``dtype=auto`` takes bf16 without AMX. An Intel Xeon without AMX (family 6
-model 207) times 0.50; AMD Zen 4 and Zen 5, whose bf16 matmul peak the bench measured at about twice their fp32 one
-(README runs 29-37), are expected near 2 (one dot product per FMA slot, twice the products; not yet timed by this
-probe): far on either side of 1."""
+"""The least :func:`bf16_dot_rate` at which the bf16 kernels multiply on the dot products, not on fp32 FMAs
+(:attr:`CpuIsa.bf16_products_on_fma`). An Intel Xeon without AMX (family 6 model 207) times 0.50; AMD Zen 4 and
+Zen 5, whose bf16 matmul peak the bench measured at about twice their fp32 one (README runs 29-37), are expected
+near 2 (one dot product per FMA slot, twice the products; not yet timed by this probe): far on either side of 1."""
 
 
 @functools.cache

@@ -46,10 +46,11 @@ itself; results agree to float32 rounding (summation order differs).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -123,6 +124,8 @@ def _bind_bf16(function: str) -> Callable[[ctypes.CDLL], None]:
             screen = lib.gemm_bf16_dp_screen_argmax  # pagedq_kernels/argmax_screen.py
             screen.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, f32, i64, i64, ptr, ptr, ptr, i32]
             screen.restype = i32
+            lib.bf16_dp_use_fma.argtypes = [i32]
+            lib.bf16_dp_use_fma.restype = i32
 
     return bind
 
@@ -146,7 +149,10 @@ def _dp_lib() -> ctypes.CDLL | None:
     """The avx512 build of ``cpu_bf16_dp`` (VDPBF16PS), or None; first asked for by :func:`dp_available` under
     that build. Held once loaded, as the AMX kernel is: a dpbf16-packed weight keeps running on it if the
     ``PAGEDQ_CPU_ISA`` cap moves later (the other builds hold only a stub that refuses)."""
-    return c_build.load("cpu_bf16_dp", _bind_bf16("gemm_bf16_dp"))
+    lib = c_build.load("cpu_bf16_dp", _bind_bf16("gemm_bf16_dp"))
+    if lib is not None:  # where VDPBF16PS multiplies slower than fp32 FMAs, the same sums on the FMAs
+        lib.bf16_dp_use_fma(int(cpu_isa.current().bf16_products_on_fma))
+    return lib
 
 
 def dp_available() -> bool:
@@ -156,6 +162,20 @@ def dp_available() -> bool:
     if os.environ.get("PAGEDQ_DISABLE_DP_LINEAR") or not cpu_isa.current().bf16_matmul:
         return False
     return c_build.variant() == "avx512" and _dp_lib() is not None
+
+
+@contextlib.contextmanager
+def dp_products(on_fma: bool) -> Iterator[None]:
+    """The dpbf16 kernel's products on fp32 FMAs (True) or on VDPBF16PS (False) inside the block, whatever this CPU's
+    rate chose (``CpuIsa.bf16_products_on_fma``), then back: for tests and timings of both; the floats are the same.
+    Nothing to switch where :func:`dp_library` is None."""
+    lib = dp_library()
+    before = lib.bf16_dp_use_fma(int(on_fma)) if lib is not None else 0
+    try:
+        yield
+    finally:
+        if lib is not None:
+            lib.bf16_dp_use_fma(before)
 
 
 def dp_library() -> ctypes.CDLL | None:

@@ -5,7 +5,7 @@ NaN; a tiny fp32 model generates the same tokens with it as without. Runs where 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,14 +17,18 @@ from schemas.sampling import SamplingParams
 from tests.epilogue_checks import check_argmax_epilogue
 
 
-@pytest.fixture(autouse=True)
-def screen_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The suite caps the ISA below bf16 (tests/conftest.py): lifted here, as tests/test_bf16_linear.py does."""
+@pytest.fixture(autouse=True, params=["dot-products", "fma"])
+def screen_runs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The suite caps the ISA below bf16 (tests/conftest.py): lifted here, as tests/test_bf16_linear.py does.
+    Every test runs with the screen's products on VDPBF16PS and on fp32 FMAs (cpu_linear.dp_products), whichever
+    this CPU's rate chose."""
     monkeypatch.delenv(cpu_isa.ENV_CAP, raising=False)
     for switch in ("PAGEDQ_DISABLE_DP_LINEAR", "PAGEDQ_DISABLE_SCREENED_ARGMAX"):
         monkeypatch.delenv(switch, raising=False)
     if cpu_linear.dp_library() is None:
         pytest.skip(f"AVX512-bf16 not runnable here (probed: {list(cpu_isa.current().probed)})")
+    with cpu_linear.dp_products(request.param == "fma"):
+        yield
 
 
 def _screened(w: torch.Tensor) -> argmax_screen.ScreenedHead:
@@ -117,17 +121,11 @@ def test_rows_the_screen_cannot_narrow_are_settled_over_every_column() -> None:
     assert int(argmax_screen.argmax(x[:1], head)[1][0]) == 50
 
 
-def _bf16_pays(monkeypatch: pytest.MonkeyPatch, pays: bool) -> None:
-    """This CPU's bf16 products as faster (or slower) than its fp32 ones, whatever the probe timed."""
-    monkeypatch.setattr(cpu_isa.CpuIsa, "bf16_pays", property(lambda self: pays))
-
-
 def test_a_tiny_fp32_model_generates_the_same_tokens_with_the_screen(
     tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The model's greedy path (``compute_greedy``) takes the screen for an fp32 lm_head on the panels, and the
     tokens are those of the same model without it."""
-    _bf16_pays(monkeypatch, True)  # the screen serves every step's rows (see the next test for the other case)
     path = tiny_model("llama_gqa")
     g = torch.Generator().manual_seed(0)
     prompts: list[list[int]] = [torch.randint(3, 500, (12,), generator=g).tolist() for _ in range(16)]
@@ -143,30 +141,6 @@ def test_a_tiny_fp32_model_generates_the_same_tokens_with_the_screen(
     plain = LLM(str(path), dtype="float32", num_kv_blocks=64)
     assert plain.engine.runner.model.lm_head_screen is None
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == with_screen
-
-
-@pytest.mark.parametrize("pays", [True, False])
-def test_where_bf16_is_slower_the_model_screens_only_small_steps(
-    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, pays: bool
-) -> None:
-    """Where bf16 dot products run slower than fp32 FMAs (Intel Xeon family 6 model 207), the screen takes steps of
-    up to SLOW_BF16_ROWS rows and the fp32 panels the larger ones; elsewhere it takes every step. The answer is the
-    panels' either way."""
-    _bf16_pays(monkeypatch, pays)
-    model = LLM(str(tiny_model("llama_gqa")), dtype="float32", num_kv_blocks=64).engine.runner.model
-    head, panels = model.lm_head_screen, model.lm_head_packed
-    assert head is not None and panels is not None
-    assert head.max_rows == (None if pays else argmax_screen.SLOW_BF16_ROWS)
-    g = torch.Generator().manual_seed(5)
-    small, large = argmax_screen.SLOW_BF16_ROWS, argmax_screen.SLOW_BF16_ROWS + 1
-    for rows, screened in ((1, True), (small, True), (large, pays), (40, pays)):
-        hidden = torch.randn(rows, panels.in_features, generator=g)
-        start = argmax_screen.counts.rows
-        got = model.compute_greedy(hidden)
-        assert got is not None
-        assert argmax_screen.counts.rows - start == (rows if screened else 0), rows
-        want = cpu_linear.argmax_linear(hidden, panels)
-        assert want is not None and torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 
 def test_a_built_screen_keeps_running_after_the_isa_cap_moves_below_it(monkeypatch: pytest.MonkeyPatch) -> None:

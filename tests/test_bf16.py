@@ -32,7 +32,7 @@ def needs_bf16(isa: cpu_isa.CpuIsa) -> None:
         pytest.skip(f"this CPU multiplies no bf16 in hardware (probed: {list(isa.probed)})")
 
 
-def test_auto_picks_bf16_only_where_the_cpu_multiplies_it_faster(
+def test_auto_picks_bf16_where_the_cpu_multiplies_it_in_hardware(
     uncapped: cpu_isa.CpuIsa, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     auto = EngineConfig(dtype="auto")
@@ -46,10 +46,11 @@ def test_auto_picks_bf16_only_where_the_cpu_multiplies_it_faster(
     unpacked = EngineConfig(dtype="bfloat16", cpu_weight_prepack=False)
     assert unpacked.activation_dtype == torch.bfloat16  # no packed bf16 matmul: all of it in torch bf16
     assert bf16.kv_cache_dtype == torch.bfloat16 and EngineConfig(dtype="float32").kv_cache_dtype == torch.float32
-    if uncapped.bf16_matmul and "amx" not in uncapped.levels:  # dot products: taken by their timed rate
-        for rate, dtype in ((0.5, torch.float32), (2.0, torch.bfloat16), (None, torch.bfloat16)):
+    if uncapped.bf16_matmul and "amx" not in uncapped.levels:  # dot products, fast or slow: bf16 (on FMAs if slow)
+        for rate, on_fma in ((0.5, True), (2.0, False), (None, False)):
             monkeypatch.setattr(cpu_isa, "bf16_dot_rate", lambda rate=rate: rate)
-            assert EngineConfig(dtype="auto").torch_dtype == dtype, rate
+            assert EngineConfig(dtype="auto").torch_dtype == torch.bfloat16, rate
+            assert cpu_isa.current().bf16_products_on_fma == on_fma, rate
         monkeypatch.undo()
     monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512")  # below bf16: fp32, whatever the CPU
     assert EngineConfig(dtype="auto").torch_dtype == torch.float32

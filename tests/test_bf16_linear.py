@@ -6,7 +6,7 @@ end to end against itself on oneDNN."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,22 +28,26 @@ ROWS = (1, 5, 16, 17, 31, 33, 36, 100, 300)  # AMX tile heights 1, 5, 16, 9, 16,
 SWITCH = {"amx": "PAGEDQ_DISABLE_AMX_LINEAR", "dpbf16": "PAGEDQ_DISABLE_DP_LINEAR"}
 
 
-@pytest.fixture(autouse=True, params=["amx", "dpbf16"])
-def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+@pytest.fixture(autouse=True, params=["amx", "dpbf16", "dpbf16-fma"])
+def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The kernel under test, preferred for bf16 weights. The suite caps the ISA below bf16
     (tests/conftest.py): lifted here, as tests/test_bf16.py does. dpbf16 runs where AMX does not, so on an
-    AMX machine AMX is switched off for it."""
+    AMX machine AMX is switched off for it; it runs once with its products on VDPBF16PS and once on fp32 FMAs
+    over widened weights ("dpbf16-fma", cpu_linear.dp_products), whichever this CPU's rate chose."""
     monkeypatch.delenv(cpu_isa.ENV_CAP, raising=False)
     for switch in SWITCH.values():
         monkeypatch.delenv(switch, raising=False)
     probed = list(cpu_isa.current().probed)
     if request.param == "amx" and not cpu_linear.amx_available():
         pytest.skip(f"AMX not runnable here (probed: {probed})")
-    if request.param == "dpbf16":
-        monkeypatch.setenv(SWITCH["amx"], "1")
-        if not cpu_linear.dp_available():
-            pytest.skip(f"AVX512-bf16 not runnable here (probed: {probed})")
-    return str(request.param)
+    if request.param == "amx":
+        yield "amx"
+        return
+    monkeypatch.setenv(SWITCH["amx"], "1")
+    if not cpu_linear.dp_available():
+        pytest.skip(f"AVX512-bf16 not runnable here (probed: {probed})")
+    with cpu_linear.dp_products(request.param == "dpbf16-fma"):
+        yield "dpbf16"
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -80,6 +84,49 @@ def test_kernel_matches_float64_on_bf16_inputs(kind: str, n: int, k: int) -> Non
     torch.testing.assert_close(out.double(), _reference(as_bf16, w, bias), atol=2e-6 * k, rtol=1 / 128)
     with pytest.raises(ValueError, match="features"):
         cpu_linear.linear(torch.randn(2, k + 1), packed, None)
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _dot_product_sums(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T as VDPBF16PS is defined (Intel's pseudo-code): x and W rounded to bf16, and per output, from zero,
+    each k-pair's odd product added to the fp32 sum, then its even one (products of two bf16 are exact in fp32, so
+    each step is one fp32 add), then the bias."""
+    xb, wb = x.bfloat16().float(), w.bfloat16().float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for pair in range(x.shape[1] // 2):
+        for kk in (2 * pair + 1, 2 * pair):
+            acc = acc + xb[:, kk : kk + 1] * wb[:, kk][None, :]
+    return acc + bias if bias is not None else acc
+
+
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (70, 96)])
+def test_the_dot_product_kernel_runs_the_defined_sums(kind: str, n: int, k: int) -> None:
+    """The dpbf16 kernel's floats are VDPBF16PS's defined sums exactly, on the FMAs at every row count (each tile
+    height, partial blocks); on the instruction itself where it follows Intel's definition (Intel CPUs: AMD's may
+    round its pairs otherwise, and is held to the float64 tolerance above). So the rate-driven choice between the
+    two (CpuIsa.bf16_products_on_fma) moves no bit on Intel."""
+    if kind != "dpbf16":
+        pytest.skip("the AMX tiles' sums run in their own order")
+    lib = cpu_linear.dp_library()
+    assert lib is not None
+    on_fma = bool(lib.bf16_dp_use_fma(0))
+    lib.bf16_dp_use_fma(int(on_fma))
+    if not on_fma and "GenuineIntel" not in _cpuinfo():
+        pytest.skip("VDPBF16PS's own rounding outside Intel is not pinned down")
+    g = torch.Generator().manual_seed(n + k)
+    w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed = cpu_linear.pack(w, dtype=torch.bfloat16)
+    assert packed is not None and packed.kind == "dpbf16"
+    for rows in (1, 5, 12, 13, 25, 36):
+        x = torch.randn(rows, k, generator=g)
+        assert torch.equal(cpu_linear.linear(x, packed, bias), _dot_product_sums(x, w, bias)), rows
+        assert torch.equal(cpu_linear.linear(x, packed, None), _dot_product_sums(x, w, None)), rows
 
 
 def test_a_packed_weight_keeps_its_kernel_when_the_cap_moves(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:

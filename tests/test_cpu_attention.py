@@ -378,6 +378,9 @@ def dp_on(isa_variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip("no C compiler: the torch fallback is what runs here")
     monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512_bf16")
     monkeypatch.delenv(cpu_attention.DISABLE_DP_ENV, raising=False)
+    # where this CPU's dot products are slower than its FMAs the fp32-arithmetic task runs (test_dp_switch); the dp
+    # task is tested here all the same, as it runs where they are not
+    monkeypatch.setattr(cpu_isa.CpuIsa, "bf16_products_on_fma", property(lambda self: False))
     assert cpu_attention.dp_attention_enabled(torch.bfloat16)
 
 
@@ -546,6 +549,10 @@ def test_dp_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(dp, ref32, atol=DP_ATOL, rtol=DP_RTOL)
     monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512_bf16")
     assert not cpu_attention.dp_attention_enabled(torch.float32)
+    # where the dot products multiply slower than fp32 FMAs, the fp32-arithmetic task: off's bits
+    monkeypatch.setattr(cpu_isa.CpuIsa, "bf16_products_on_fma", property(lambda self: True))
+    assert not cpu_attention.dp_attention_enabled(torch.bfloat16)
+    assert torch.equal(decode(meta, q, k_cache, v_cache, multi_query=True), off)
 
 
 def _prefill(

@@ -67,8 +67,10 @@ def test_bf16_dot_products_are_timed_against_fp32_fmas() -> None:
         pytest.skip("AVX512-bf16 does not run here")
     assert rate is not None and 0.1 < rate < 8
     assert cpu_isa.current().describe()["bf16_dot_rate"] == rate
-    amx = "amx" in cpu_isa.current().levels
-    assert cpu_isa.current().bf16_pays == (amx or rate >= cpu_isa.BF16_RATE_FLOOR)
+    isa = cpu_isa.current()
+    amx = "amx" in isa.levels
+    assert isa.bf16_pays == (amx or isa.bf16_matmul)
+    assert isa.bf16_products_on_fma == (isa.bf16_matmul and not amx and rate < cpu_isa.BF16_RATE_FLOOR)
 
 
 def test_an_unknown_cap_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -91,8 +91,8 @@ class Settings(BaseSettings):
     )
     dtype: str = Field(
         "auto",
-        description="auto (bfloat16 on CUDA, and on CPUs whose bf16 multiplies outrun fp32: AMX, or AVX512-bf16 "
-        "timed at start at least as fast per FLOP; else float32), float32, float16 or bfloat16",
+        description="auto (bfloat16 on CUDA, and on CPUs with AMX or AVX512-bf16; else float32), float32, float16 "
+        "or bfloat16",
     )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     quantization: str | None = Field(

@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
 
     threads = args.threads or cpu_runtime.usable_cpus()
     torch.set_num_threads(threads)
-    try:  # auto as the engine resolves it (bf16 only where it outruns fp32)
+    try:  # auto as the engine resolves it (bf16 on AMX or AVX512-bf16, else fp32)
         dtype = str(EngineConfig(dtype=args.dtype, device=args.device).torch_dtype).removeprefix("torch.")
     except ValueError:
         print(f"pagedq bench: --dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}", file=sys.stderr)

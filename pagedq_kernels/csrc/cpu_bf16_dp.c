@@ -23,6 +23,23 @@
  * the weight), every MB-row pass of x over them; a block's K x 64 bytes (36 KB at K=576, 96 KB at 1536)
  * stay in L1/L2 for its row tiles after the first.
  *
+ * Products on fp32 FMAs (bf16_dp_use_fma): where VDPBF16PS multiplies at half the FMAs' rate (Intel Xeon family 6
+ * model 207, AMX not exposed: isa_probe bf16_rate 0.50), each k-pair's weights are widened in registers (the odd
+ * k's bf16 is a lane's bits masked, the even one's shifted up: two ALU ops per 32 products, shared by the tile's
+ * rows) and x's rounded rows are widened once per call, and two FMAs per lane add the odd product, then the even
+ * one: VDPBF16PS's defined sequence (each product of two bf16 is exact in fp32), under its own denormal rule (FTZ
+ * and DAZ set in MXCSR for the tile loop), so the floats are the instruction's, bit for bit on that Xeon. The
+ * same tile, layout, prefetch and epilogues. Measured there (2 threads, 30 cold copies of each weight, best of 3
+ * interleaved, GFLOP/s VDPBF16PS -> FMAs through cpu_linear.linear, identical outputs):
+ *                  M:     8    36   256  2048
+ *   qkv 576x960          92 -> 124   120 -> 165   137 -> 195   143 -> 248
+ *   o 576x576           104 -> 136   141 -> 211   153 -> 247   161 -> 261
+ *   gate_up glu         149 -> 228   153 -> 250   158 -> 252   157 -> 269
+ *   down 1536x576       100 -> 122   127 -> 186   144 -> 214   153 -> 253
+ * (one row: within 5 % either way, the weight's stream). That puts bf16 weights at the fp32 panels' FLOP rate
+ * with half their bytes: compass without drafts in bf16 237.6 tok/s with the products moved (fp32: 207.7), 276.5
+ * with attention's products on FMAs too (cpu_attention.dp_attention_enabled), so dtype=auto takes bf16 there.
+ *
  * Only the avx512 build (pagedq_kernels/c_build.py) holds the kernel, compiled with the bf16 target on top; Python
  * calls it only where pagedq_kernels/cpu_isa.py probed AVX512-bf16 runnable under the PAGEDQ_CPU_ISA cap (and AMX
  * does not run: that kernel is faster where it does). Other builds export a stub that refuses.
@@ -159,10 +176,42 @@ static inline __attribute__((always_inline)) void screen_epilogue(const __m512 *
     }
 }
 
+/* Whether the products run on fp32 FMAs rather than VDPBF16PS (bf16_dp_use_fma): set by Python once, from the
+ * probe's timing of the two (pagedq_kernels/cpu_linear.py _dp_lib), before any call. */
+static int dp_products_on_fma = 0;
+
+/* Sets where the products run (nonzero: fp32 FMAs) and returns the previous setting. The same floats either way
+ * (dp_tile): only the speed differs. */
+int bf16_dp_use_fma(int on)
+{
+    const int was = dp_products_on_fma;
+    dp_products_on_fma = on != 0;
+    return was;
+}
+
+/* Room for x's rounded rows widened to fp32 where the products run on FMAs, else NULL (and NULL where memory
+ * could not be had: VDPBF16PS then runs, the same floats). */
+static float *fma_rows(int64_t m, int64_t k)
+{
+    return dp_products_on_fma && m > 0 ? (float *)malloc(sizeof(float) * m * k) : NULL;
+}
+
+/* xw [m, k] = the bf16 rows x [m, k] widened to fp32 (exactly: a bf16 is an fp32's upper half); a barrier at
+ * the end (every row ready). */
+static void widen_rows(const uint16_t *x, float *xw, int64_t m, int64_t k)
+{
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i += 16) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(x + r * k + i));
+            _mm512_storeu_si512((void *)(xw + r * k + i), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+        }
+}
+
 /* rows x 32 outputs of one column block: acc = x rows (bf16, stride k) @ the block's weight, then + bias,
  * or with glu silu(columns 0-15) * columns 16-31 (16 outputs), ncols of them valid. With `am` (column `col`,
  * first row `row0`), nothing is stored: the rows' running argmax takes the block's ncols values instead. */
-static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16_t *x, int64_t k,
+static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16_t *x, const float *xw, int64_t k,
                                                           const uint16_t *panel, const float *bias, float *y,
                                                           int64_t ldy, int ncols, int glu, dp_argmax *am,
                                                           dp_screen *sc, int64_t row0, int64_t col)
@@ -184,17 +233,53 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
         c##r##a = _mm512_dpbf16_ps(c##r##a, xb, w0);                      \
         c##r##b = _mm512_dpbf16_ps(c##r##b, xb, w1);                      \
     }
-    for (int64_t kc = 0; kc < k; kc += 32) {
-        const uint16_t *chunk = panel + kc * 32;
-        for (int p = 0; p < 16; p++) {
-            const int64_t kp = kc / 2 + p;
-            if (DP_PF) {
-                _mm_prefetch((const char *)(chunk + DP_PF + p * 32), DP_PF_HINT);
-                _mm_prefetch((const char *)(chunk + DP_PF + 512 + p * 32), DP_PF_HINT);
+    if (!xw) {
+        for (int64_t kc = 0; kc < k; kc += 32) {
+            const uint16_t *chunk = panel + kc * 32;
+            for (int p = 0; p < 16; p++) {
+                const int64_t kp = kc / 2 + p;
+                if (DP_PF) {
+                    _mm_prefetch((const char *)(chunk + DP_PF + p * 32), DP_PF_HINT);
+                    _mm_prefetch((const char *)(chunk + DP_PF + 512 + p * 32), DP_PF_HINT);
+                }
+                const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(chunk + p * 32));
+                const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(chunk + 512 + p * 32));
+                ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
             }
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(chunk + p * 32));
-            const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(chunk + 512 + p * 32));
-            ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
+        }
+    }
+#undef ROW
+    /* The same sums on fp32 FMAs (dp_products_on_fma): a k-pair's weights widened in registers (the high bf16 of
+       a lane, k odd, is its bits masked; the low one, k even, shifted up), x's rounded rows already widened (xw,
+       stride k), and per lane the odd product added first, then the even one, as VDPBF16PS does. */
+#define ROW(r)                                                                \
+    if (rows > r) {                                                           \
+        const __m512 xo = _mm512_set1_ps(xw##r[2 * kp + 1]);                  \
+        const __m512 xe = _mm512_set1_ps(xw##r[2 * kp]);                      \
+        c##r##a = _mm512_fmadd_ps(xe, w0e, _mm512_fmadd_ps(xo, w0o, c##r##a)); \
+        c##r##b = _mm512_fmadd_ps(xe, w1e, _mm512_fmadd_ps(xo, w1o, c##r##b)); \
+    }
+    if (xw) {
+        const float *xw0 = xw, *xw1 = xw + k, *xw2 = xw + 2 * k, *xw3 = xw + 3 * k, *xw4 = xw + 4 * k,
+                    *xw5 = xw + 5 * k, *xw6 = xw + 6 * k, *xw7 = xw + 7 * k, *xw8 = xw + 8 * k,
+                    *xw9 = xw + 9 * k, *xw10 = xw + 10 * k, *xw11 = xw + 11 * k;
+        const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+        for (int64_t kc = 0; kc < k; kc += 32) {
+            const uint16_t *chunk = panel + kc * 32;
+            for (int p = 0; p < 16; p++) {
+                const int64_t kp = kc / 2 + p;
+                if (DP_PF) {
+                    _mm_prefetch((const char *)(chunk + DP_PF + p * 32), DP_PF_HINT);
+                    _mm_prefetch((const char *)(chunk + DP_PF + 512 + p * 32), DP_PF_HINT);
+                }
+                const __m512i w0 = _mm512_loadu_si512((const void *)(chunk + p * 32));
+                const __m512i w1 = _mm512_loadu_si512((const void *)(chunk + 512 + p * 32));
+                const __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
+                const __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+                const __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
+                const __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+                ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
+            }
         }
     }
 #undef ROW
@@ -253,15 +338,15 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
 }
 
 /* dp_tile, one inlined copy per row count: constant counts keep every accumulator in a register. */
-static inline void dp_tile_rows(int rows, const uint16_t *x, int64_t k, const uint16_t *panel, const float *bias,
-                                float *y, int64_t ldy, int ncols, int glu, dp_argmax *am, dp_screen *sc, int64_t row0,
-                                int64_t col)
+static inline void dp_tile_rows(int rows, const uint16_t *x, const float *xw, int64_t k, const uint16_t *panel,
+                                const float *bias, float *y, int64_t ldy, int ncols, int glu, dp_argmax *am,
+                                dp_screen *sc, int64_t row0, int64_t col)
 {
-#define DP_CASE(n) case n: dp_tile(n, x, k, panel, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
+#define DP_CASE(n) case n: dp_tile(n, x, xw, k, panel, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
     switch (rows) {
     DP_CASE(12) DP_CASE(11) DP_CASE(10) DP_CASE(9) DP_CASE(8) DP_CASE(7)
     DP_CASE(6) DP_CASE(5) DP_CASE(4) DP_CASE(3) DP_CASE(2)
-    default: dp_tile(1, x, k, panel, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
+    default: dp_tile(1, x, xw, k, panel, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
     }
 #undef DP_CASE
 }
@@ -269,12 +354,17 @@ static inline void dp_tile_rows(int rows, const uint16_t *x, int64_t k, const ui
 /* The column blocks of this thread's static share, every MB-row pass of x over them (inside the caller's
  * parallel region, after round_rows): stored into y, or taken by the thread's running argmax `am`. The static
  * schedule hands each thread one contiguous range of blocks, the same in every pass, in thread order. */
-static void dp_blocks(const uint16_t *x, int64_t m, const uint16_t *w, const float *bias, float *y, int64_t ldy,
-                      int64_t n, int64_t k, int glu, dp_argmax *am, dp_screen *sc)
+static void dp_blocks(const uint16_t *x, float *xw, int64_t m, const uint16_t *w, const float *bias, float *y,
+                      int64_t ldy, int64_t n, int64_t k, int glu, dp_argmax *am, dp_screen *sc)
 {
     const int64_t width = glu ? 16 : 32; /* outputs per column block */
     const int64_t blocks = (n + width - 1) / width;
     const int64_t block_elems = k * 32;
+    const unsigned int csr = _mm_getcsr();
+    if (xw) {
+        widen_rows(x, xw, m, k); /* ends in a barrier */
+        _mm_setcsr(csr | 0x8040); /* FTZ and DAZ: VDPBF16PS's own denormal rule, for the FMAs that stand in for it */
+    }
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         const int64_t m1 = m0 + MB < m ? m0 + MB : m;
         const int64_t tiles = (m1 - m0 + DP_MR - 1) / DP_MR;
@@ -287,12 +377,13 @@ static void dp_blocks(const uint16_t *x, int64_t m, const uint16_t *w, const flo
             int64_t r0 = m0;
             for (int64_t t = tiles; t > 0; t--) { /* the rows left spread evenly over the tiles left */
                 const int rows = (int)((m1 - r0 + t - 1) / t);
-                dp_tile_rows(rows, x + r0 * k, k, panel, bp, am || sc ? NULL : y + r0 * ldy + col, ldy, ncols, glu, am,
-                             sc, r0, col);
+                dp_tile_rows(rows, x + r0 * k, xw ? xw + r0 * k : NULL, k, panel, bp, am || sc ? NULL : y + r0 * ldy + col,
+                             ldy, ncols, glu, am, sc, r0, col);
                 r0 += rows;
             }
         }
     }
+    _mm_setcsr(csr);
 }
 
 /* y [m, n] (row stride ldy) = x @ W^T + bias; x fp32 [m, k] (row stride ldx), k a multiple of 32; with glu
@@ -303,11 +394,13 @@ int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const 
                  float *y, int64_t ldy, int64_t n, int64_t k, int glu, int num_threads)
 {
     const int64_t blocks = (n + (glu ? 16 : 32) - 1) / (glu ? 16 : 32);
+    float *xw = fma_rows(m, k);
     #pragma omp parallel num_threads(num_threads) if (blocks > 1)
     {
         round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
-        dp_blocks(x, m, w, bias, y, ldy, n, k, glu, NULL, NULL);
+        dp_blocks(x, xw, m, w, bias, y, ldy, n, k, glu, NULL, NULL);
     }
+    free(xw);
     return 0;
 }
 
@@ -319,15 +412,17 @@ int gemm_bf16_dp_add_norm(const float *x_f32, int64_t ldx, uint16_t *x, int64_t 
                           float *y, int64_t n, int64_t k, const float *residual, const float *norm_w, float eps,
                           float *normed, int num_threads)
 {
+    float *xw = fma_rows(m, k);
     #pragma omp parallel num_threads(num_threads)
     {
         round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
-        dp_blocks(x, m, w, bias, y, n, n, k, 0, NULL, NULL);
+        dp_blocks(x, xw, m, w, bias, y, n, n, k, 0, NULL, NULL);
         #pragma omp barrier
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++)
             add_rms_norm_row(y + i * n, residual + i * n, norm_w, normed + i * n, y + i * n, n, eps);
     }
+    free(xw);
     return 0;
 }
 
@@ -349,6 +444,7 @@ int gemm_bf16_dp_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m,
     int64_t *nan_at = (int64_t *)malloc(sizeof(int64_t) * teams * m);
     float *thread_best = (float *)malloc(sizeof(float) * teams * m);
     int64_t *thread_col = (int64_t *)malloc(sizeof(int64_t) * teams * m);
+    float *xw = fma_rows(m, k);
     int status = lane_best && lane_col && nan_at && thread_best && thread_col ? 0 : -1;
     int used = 1;
     if (status == 0) {
@@ -361,7 +457,7 @@ int gemm_bf16_dp_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m,
             for (int64_t i = 0; i < m * 16; i++) { am.best[i] = -INFINITY; am.col[i] = 0; }
             for (int64_t i = 0; i < m; i++) am.nan_at[i] = -1;
             round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
-            dp_blocks(x, m, w, NULL, NULL, 0, n, k, 0, &am, NULL);
+            dp_blocks(x, xw, m, w, NULL, NULL, 0, n, k, 0, &am, NULL);
             for (int64_t i = 0; i < m; i++) { /* this thread's 16 lanes -> its maximum and first column */
                 float mx = am.best[i * 16];
                 int64_t at = am.col[i * 16];
@@ -386,7 +482,7 @@ int gemm_bf16_dp_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m,
             idx[i] = first_nan >= 0 ? first_nan : at;
         }
     }
-    free(lane_best); free(lane_col); free(nan_at); free(thread_best); free(thread_col);
+    free(lane_best); free(lane_col); free(nan_at); free(thread_best); free(thread_col); free(xw);
     return status;
 }
 
@@ -438,6 +534,7 @@ int gemm_bf16_dp_screen_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int
     int32_t *cand_col = (int32_t *)malloc(sizeof(int32_t) * teams * m * SCREEN_CAP);
     float *cand_hi = (float *)malloc(sizeof(float) * teams * m * SCREEN_CAP);
     int32_t *count = (int32_t *)malloc(sizeof(int32_t) * teams * m);
+    float *xw = fma_rows(m, k);
     int status = scale && floor_lanes && floors && cand_col && cand_hi && count ? 0 : -1;
     /* g: k terms, twice fp32's unit roundoff (margin for the dot product's two adds per instruction) */
     const double u = 0x1p-23 * (double)(k + 2), g = u / (1.0 - u), rho = 0x1p-20, inflate = 1.0 + 0x1p-16;
@@ -472,7 +569,7 @@ int gemm_bf16_dp_screen_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int
                 sc.floor[i] = -INFINITY;
                 sc.count[i] = scale[2 * i] == scale[2 * i] ? 0 : -1;
             }
-            dp_blocks(x, m, w, NULL, NULL, 0, n, k, 0, NULL, &sc);
+            dp_blocks(x, xw, m, w, NULL, NULL, 0, n, k, 0, NULL, &sc);
             #pragma omp barrier
             #pragma omp for schedule(dynamic, 1) reduction(+ : settled, full_rows)
             for (int64_t i = 0; i < m; i++) {
@@ -507,11 +604,17 @@ int gemm_bf16_dp_screen_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int
         counts[0] += settled;
         counts[1] += full_rows;
     }
-    free(scale); free(floor_lanes); free(floors); free(cand_col); free(cand_hi); free(count);
+    free(scale); free(floor_lanes); free(floors); free(cand_col); free(cand_hi); free(count); free(xw);
     return status;
 }
 
 #else /* not the avx512 build: no AVX512-bf16 code here */
+
+int bf16_dp_use_fma(int on)
+{
+    (void)on;
+    return 0;
+}
 
 int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const uint16_t *w, const float *bias,
                  float *y, int64_t ldy, int64_t n, int64_t k, int glu, int num_threads)

@@ -208,6 +208,18 @@ static void widen_rows(const uint16_t *x, float *xw, int64_t m, int64_t k)
         }
 }
 
+/* k-pair p of a 32-deep chunk of a column block: its two 64-byte weight rows (columns 0-15, 16-31), the weight
+ * DP_PF elements ahead prefetched meanwhile (measured in the header). */
+static inline __attribute__((always_inline)) void kpair_weights(const uint16_t *chunk, int p, __m512i *w0, __m512i *w1)
+{
+    if (DP_PF) {
+        _mm_prefetch((const char *)(chunk + DP_PF + p * 32), DP_PF_HINT);
+        _mm_prefetch((const char *)(chunk + DP_PF + 512 + p * 32), DP_PF_HINT);
+    }
+    *w0 = _mm512_loadu_si512((const void *)(chunk + p * 32));
+    *w1 = _mm512_loadu_si512((const void *)(chunk + 512 + p * 32));
+}
+
 /* rows x 32 outputs of one column block: acc = x rows (bf16, stride k) @ the block's weight, then + bias,
  * or with glu silu(columns 0-15) * columns 16-31 (16 outputs), ncols of them valid. With `am` (column `col`,
  * first row `row0`), nothing is stored: the rows' running argmax takes the block's ncols values instead. */
@@ -238,12 +250,9 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
             const uint16_t *chunk = panel + kc * 32;
             for (int p = 0; p < 16; p++) {
                 const int64_t kp = kc / 2 + p;
-                if (DP_PF) {
-                    _mm_prefetch((const char *)(chunk + DP_PF + p * 32), DP_PF_HINT);
-                    _mm_prefetch((const char *)(chunk + DP_PF + 512 + p * 32), DP_PF_HINT);
-                }
-                const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(chunk + p * 32));
-                const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(chunk + 512 + p * 32));
+                __m512i raw0, raw1;
+                kpair_weights(chunk, p, &raw0, &raw1);
+                const __m512bh w0 = (__m512bh)raw0, w1 = (__m512bh)raw1;
                 ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
             }
         }
@@ -268,12 +277,8 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
             const uint16_t *chunk = panel + kc * 32;
             for (int p = 0; p < 16; p++) {
                 const int64_t kp = kc / 2 + p;
-                if (DP_PF) {
-                    _mm_prefetch((const char *)(chunk + DP_PF + p * 32), DP_PF_HINT);
-                    _mm_prefetch((const char *)(chunk + DP_PF + 512 + p * 32), DP_PF_HINT);
-                }
-                const __m512i w0 = _mm512_loadu_si512((const void *)(chunk + p * 32));
-                const __m512i w1 = _mm512_loadu_si512((const void *)(chunk + 512 + p * 32));
+                __m512i w0, w1;
+                kpair_weights(chunk, p, &w0, &w1);
                 const __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
                 const __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
                 const __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, high));

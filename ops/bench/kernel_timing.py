@@ -15,6 +15,7 @@ GFLOP/s over SmolLM2's projections and lm_head.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -148,31 +149,44 @@ def linear_case(
 
 def time_linears(rounds: int, only: str, dtype: torch.dtype) -> None:
     """GFLOP/s of each linear kind for ``dtype`` weights (fastest of ``rounds`` interleaved rounds) per shape
-    and row count: bf16's AMX or dpbf16 / oneDNN kinds, or fp32's C panels and oneDNN."""
+    and row count: bf16's AMX or dpbf16 / oneDNN kinds, or fp32's C panels and oneDNN. dpbf16 twice, with its
+    products on VDPBF16PS (``dpbf16``) and on fp32 FMAs (``dpbf16/f``): the numbers behind
+    ``CpuIsa.bf16_products_on_fma``."""
     kinds = [k for k in cpu_linear.available_kinds(dtype) if dtype == torch.float32 or k != "panels"]
     if not kinds:
         raise SystemExit("no bf16 matmul kind runs here (the CPU probe found no AMX or AVX512-bf16)")
-    best: dict[tuple[str, cpu_linear.Kind, int], float] = {}
+    # label: (kind, products on FMAs: None where the kind has no such choice)
+    labels: dict[str, tuple[cpu_linear.Kind, bool | None]] = {}
+    for kind in kinds:
+        if kind == "dpbf16":
+            labels["dpbf16"], labels["dpbf16/f"] = (kind, False), (kind, True)
+        else:
+            labels[kind] = (kind, None)
+    best: dict[tuple[str, str, int], float] = {}
     for name, (k, n, glu) in LINEAR_SHAPES.items():
         if only not in name:
             continue
-        cases = {(kind, rows): linear_case(kind, k, n, glu, rows, dtype) for kind in kinds for rows in LINEAR_ROWS}
+        made = {(kind, rows): linear_case(kind, k, n, glu, rows, dtype) for kind in kinds for rows in LINEAR_ROWS}
         for _ in range(rounds):
-            for (kind, rows), fn in cases.items():
-                if fn is not None:
-                    t = fastest(fn, 0.1)
-                    best[name, kind, rows] = min(best.get((name, kind, rows), float("inf")), t)
-        del cases  # the weight copies: a few hundred MB per shape
-    label = "bf16" if dtype == torch.bfloat16 else "fp32"
-    print(f"threads={torch.get_num_threads()} {label} weights, fp32 x (GFLOP/s, fastest of {rounds} rounds)")
-    print(f"{'linear':26s}{'kind':>8s}" + "".join(f"{'M=' + str(r):>9s}" for r in LINEAR_ROWS))
+            for label, (kind, on_fma) in labels.items():
+                for rows in LINEAR_ROWS:
+                    fn = made[kind, rows]
+                    if fn is None:
+                        continue
+                    with cpu_linear.dp_products(on_fma) if on_fma is not None else contextlib.nullcontext():
+                        t = fastest(fn, 0.1)
+                    best[name, label, rows] = min(best.get((name, label, rows), float("inf")), t)
+        del made  # the weight copies: a few hundred MB per shape
+    label_text = "bf16" if dtype == torch.bfloat16 else "fp32"
+    print(f"threads={torch.get_num_threads()} {label_text} weights, fp32 x (GFLOP/s, fastest of {rounds} rounds)")
+    print(f"{'linear':26s}{'kind':>9s}" + "".join(f"{'M=' + str(r):>9s}" for r in LINEAR_ROWS))
     for name, (k, n, _) in LINEAR_SHAPES.items():
-        for kind in kinds:
-            cells = [best.get((name, kind, r)) for r in LINEAR_ROWS]
+        for label in labels:
+            cells = [best.get((name, label, r)) for r in LINEAR_ROWS]
             pairs = zip(LINEAR_ROWS, cells, strict=True)
             text = [f"{2 * r * k * n / t / 1e9:9.0f}" if t else f"{'-':>9s}" for r, t in pairs]
             if any(t for t in cells):
-                print(f"{name:26s}{kind:>8s}" + "".join(text))
+                print(f"{name:26s}{label:>9s}" + "".join(text))
 
 
 def fastest(fn: Callable[[], object], seconds: float = 0.2) -> float:

@@ -30,7 +30,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85  # CUDA: fraction of free memory given to the KV cache
     block_size: int = 16
     enable_prefix_caching: bool = True
-    # auto: bfloat16 on CUDA, and on CPUs with AMX or AVX512-bf16 (pagedq_kernels/cpu_isa: CpuIsa.bf16_pays; where
+    # auto: bfloat16 on CUDA, and on CPUs with AMX or AVX512-bf16 (pagedq_kernels/cpu_isa: CpuIsa.bf16_matmul; where
     # the dot products are slower than fp32 FMAs the bf16 kernels multiply on the FMAs), else float32.
     # bfloat16 on CPU means bf16 matmul weights under fp32 activations.
     dtype: str = "auto"
@@ -126,7 +126,7 @@ class EngineConfig:
                 return torch.bfloat16
             from pagedq_kernels import cpu_isa
 
-            return torch.bfloat16 if cpu_isa.current().bf16_pays else torch.float32
+            return torch.bfloat16 if cpu_isa.current().bf16_matmul else torch.float32
         return _DTYPES[self.dtype]
 
     @property

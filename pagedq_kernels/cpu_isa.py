@@ -66,17 +66,13 @@ class CpuIsa:
 
     @property
     def bf16_matmul(self) -> bool:
-        """bf16 products with fp32 accumulation in hardware (AMX tiles or AVX512-bf16 dot products)."""
+        """bf16 products with fp32 accumulation in hardware (AMX tiles or AVX512-bf16 dot products; AMX is only
+        claimed above AVX512-bf16, :data:`LEVELS`), and so whether ``dtype=auto`` takes bf16. Where the dot products
+        multiply slower than fp32 FMAs (:attr:`bf16_products_on_fma`), pagedq's bf16 kernels run the same sums on the
+        FMAs, so bf16 weights and KV cache still halve the bytes a step streams at fp32's FLOP rate: on an Intel Xeon
+        (family 6 model 207, AMX not exposed; rate 0.5) compass without drafts ran 199 tok/s in fp32 against 178 in
+        bf16 on the dot products, and 207.7 in fp32 against 276.5 in bf16 once the products moved to the FMAs."""
         return "avx512_bf16" in self.levels
-
-    @property
-    def bf16_pays(self) -> bool:
-        """Whether ``dtype=auto`` takes bf16: AMX tiles, or AVX512-bf16. Where its dot products multiply slower than
-        fp32 FMAs (:attr:`bf16_products_on_fma`), pagedq's bf16 kernels run the same sums on the FMAs, so bf16
-        weights and KV cache still halve the bytes a step streams at fp32's FLOP rate: on an Intel Xeon (family 6
-        model 207, AMX not exposed; rate 0.5) compass without drafts ran 199 tok/s in fp32 against 178 in bf16 on
-        the dot products, and 207.7 in fp32 against 276.5 in bf16 once the products moved to the FMAs."""
-        return "amx" in self.levels or self.bf16_matmul
 
     @property
     def bf16_products_on_fma(self) -> bool:

@@ -36,8 +36,7 @@ def test_auto_picks_bf16_where_the_cpu_multiplies_it_in_hardware(
     uncapped: cpu_isa.CpuIsa, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     auto = EngineConfig(dtype="auto")
-    assert auto.torch_dtype == (torch.bfloat16 if uncapped.bf16_pays else torch.float32)
-    assert not uncapped.bf16_pays or uncapped.bf16_matmul
+    assert auto.torch_dtype == (torch.bfloat16 if uncapped.bf16_matmul else torch.float32)
     assert auto.activation_dtype == torch.float32  # bf16 on CPU is a matmul-weight and KV-cache format
     assert auto.kv_cache_dtype == auto.torch_dtype
     bf16 = EngineConfig(dtype="bf16")

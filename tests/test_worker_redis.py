@@ -338,6 +338,47 @@ def test_async_client(fx: Fixture) -> None:
 # -------------------------------------------------------------------------------------- embedded redis
 
 
+def test_stopping_the_embedded_redis_waits_out_connections_that_are_leaving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop() leaves the server to other workers still connected, but a connection on its way out (the worker's
+    own, closed just before its exit stops the server) no longer keeps it running: before, one read of the
+    client list counted it, and the server outlived every worker."""
+    from worker import embedded_redis
+
+    server = EmbeddedRedis(tmp_path / "data")
+    url = server.start()
+    try:
+        staying = redis.Redis.from_url(url)
+        staying.ping()
+        monkeypatch.setattr(embedded_redis, "OTHERS_SETTLE_S", 0.2)
+        server.stop()  # another worker's connection stays: the server keeps running for it
+        assert server.process is not None and staying.ping()
+
+        monkeypatch.setattr(embedded_redis, "OTHERS_SETTLE_S", 30.0)
+        listed = threading.Event()
+        original = redis.Redis.client_list
+
+        def client_list(self: redis.Redis, *args: Any, **kwargs: Any) -> Any:
+            clients = original(self, *args, **kwargs)
+            listed.set()  # stop() has counted `staying` once
+            return clients
+
+        monkeypatch.setattr(redis.Redis, "client_list", client_list)
+
+        def leave() -> None:
+            if listed.wait(30):
+                staying.close()
+
+        leaving = threading.Thread(target=leave)
+        leaving.start()
+        server.stop()  # `staying` leaves after the first count: the server stops, well inside the 30 s
+        leaving.join(30)
+        assert server.process is None
+    finally:
+        server.stop(force=True)
+
+
 def test_embedded_redis_persists_across_restart_and_is_reused(tmp_path: Path) -> None:
     data = tmp_path / "a-rather-long-folder-name-to-push-the-socket-path" / ("x" * 60) / "redis-data"
     server = EmbeddedRedis(data)

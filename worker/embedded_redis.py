@@ -24,6 +24,7 @@ import structlog
 log = structlog.get_logger("pagedq.embedded_redis")
 
 _MAX_SOCKET_PATH = 100  # sun_path holds 107 bytes on Linux; keep a margin
+OTHERS_SETTLE_S = 1.0  # how long stop() lets just-closed connections of this process leave the client list
 
 
 def redis_executable() -> str:
@@ -166,13 +167,7 @@ class EmbeddedRedis:
             self.process = None
             return
         if not force:
-            client = self._client()
-            try:
-                others = len(client.client_list()) - 1
-            except redis.RedisError:
-                others = 0
-            finally:
-                client.close()
+            others = self._other_clients()
             if others > 0:
                 log.info("embedded_redis.left_running", url=self.url, other_clients=others)
                 return
@@ -184,6 +179,25 @@ class EmbeddedRedis:
             proc.wait()
         self.process = None
         log.info("embedded_redis.stopped", url=self.url)
+
+    def _other_clients(self) -> int:
+        """Clients of the server besides the one asking. A connection this process closed a moment ago (the
+        worker's own, just before its exit stops the server) stays listed until the server's event loop reads
+        its end, so a count above zero is read again for up to :data:`OTHERS_SETTLE_S`: another worker's
+        connections stay, this process's go within milliseconds. 0 when the server does not answer."""
+        client = self._client()
+        deadline = time.monotonic() + OTHERS_SETTLE_S
+        try:
+            while True:
+                try:
+                    others = len(client.client_list()) - 1
+                except redis.RedisError:
+                    return 0
+                if others <= 0 or time.monotonic() >= deadline:
+                    return others
+                time.sleep(0.02)
+        finally:
+            client.close()
 
     def kill(self) -> None:
         """SIGKILL the server (tests: simulate a crash; AOF keeps what was fsynced)."""

@@ -194,6 +194,25 @@ def test_ratios_and_targets() -> None:
     )
 
 
+def test_ratios_by_round_pair_the_runs_nearest_in_time() -> None:
+    """With --repeat the report's ratio is each system's fastest over the other's; the rounds (round i over
+    round i) show how far the host moved it: here 1.5x and 1.0x, where the fastest runs alone give 1.2x."""
+    records: dict[str, dict[str, Any]] = {
+        "pagedq": {"status": "ok", "output_tokens": 120, "output_tok_s": 120 / 10.0, "walls_s": [10.0, 12.0]},
+        "vllm-cpu": {"status": "ok", "output_tokens": 120, "output_tok_s": 120 / 12.0, "walls_s": [15.0, 12.0]},
+        "hf-static": {"status": "ok", "output_tokens": 120, "output_tok_s": 1.0, "walls_s": [120.0]},  # one round
+        "pagedq-redis": {"status": "ok", "output_tokens": 120, "output_tok_s": 11.0, "walls_s": [11.0, 11.0]},
+        "hf-cb": {"status": "skipped", "reason": "not installed"},
+    }
+    assert rep.ratios(records)["pagedq/vllm-cpu"] == 1.2
+    by_round = rep.ratios_by_round(records)
+    assert by_round == {"pagedq/vllm-cpu": [1.5, 1.0]}
+    assert "  round by round: pagedq/vllm-cpu 1.50 1.00" in rep._details({"systems": {}, "ratios_by_round": by_round})
+    assert (
+        rep.ratios_by_round({"pagedq": {**records["pagedq"], "walls_s": [10.0]}, "vllm-cpu": records["vllm-cpu"]}) == {}
+    )
+
+
 def test_structured_ratios_and_targets() -> None:
     records: dict[str, dict[str, Any]] = {
         "pagedq-json": {"status": "ok", "output_tok_s": 90.0},
@@ -374,6 +393,8 @@ def test_quick_benchmark_repeat_reports_the_fastest_run(tmp_path: Path) -> None:
     )
     assert "round 2 of 2" in proc.stderr and "fastest of 2" in proc.stdout
     assert report["meta"]["repeat"] == 2
+    assert len(report["workloads"]["mixed"]["ratios_by_round"]["pagedq/hf-static"]) == 2
+    assert "round by round: pagedq/hf-static" in proc.stdout
     for wname, sname in (("mixed", "pagedq"), ("mixed", "hf-static"), ("prefix", "pagedq-nocache")):
         rec = report["workloads"][wname]["systems"][sname]
         assert rec["status"] == "ok" and rec["tokens_ok"] is True

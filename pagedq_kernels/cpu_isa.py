@@ -18,6 +18,7 @@ that every slower path can run, and be tested, on a machine that has a faster on
 from __future__ import annotations
 
 import functools
+import math
 import os
 import platform
 import subprocess
@@ -185,6 +186,38 @@ def bf16_dot_rate() -> float | None:
     except ValueError:
         return None
     return rate if rate is not None and rate > 0 else None
+
+
+def fma_gflops(threads: int) -> float | None:
+    """fp32 FMAs on registers alone, GFLOP/s summed over ``threads`` probe children run at once (one per thread,
+    ``isa_probe fma_rate_<level>``, ~0.2 s), at the widest level the probe ran under the cap: the cores' own peak,
+    which no cache or memory sharing moves. None without AVX2 or a compiler, or when a child failed. For the
+    bench's report, beside the matmul peak over the model's shapes."""
+    levels = current().levels
+    level = "avx512" if "avx512" in levels else "avx2" if "avx2" in levels else None
+    if level is None or threads < 1 or not is_x86_64():
+        return None
+    from pagedq_kernels import c_build
+
+    exe = c_build.build_executable("isa_probe")
+    if exe is None:
+        return None
+    try:
+        children = [
+            subprocess.Popen([str(exe), f"fma_rate_{level}"], stdout=subprocess.PIPE, text=True) for _ in range(threads)
+        ]
+    except OSError:
+        return None
+    total = 0.0
+    for child in children:
+        try:
+            out, _ = child.communicate(timeout=PROBE_TIMEOUT_S)
+            total += float(out.strip()) if child.returncode == 0 else math.nan
+        except (subprocess.TimeoutExpired, ValueError):
+            child.kill()
+            child.communicate()
+            total = math.nan
+    return round(total, 1) if math.isfinite(total) and total > 0 else None
 
 
 # oneDNN's names for the levels: the most it may use when the probe stopped short of what the flags claim.

@@ -24,6 +24,7 @@ from ops.bench import workloads as wl
 from ops.bench.host_cpu import host_cpu
 from ops.bench.registry import SYSTEM_NAMES
 from ops.bench.system import SystemResult
+from pagedq_kernels import cpu_isa
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -174,23 +175,27 @@ def test_ratios_and_targets() -> None:
     report["workloads"]["prefix"] = {"systems": prefix, "ratios": rep.ratios(prefix), "matmul_work_ratio": 2.9}
     (row,) = [t for t in rep.targets(report) if t["target"].startswith("prefix caching")]
     assert row["value"] == 3.0 and row["met"] is True and row["ceiling"] == 2.9
-    assert "matmul work ratio 2.900" in rep.format_table(
-        {
-            "meta": {
-                "date": "d",
-                "host": "h",
-                "cpu": "c",
-                "threads": 2,
-                "model": "m",
-                "device": "cpu",
-                "dtype": "float32",
-                "loadavg_start": 0,
-                "loadavg_end": 0,
-            },
-            "matmul_peak": {"gflop_s": 1.0},
-            "workloads": {},
-            "targets": rep.targets(report),
-        }
+    table_report: dict[str, Any] = {
+        "meta": {
+            "date": "d",
+            "host": "h",
+            "cpu": "c",
+            "threads": 2,
+            "model": "m",
+            "device": "cpu",
+            "dtype": "float32",
+            "loadavg_start": 0,
+            "loadavg_end": 0,
+        },
+        "matmul_peak": {"gflop_s": 1.0},
+        "workloads": {},
+        "targets": rep.targets(report),
+    }
+    table = rep.format_table(table_report)
+    assert "matmul work ratio 2.900" in table and "FMAs alone" not in table
+    table_report["matmul_peak"]["cores_fma_gflop_s"] = 335.0  # the cores' own peak beside the matmuls'
+    assert "matmul peak=1.0 GFLOP/s (start 0.0, end 0.0; the cores' fp32 FMAs alone 335.0)" in rep.format_table(
+        table_report
     )
 
 
@@ -305,6 +310,8 @@ def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
 
     assert {"meta", "matmul_peak", "model", "workloads", "targets"} <= report.keys()
     assert report["matmul_peak"]["gflop_s"] > 0
+    if cpu_isa.is_x86_64() and "avx2" in cpu_isa.probe():  # the cores' own FMA rate, in the report's header
+        assert report["matmul_peak"]["cores_fma_gflop_s"] > 0 and "the cores' fp32 FMAs alone" in proc.stdout
     assert report["meta"]["quick"] is True
     assert set(report["workloads"]) == {"mixed", "prefix", "online", "contended", "structured"}
     cpu = host_cpu()  # named beside every figure as lscpu names it: family, model, vector flags

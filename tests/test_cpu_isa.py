@@ -72,6 +72,31 @@ def test_bf16_dot_products_are_timed_against_fp32_fmas() -> None:
     assert isa.bf16_products_on_fma == (isa.bf16_matmul and not amx and rate < cpu_isa.BF16_RATE_FLOOR)
 
 
+@pytest.mark.parametrize("cap", ["avx2", "avx512"])
+def test_the_cores_fma_rate_is_timed_at_the_widest_level_in_use(cap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fma_gflops``: one probe child per thread at once, each timing register-only FMAs at the widest level the
+    cap allows, summed (the bench's "the cores' fp32 FMAs alone"); a level the CPU does not run is refused in the
+    child, not run into a SIGILL, and nothing to time gives None."""
+    if cap not in cpu_isa.probe():
+        exe = c_build.build_executable("isa_probe")
+        assert exe is not None
+        assert subprocess.run([str(exe), f"fma_rate_{cap}"], capture_output=True, timeout=10).returncode != 0
+        pytest.skip(f"{cap} does not run here")
+    monkeypatch.setenv(cpu_isa.ENV_CAP, cap)
+    ran: list[list[str]] = []
+    popen = subprocess.Popen
+
+    def spy(args: list[str], *rest: object, **kwargs: object) -> subprocess.Popen[str]:
+        ran.append(list(args))
+        return popen(args, *rest, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    one, two = cpu_isa.fma_gflops(1), cpu_isa.fma_gflops(2)
+    assert one is not None and one > 0 and two is not None and two > 0
+    assert [args[1:] for args in ran] == [[f"fma_rate_{cap}"]] * 3  # one child, then two at once
+    assert cpu_isa.fma_gflops(0) is None
+
+
 def test_an_unknown_cap_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_isa.ENV_CAP, "avx1024")
     with pytest.raises(ValueError, match="PAGEDQ_CPU_ISA='avx1024' is not one of generic, avx2"):

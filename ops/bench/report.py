@@ -303,8 +303,9 @@ def format_table(report: dict[str, Any]) -> str:
         f"pagedq bench  {meta['date']}  host={meta['host']}  cpu={meta['cpu']}  threads={meta['threads']}",
         f"model={meta['model']}  device={meta['device']}  dtype={meta['dtype']}  "
         f"matmul peak={report['matmul_peak']['gflop_s']:.1f} GFLOP/s (start "
-        f"{report['matmul_peak'].get('gflop_s_start', 0):.1f}, end {report['matmul_peak'].get('gflop_s_end', 0):.1f})"
-        f"  omp={meta.get('omp_wait_policy')}  load avg {meta['loadavg_start']}"
+        f"{report['matmul_peak'].get('gflop_s_start', 0):.1f}, end {report['matmul_peak'].get('gflop_s_end', 0):.1f}"
+        + (f"; the cores' fp32 FMAs alone {fma:.1f}" if (fma := report["matmul_peak"].get("cores_fma_gflop_s")) else "")
+        + f")  omp={meta.get('omp_wait_policy')}  load avg {meta['loadavg_start']}"
         f" -> {meta['loadavg_end']}",
     ]
     if cpu_id := meta.get("cpu_id"):

@@ -408,6 +408,8 @@ def run(args: argparse.Namespace) -> int:
         }
         log(f"model {model_path} ({dtype}, {args.device}, {threads} threads); measuring the matmul peak")
         peak = measure_matmul_peak(mc, args.device, ctx.torch_dtype, tokens=128 if args.quick else 512)
+        if not cuda:  # the cores' own fp32 FMA rate: what the host's sharing cannot move (report)
+            peak["cores_fma_gflop_s"] = cpu_isa.fma_gflops(threads)
         flops = rep.FlopModel(mc.num_params_matmul(), mc.hidden_size * mc.vocab_size, mc.num_params_past_attention())
 
         systems = [make_system(name) for name in system_names]

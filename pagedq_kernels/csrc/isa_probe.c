@@ -120,10 +120,54 @@ static int bf16_rate(void)
     return 0;
 }
 
+/* `isa_probe fma_rate_avx512` / `fma_rate_avx2`: the GFLOP/s of fp32 FMAs on registers alone, on one core (the
+ * bench runs one probe per thread at once and sums them): the core's own peak, beside the matmul peak that the bench
+ * measures over the model's shapes. Why: on a shared VM host the matmul peak moved 204 -> 284 GFLOP/s within the
+ * hour while this loop ran 334-344 on both cores every time (Intel Xeon family 6 model 207, README run 45): what
+ * moves is the caches and memory the host shares, not the cores, and the report can say which. Rounds of ~20 ms,
+ * long enough for the probes of all threads to overlap; the best of seven. */
+__attribute__((target("avx2,fma"), noinline)) static void fma_chains256(long n)
+{
+    __m256 x = _mm256_set1_ps(1e-7f);
+    __m256 a0 = _mm256_set1_ps(0.f), a1 = _mm256_set1_ps(1.f), a2 = _mm256_set1_ps(2.f), a3 = _mm256_set1_ps(3.f),
+           a4 = _mm256_set1_ps(4.f), a5 = _mm256_set1_ps(5.f), a6 = _mm256_set1_ps(6.f), a7 = _mm256_set1_ps(7.f),
+           a8 = _mm256_set1_ps(8.f), a9 = _mm256_set1_ps(9.f), a10 = _mm256_set1_ps(10.f), a11 = _mm256_set1_ps(11.f);
+#define FMA256(acc) acc = _mm256_fmadd_ps(x, x, acc);
+    for (long i = 0; i < n; i++) {
+        FMA256(a0) FMA256(a1) FMA256(a2) FMA256(a3) FMA256(a4) FMA256(a5) FMA256(a6) FMA256(a7) FMA256(a8)
+        FMA256(a9) FMA256(a10) FMA256(a11)
+        __asm__ volatile("" : "+v"(x));
+    }
+#undef FMA256
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                                                 _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7))),
+                                   _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, s);
+    sink = lanes[0] + lanes[7];
+}
+
+static int fma_rate(int wide)
+{
+    const long n = 400000; /* 4.8M FMA instructions a round: ~10-20 ms */
+    double best = 1e9;
+    if (wide) fma_chains(n / 10); else fma_chains256(n / 10); /* warm the vector units up */
+    for (int round = 0; round < 7; round++) {
+        const double t = seconds();
+        if (wide) fma_chains(n); else fma_chains256(n);
+        const double dt = seconds() - t;
+        best = dt < best ? dt : best;
+    }
+    printf("%.2f\n", 12.0 * (double)n * (wide ? 16 : 8) * 2 / best / 1e9);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) return 64;
     if (!strcmp(argv[1], "bf16_rate")) return probe_avx512_bf16() || bf16_rate();
+    if (!strcmp(argv[1], "fma_rate_avx512")) return probe_avx512() || fma_rate(1);
+    if (!strcmp(argv[1], "fma_rate_avx2")) return probe_avx2() || fma_rate(0);
     if (!strcmp(argv[1], "avx2")) return probe_avx2();
     if (!strcmp(argv[1], "avx512")) return probe_avx512();
     if (!strcmp(argv[1], "avx512_bf16")) return probe_avx512_bf16();

@@ -193,9 +193,8 @@ def fma_gflops(threads: int) -> float | None:
     ``isa_probe fma_rate_<level>``, ~0.2 s), at the widest level the probe ran under the cap: the cores' own peak,
     which no cache or memory sharing moves. None without AVX2 or a compiler, or when a child failed. For the
     bench's report, beside the matmul peak over the model's shapes."""
-    levels = current().levels
-    level = "avx512" if "avx512" in levels else "avx2" if "avx2" in levels else None
-    if level is None or threads < 1 or not is_x86_64():
+    level = current().kernel_variant  # the widest of avx512 / avx2 that runs under the cap, as the kernels load
+    if level not in ("avx512", "avx2") or threads < 1:
         return None
     from pagedq_kernels import c_build
 

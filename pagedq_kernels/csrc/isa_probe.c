@@ -63,34 +63,32 @@ __attribute__((target("amx-tile,amx-bf16"), noinline)) static int probe_amx(void
  * halved the weight bytes, and pagedq ran 11-13 % slower in bf16 than in fp32 (README run 42). Twelve independent
  * chains per loop (enough to cover either instruction's latency on two pipes), distinct starting values so that
  * no two chains can be merged, the best of seven interleaved rounds of a few hundred microseconds each. */
-#define RATE_CHAINS(OP)                                                                                          \
-    __m512 a0 = _mm512_set1_ps(0.f), a1 = _mm512_set1_ps(1.f), a2 = _mm512_set1_ps(2.f), a3 = _mm512_set1_ps(3.f), \
-           a4 = _mm512_set1_ps(4.f), a5 = _mm512_set1_ps(5.f), a6 = _mm512_set1_ps(6.f), a7 = _mm512_set1_ps(7.f), \
-           a8 = _mm512_set1_ps(8.f), a9 = _mm512_set1_ps(9.f), a10 = _mm512_set1_ps(10.f),                     \
-           a11 = _mm512_set1_ps(11.f);                                                                         \
+#define RATE_CHAINS(VEC, SET1, ADD, OP)                                                                         \
+    VEC a0 = SET1(0.f), a1 = SET1(1.f), a2 = SET1(2.f), a3 = SET1(3.f), a4 = SET1(4.f), a5 = SET1(5.f),           \
+        a6 = SET1(6.f), a7 = SET1(7.f), a8 = SET1(8.f), a9 = SET1(9.f), a10 = SET1(10.f), a11 = SET1(11.f);       \
     for (long i = 0; i < n; i++) {                                                                             \
         OP(a0) OP(a1) OP(a2) OP(a3) OP(a4) OP(a5) OP(a6) OP(a7) OP(a8) OP(a9) OP(a10) OP(a11)                  \
         __asm__ volatile("" : "+v"(x)); /* x may change: the loop stays a loop */                              \
     }                                                                                                          \
-    sink = _mm512_reduce_add_ps(_mm512_add_ps(                                                                  \
-        _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),                            \
-                      _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7))),                          \
-        _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11))));
+    const VEC total = ADD(ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7))),                   \
+                          ADD(ADD(a8, a9), ADD(a10, a11)));
 
 __attribute__((target("avx512f,fma"), noinline)) static void fma_chains(long n)
 {
     __m512 x = _mm512_set1_ps(1e-7f);
 #define FMA_STEP(acc) acc = _mm512_fmadd_ps(x, x, acc);
-    RATE_CHAINS(FMA_STEP)
+    RATE_CHAINS(__m512, _mm512_set1_ps, _mm512_add_ps, FMA_STEP)
 #undef FMA_STEP
+    sink = _mm512_reduce_add_ps(total);
 }
 
 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"), noinline)) static void dp_chains(long n)
 {
     __m512bh x = (__m512bh)_mm512_set1_epi16(0x3380); /* bf16 ~6e-8: the sums stay finite */
 #define DP_STEP(acc) acc = _mm512_dpbf16_ps(acc, x, x);
-    RATE_CHAINS(DP_STEP)
+    RATE_CHAINS(__m512, _mm512_set1_ps, _mm512_add_ps, DP_STEP)
 #undef DP_STEP
+    sink = _mm512_reduce_add_ps(total);
 }
 
 static double seconds(void)
@@ -129,21 +127,11 @@ static int bf16_rate(void)
 __attribute__((target("avx2,fma"), noinline)) static void fma_chains256(long n)
 {
     __m256 x = _mm256_set1_ps(1e-7f);
-    __m256 a0 = _mm256_set1_ps(0.f), a1 = _mm256_set1_ps(1.f), a2 = _mm256_set1_ps(2.f), a3 = _mm256_set1_ps(3.f),
-           a4 = _mm256_set1_ps(4.f), a5 = _mm256_set1_ps(5.f), a6 = _mm256_set1_ps(6.f), a7 = _mm256_set1_ps(7.f),
-           a8 = _mm256_set1_ps(8.f), a9 = _mm256_set1_ps(9.f), a10 = _mm256_set1_ps(10.f), a11 = _mm256_set1_ps(11.f);
-#define FMA256(acc) acc = _mm256_fmadd_ps(x, x, acc);
-    for (long i = 0; i < n; i++) {
-        FMA256(a0) FMA256(a1) FMA256(a2) FMA256(a3) FMA256(a4) FMA256(a5) FMA256(a6) FMA256(a7) FMA256(a8)
-        FMA256(a9) FMA256(a10) FMA256(a11)
-        __asm__ volatile("" : "+v"(x));
-    }
-#undef FMA256
-    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-                                                 _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7))),
-                                   _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
+#define FMA256_STEP(acc) acc = _mm256_fmadd_ps(x, x, acc);
+    RATE_CHAINS(__m256, _mm256_set1_ps, _mm256_add_ps, FMA256_STEP)
+#undef FMA256_STEP
     float lanes[8];
-    _mm256_storeu_ps(lanes, s);
+    _mm256_storeu_ps(lanes, total);
     sink = lanes[0] + lanes[7];
 }
 

@@ -19,31 +19,54 @@ the caches before each call, best of 7 interleaved, ms screened / fp32 panels: 1
 16: 4.44 / 5.74, 36: 7.90 / 8.56, 64: 13.24 / 13.56 (on the dot products it had lost from 12 rows: 36 rows
 13.8-18.8 / 11.5-12.1).
 
-``PAGEDQ_DISABLE_SCREENED_ARGMAX=1`` switches it off (the fp32 panels' argmax serves)."""
+The int8 screen (``gemm_int8_screen_argmax``, the default where it packs: ``in_features`` a multiple of 4, 32 to
+1024) is the same contract with its products on AVX512-VNNI, 4 bytes per 32-bit lane, and a quarter of the fp32
+weight's bytes: x's rows in int8 per row, except the step's 32 channels of largest |x| (a hidden state's massive
+activations), which stay fp32 (the bound and its measurements are in the C source's comment). Same machine, same
+method, 110 real decode rows cycled, ms int8 / bf16 screen / fp32 panels: 1 row 1.74 / 2.37 / 3.93, 36: 5.57 / 9.78 /
+11.34, 64: 8.06 / 15.87 / 17.91; in compass fp32 the head's argmax went from 2.58-2.70 s to 1.43-1.69 s.
+
+``PAGEDQ_ARGMAX_SCREEN=bf16`` takes the bf16 screen instead; ``PAGEDQ_DISABLE_SCREENED_ARGMAX=1`` switches both
+off (the fp32 panels' argmax serves)."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from pagedq_kernels import cpu_linear
 
-BLOCK = 32  # output columns per dpbf16 column block: the norm arrays are padded to a multiple (zeros)
+BLOCK = 32  # output columns per column block (both screens): the per-column arrays are padded to a multiple (zeros)
+KIND_ENV = "PAGEDQ_ARGMAX_SCREEN"
+Kind = Literal["int8", "bf16"]
+INT8_MAX_IN = 1024  # past it an int8 row's sum could leave fp32's exact integers (csrc: |S| < 2^24)
+INT8_OUTLIERS = 32  # the C kernel's NOUT: in_features must be at least this
 
 
 @dataclass(frozen=True, eq=False)
 class ScreenedHead:
-    """An fp32 weight's two packings and the norms that bound the bf16 one's error, built by :func:`build`."""
+    """An fp32 weight's panels, its screen's packing and the norms that bound the screen's error, built by
+    :func:`build`."""
 
     exact: cpu_linear.PackedWeight  # the fp32 panels: the values the answer is
-    screen: cpu_linear.PackedWeight  # the weight rounded to bf16, dpbf16 layout
+    kind: Kind
+    screen: torch.Tensor  # int8: [blocks, k / 4, 2, 16, 4] int8; bf16: the weight rounded, dpbf16 layout
+    scales: torch.Tensor | None  # int8: fp32 [blocks * 32] each column's scale (max |w_v| / 127)
+    offsets: torch.Tensor | None  # int8: int32 [blocks * 32] 128 x each column's sum of its int8 values
     row_norm: torch.Tensor  # fp32 [blocks * 32]: ||w_v||, rounded up
-    rounding_norm: torch.Tensor  # fp32 [blocks * 32]: ||bf16(w_v) - w_v||, rounded up
+    rounding_norm: torch.Tensor  # fp32 [blocks * 32]: ||screen(w_v) - w_v||, rounded up
     max_row_norm: float
     kernels: ctypes.CDLL  # the AVX512-bf16 build, held as the dpbf16 weights hold it (a later ISA cap moves neither)
+
+    @property
+    def nbytes(self) -> int:
+        """What the screen holds beside the fp32 panels."""
+        parts = (self.screen, self.scales, self.offsets, self.row_norm, self.rounding_norm)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 @dataclass
@@ -64,32 +87,72 @@ def _rounded_up(norms: torch.Tensor) -> torch.Tensor:
     return (norms * (1 + 2**-20)).float()
 
 
-def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None) -> ScreenedHead | None:
-    """The screen for ``weight [vocab, hidden]`` fp32, whose fp32 panels are ``exact``; None where it cannot run
-    (switched off, no AVX512-bf16, not fp32 panels, ``in_features`` not a multiple of 32, a non-finite weight)."""
+def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None, kind: Kind | None = None) -> ScreenedHead | None:
+    """The screen for ``weight [vocab, hidden]`` fp32, whose fp32 panels are ``exact``: ``kind``, else
+    ``PAGEDQ_ARGMAX_SCREEN``'s, else int8 where its shape packs and bf16 otherwise. None where none can run
+    (switched off, no AVX512-bf16, not fp32 panels, ``in_features`` not a multiple of 32, a non-finite weight).
+    int8 first: it multiplies 4 bytes per lane where bf16 multiplies 2, and streams half the bytes (measured in the
+    module docstring on the Xeon whose bf16 products run on FMAs; not yet measured where VDPBF16PS runs at full
+    rate, Zen 4/5)."""
     if os.environ.get("PAGEDQ_DISABLE_SCREENED_ARGMAX") or exact is None or exact.kind != "panels" or exact.glu:
         return None
     if weight.dtype != torch.float32 or tuple(weight.shape) != (exact.out_features, exact.in_features):
         return None
-    if not bool(torch.isfinite(weight).all()):
+    if not bool(torch.isfinite(weight).all()) or weight.shape[1] % BLOCK:
         return None
-    screen = cpu_linear.pack_dp(weight)
     kernels = cpu_linear.dp_library()
-    if screen is None or kernels is None:
+    if kernels is None:
+        return None
+    chosen = kind or os.environ.get(KIND_ENV) or ("int8" if _int8_packs(weight.shape[1]) else "bf16")
+    if chosen not in ("int8", "bf16"):
+        raise ValueError(f"{KIND_ENV}={chosen!r}: the screens are int8 and bf16")
+    if chosen == "int8" and not _int8_packs(weight.shape[1]):
         return None
     wide = weight.detach().double()
-    row_norm = wide.norm(dim=1)
-    rounding_norm = (weight.detach().to(torch.bfloat16).double() - wide).norm(dim=1)
     padded = -(-weight.shape[0] // BLOCK) * BLOCK
     pad = (0, padded - weight.shape[0])
+    scales = offsets = None
+    if chosen == "int8":
+        screen, scales, offsets, screened = _pack_int8(weight.detach(), padded)
+    else:
+        packed = cpu_linear.pack_dp(weight)
+        if packed is None:
+            return None
+        screen, screened = packed.data, weight.detach().to(torch.bfloat16).double()
     return ScreenedHead(
         exact,
+        "int8" if chosen == "int8" else "bf16",
         screen,
-        torch.nn.functional.pad(_rounded_up(row_norm), pad),
-        torch.nn.functional.pad(_rounded_up(rounding_norm), pad),
-        float(_rounded_up(row_norm.max()).item()),
+        scales,
+        offsets,
+        torch.nn.functional.pad(_rounded_up(wide.norm(dim=1)), pad),
+        torch.nn.functional.pad(_rounded_up((screened - wide).norm(dim=1)), pad),
+        float(_rounded_up(wide.norm(dim=1).max()).item()),
         kernels,
     )
+
+
+def _int8_packs(in_features: int) -> bool:
+    return in_features % 4 == 0 and INT8_OUTLIERS <= in_features <= INT8_MAX_IN
+
+
+def _pack_int8(weight: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 screen's packing of ``weight [n, k]``: each column v (a row of the weight) as q_v * sw_v, q_v int8
+    in [-127, 127] and sw_v = max |w_v| / 127 (fp32); laid out per column block of 32 and k-quad as VPDPBUSD reads
+    it (columns 0-15 then 16-31, 4 k per 32-bit lane); 128 x each column's sum of q (the u8 offset of x's rows
+    comes off the int32 sums with it); and the dequantised weight in float64, for its rounding norms."""
+    n, k = weight.shape
+    scale = weight.abs().amax(dim=1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(weight / safe[:, None]).clamp(-127, 127)
+    q = torch.where(scale[:, None] > 0, q, torch.zeros_like(q)).to(torch.int8)
+    rows = torch.zeros((padded, k), dtype=torch.int8)
+    rows[:n] = q
+    layout = rows.view(padded // BLOCK, 2, 16, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
+    pad = (0, padded - n)
+    offsets = torch.nn.functional.pad(q.to(torch.int32).sum(dim=1) * 128, pad).to(torch.int32)
+    dequantised = q.double() * scale.double()[:, None]
+    return layout, torch.nn.functional.pad(scale, pad).contiguous(), offsets.contiguous(), dequantised
 
 
 def argmax(x: torch.Tensor, head: ScreenedHead) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,13 +167,21 @@ def argmax(x: torch.Tensor, head: ScreenedHead) -> tuple[torch.Tensor, torch.Ten
     index = torch.empty((m,), dtype=torch.int64)
     if not m:
         return best, index
-    rounded = torch.empty((m, k), dtype=torch.bfloat16)  # the kernel rounds x into it
     settled = torch.zeros((2,), dtype=torch.int64)
-    status = head.kernels.gemm_bf16_dp_screen_argmax(
-        x2.data_ptr(), x2.stride(0), rounded.data_ptr(), m, head.screen.data.data_ptr(), head.exact.data.data_ptr(),
-        head.row_norm.data_ptr(), head.rounding_norm.data_ptr(), head.max_row_norm, head.exact.out_features, k,
-        best.data_ptr(), index.data_ptr(), settled.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+    if head.kind == "int8":
+        assert head.scales is not None and head.offsets is not None
+        status = head.kernels.gemm_int8_screen_argmax(
+            x2.data_ptr(), x2.stride(0), m, head.screen.data_ptr(), head.scales.data_ptr(), head.offsets.data_ptr(),
+            head.exact.data.data_ptr(), head.row_norm.data_ptr(), head.rounding_norm.data_ptr(), head.max_row_norm,
+            head.exact.out_features, k, best.data_ptr(), index.data_ptr(), settled.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+    else:
+        rounded = torch.empty((m, k), dtype=torch.bfloat16)  # the kernel rounds x into it
+        status = head.kernels.gemm_bf16_dp_screen_argmax(
+            x2.data_ptr(), x2.stride(0), rounded.data_ptr(), m, head.screen.data_ptr(), head.exact.data.data_ptr(),
+            head.row_norm.data_ptr(), head.rounding_norm.data_ptr(), head.max_row_norm, head.exact.out_features, k,
+            best.data_ptr(), index.data_ptr(), settled.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
     if status != 0:
         raise RuntimeError(f"the screened argmax kernel could not run (status {status})")
     unsettled = (index < 0).nonzero().flatten()

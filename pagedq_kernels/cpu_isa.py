@@ -12,7 +12,9 @@ permission for tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``), which the probe
 using AMX must.
 
 ``PAGEDQ_CPU_ISA`` caps the level (``generic`` < ``avx2`` < ``avx512`` < ``avx512_bf16`` < ``amx``), so
-that every slower path can run, and be tested, on a machine that has a faster one.
+that every slower path can run, and be tested, on a machine that has a faster one. ``avx512_bf16`` is probed
+with AVX512-VNNI beside it (the lm_head's int8 screen, :mod:`pagedq_kernels.argmax_screen`): every CPU with the
+first has the second.
 """
 
 from __future__ import annotations

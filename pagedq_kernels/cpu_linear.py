@@ -124,6 +124,9 @@ def _bind_bf16(function: str) -> Callable[[ctypes.CDLL], None]:
             screen = lib.gemm_bf16_dp_screen_argmax  # pagedq_kernels/argmax_screen.py
             screen.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, f32, i64, i64, ptr, ptr, ptr, i32]
             screen.restype = i32
+            int8_screen = lib.gemm_int8_screen_argmax  # its int8 (VNNI) twin
+            int8_screen.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, f32, i64, i64, ptr, ptr, ptr, i32]
+            int8_screen.restype = i32
             lib.bf16_dp_use_fma.argtypes = [i32]
             lib.bf16_dp_use_fma.restype = i32
 

@@ -1,10 +1,13 @@
-"""The fp32 lm_head's argmax screened in bf16 (pagedq_kernels/argmax_screen.py, csrc/cpu_bf16_dp.c
-gemm_bf16_dp_screen_argmax): bit for bit the fp32 panel kernel's argmax, where columns are near-tied in ways bf16
-cannot tell apart, where the screen cannot narrow a row (too many ties, inputs too large for its bound) and for
-NaN; a tiny fp32 model generates the same tokens with it as without. Runs where AVX512-bf16 does."""
+"""The fp32 lm_head's argmax screened in int8 or bf16 (pagedq_kernels/argmax_screen.py, csrc/cpu_bf16_dp.c
+gemm_int8_screen_argmax and gemm_bf16_dp_screen_argmax): bit for bit the fp32 panel kernel's argmax, where columns
+are near-tied in ways the screen cannot tell apart, where the screen cannot narrow a row (too many ties, inputs too
+large for its bound), for NaN, and for hidden states with a few massive channels (the int8 screen keeps the step's
+largest in fp32); a tiny fp32 model generates the same tokens with it as without. Runs where AVX512-bf16 (and so
+VNNI) does."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,23 +20,27 @@ from schemas.sampling import SamplingParams
 from tests.epilogue_checks import check_argmax_epilogue
 
 
-@pytest.fixture(autouse=True, params=["dot-products", "fma"])
-def screen_runs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+@pytest.fixture(autouse=True, params=["int8", "bf16-dot-products", "bf16-fma"])
+def screen_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[argmax_screen.Kind]:
     """The suite caps the ISA below bf16 (tests/conftest.py): lifted here, as tests/test_bf16_linear.py does.
-    Every test runs with the screen's products on VDPBF16PS and on fp32 FMAs (cpu_linear.dp_products), whichever
-    this CPU's rate chose."""
+    Every test runs with the int8 screen, and with the bf16 one with its products on VDPBF16PS and on fp32 FMAs
+    (cpu_linear.dp_products), whichever this CPU's rate chose; the model's screen takes the kind from the
+    environment, as a user's does."""
     monkeypatch.delenv(cpu_isa.ENV_CAP, raising=False)
     for switch in ("PAGEDQ_DISABLE_DP_LINEAR", "PAGEDQ_DISABLE_SCREENED_ARGMAX"):
         monkeypatch.delenv(switch, raising=False)
     if cpu_linear.dp_library() is None:
         pytest.skip(f"AVX512-bf16 not runnable here (probed: {list(cpu_isa.current().probed)})")
-    with cpu_linear.dp_products(request.param == "fma"):
-        yield
+    kind: argmax_screen.Kind = "int8" if request.param == "int8" else "bf16"
+    monkeypatch.setenv(argmax_screen.KIND_ENV, kind)
+    with cpu_linear.dp_products(request.param == "bf16-fma"):
+        yield kind
 
 
 def _screened(w: torch.Tensor) -> argmax_screen.ScreenedHead:
     head = argmax_screen.build(w, cpu_linear.pack(w, "panels"))
     assert head is not None
+    assert head.kind == os.environ[argmax_screen.KIND_ENV]
     return head
 
 
@@ -103,15 +110,16 @@ def test_near_ties_bf16_cannot_tell_apart_are_settled_in_fp32(threads: int) -> N
 
 
 def test_rows_the_screen_cannot_narrow_are_settled_over_every_column() -> None:
-    """More tied columns than a thread keeps per row (SCREEN_CAP = 128), and inputs so large that a sum could
-    overflow (the bound no longer holds; infinities and NaN appear): those rows go over every column in fp32,
-    with the panels' answer (first tie, first NaN), and the other rows of the same call are screened."""
+    """More tied columns than a thread keeps per row (the bf16 screen's SCREEN_CAP = 128, the int8 screen's 512),
+    and inputs so large that a sum could overflow (the bound no longer holds; infinities and NaN appear): those rows
+    go over every column in fp32, with the panels' answer (first tie, first NaN), and the other rows of the same
+    call are screened."""
     g = torch.Generator().manual_seed(5)
     n, k = 2048, 64
     w = torch.randn(n, k, generator=g) * 0.1
     x = torch.randn(6, k, generator=g)
-    w[100:500] = w[50]  # 401 identical columns
-    x[0] = w[50] * 10  # row 0: its best column is 50, tied with 400 others
+    w[100:1800] = w[50]  # 1701 identical columns, over 512 in each thread's half
+    x[0] = w[50] * 10  # row 0: its best column is 50, tied with 1700 others
     x[1] = 3e37  # row 1: |x| |w| beyond the bound's reach: products overflow to infinity
     x[2, 0] = float("inf")  # row 2: infinity in, NaN out where weights of both signs meet it
     head = _screened(w)
@@ -152,3 +160,41 @@ def test_a_built_screen_keeps_running_after_the_isa_cap_moves_below_it(monkeypat
     monkeypatch.setenv(cpu_isa.ENV_CAP, "avx2")
     assert cpu_linear.dp_library() is None
     _same_as_panels(torch.randn(9, 64, generator=g), head)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_hidden_states_with_massive_channels_are_screened_narrowly(threads: int) -> None:
+    """A final hidden state's few channels ~20x its rms (what SmolLM2's are): the int8 screen keeps the step's
+    largest channels in fp32, so its bound stays narrow (few columns settled per row, none left to every column)
+    and the answer is still the panels'. The bf16 screen narrows them too."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 4000, 256
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(36, k, generator=g)
+    massive = torch.tensor([3, 77, 150, 201])
+    x[:, massive] *= 20
+    x[5, 9] = 60  # one row's own outlier, outside the step's common ones
+    head = _screened(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        columns, full_rows = argmax_screen.counts.columns, argmax_screen.counts.full_rows
+        _same_as_panels(x, head)
+        assert argmax_screen.counts.full_rows == full_rows
+        assert argmax_screen.counts.columns - columns < 36 * 20
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_int8_screen_refuses_shapes_it_cannot_pack_and_unknown_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 needs in_features from 32 to 1024 (its sums exact in fp32): past it the default is the bf16 screen and
+    an explicit int8 is None; a misspelt kind is an error that names both."""
+    g = torch.Generator().manual_seed(13)
+    wide = torch.randn(64, 1056, generator=g)
+    assert argmax_screen.build(wide, cpu_linear.pack(wide, "panels"), "int8") is None
+    monkeypatch.delenv(argmax_screen.KIND_ENV)
+    head = argmax_screen.build(wide, cpu_linear.pack(wide, "panels"))
+    assert head is not None and head.kind == "bf16"
+    monkeypatch.setenv(argmax_screen.KIND_ENV, "fp8")
+    with pytest.raises(ValueError, match="int8 and bf16"):
+        argmax_screen.build(wide, cpu_linear.pack(wide, "panels"))

@@ -257,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_int8: int8_linear.Int8Weight | None = None
         self.lm_head_int8_packed: int8_linear.PackedInt8 | None = None
         self.lm_head_int8_rows = 0
-        # The greedy argmax over an fp32 lm_head, screened in bf16 (pagedq_kernels/argmax_screen.py), or None.
+        # The greedy argmax over an fp32 lm_head, screened in int8 or bf16 (pagedq_kernels/argmax_screen.py), or None.
         self.lm_head_screen: argmax_screen.ScreenedHead | None = None
         # The forward as prepared C kernel calls, once every weight is packed for them (prepack_cpu_weights).
         self.cpu_plan: LlamaCpuPlan | None = None
@@ -347,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_packed is not None:
             total += self.lm_head_packed.data.numel() * self.lm_head_packed.data.element_size()
         if self.lm_head_screen is not None:
-            total += self.lm_head_screen.screen.data.numel() * self.lm_head_screen.screen.data.element_size()
+            total += self.lm_head_screen.nbytes
         if self.lm_head_int8_packed is not None:
             total += self.lm_head_int8_packed.nbytes
         return total

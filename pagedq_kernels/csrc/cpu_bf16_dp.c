@@ -112,9 +112,10 @@ typedef struct {
     const float *scale;         /* [m][2]: the row's factors of row_norm and rounding_norm in e */
     float *floor_lanes;         /* [m][16] */
     float *floor;               /* [m] */
-    int32_t *cand_col;          /* [m][SCREEN_CAP] */
-    float *cand_hi;             /* [m][SCREEN_CAP] */
+    int32_t *cand_col;          /* [m][cap] */
+    float *cand_hi;             /* [m][cap] */
     int32_t *count;             /* [m] */
+    int32_t cap;                /* candidates kept per row (the lists' stride): SCREEN_CAP or INT8_SCREEN_CAP */
 } dp_screen;
 
 /* Keeps the columns col + l (l in `keep`) of row i with their upper bounds; when the row's list is full, the
@@ -123,19 +124,19 @@ static void screen_push(dp_screen *sc, int64_t i, __m512 hi, __mmask16 keep, int
 {
     float his[16];
     _mm512_storeu_ps(his, hi);
-    int32_t *cols = sc->cand_col + i * SCREEN_CAP;
-    float *highs = sc->cand_hi + i * SCREEN_CAP;
+    int32_t *cols = sc->cand_col + i * sc->cap;
+    float *highs = sc->cand_hi + i * sc->cap;
     const float bar = sc->floor[i];
     int32_t n = sc->count[i];
     while (keep) {
         const int l = __builtin_ctz(keep);
         keep &= keep - 1;
-        if (n == SCREEN_CAP) {
+        if (n == sc->cap) {
             int32_t kept = 0;
             for (int32_t j = 0; j < n; j++)
                 if (highs[j] >= bar) { cols[kept] = cols[j]; highs[kept] = highs[j]; kept++; }
             n = kept;
-            if (n == SCREEN_CAP) { sc->count[i] = -1; return; }
+            if (n == sc->cap) { sc->count[i] = -1; return; }
         }
         cols[n] = (int32_t)(col + l);
         highs[n] = his[l];
@@ -568,7 +569,7 @@ int gemm_bf16_dp_screen_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int
             } /* a barrier: every row's scale ready */
             dp_screen sc = {row_norm, rounding_norm, scale, floor_lanes + (int64_t)t * m * 16, floors + (int64_t)t * m,
                             cand_col + (int64_t)t * m * SCREEN_CAP, cand_hi + (int64_t)t * m * SCREEN_CAP,
-                            count + (int64_t)t * m};
+                            count + (int64_t)t * m, SCREEN_CAP};
             for (int64_t i = 0; i < m; i++) {
                 for (int l = 0; l < 16; l++) sc.floor_lanes[i * 16 + l] = -INFINITY;
                 sc.floor[i] = -INFINITY;
@@ -613,6 +614,314 @@ int gemm_bf16_dp_screen_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int
     return status;
 }
 
+/* ---- The int8 screen (gemm_int8_screen_argmax): gemm_bf16_dp_screen_argmax's answer with its screen on
+ * AVX512-VNNI (VPDPBUSD, 4 products of u8 x s8 per 32-bit lane), which every CPU with AVX512-bf16 also has.
+ *
+ * Why: where VDPBF16PS runs at half the FMAs' rate (Intel Xeon family 6 model 207) the bf16 screen's products run
+ * on the FMAs, and the lm_head's argmax stays near the fp32 panels' time at decode batch sizes (36 rows: 7.9 ms
+ * against 8.6; 2.2 s of compass fp32's 35 s). VPDPBUSD there retires 4.7 G instructions a second per core, 64
+ * products each, 3.7x the FMAs' products; and the int8 weight is a quarter of the fp32 one's bytes.
+ *
+ * Screen: per column v, w~_v = sw_v q_v (q_v int8, sw_v = max|w_v| / 127, packed in Python). Per step, NOUT
+ * channels (columns of x) are "outliers" (pick_outliers: a hidden state's few massive activations, ~19x its rms at
+ * the median on SmolLM2, and each row's own largest): they stay fp32, multiplied by the fp32 panels' rows; the rest
+ * R of each row i is rounded to int8, x~_R = sx_i p (sx_i = max_R |x_i| / 127). Then
+ *   a = fl(sx sw_v) S + sum_{k in O} x_k w_vk   (S = sum_R p_k q_vk, exact in int32 and in fp32: |S| < 2^24)
+ * and |a - r_v| <= ||w_v|| S_i + ||w~_v - w_v|| T_i, r_v the panel kernel's value, with
+ *   S_i = (g + rho) ||x~_R|| + ||x~_R - x_R|| + g ||x_O|| + g ||x||,  T_i = (g + rho) ||x~_R|| + ||x~_R - x_R|| + ||x_R||
+ * (Cauchy-Schwarz on x~_R w~_v - x_R w_v = (x~_R - x_R) w~_v + x_R (w~_v - w_v), ||w~_v|| <= ||w_v|| + ||w~_v -
+ * w_v||; g: fp32 sums of k terms, rho: the two roundings of fl(sx sw_v) S), the same form as the bf16 screen's,
+ * so its epilogue, candidate lists and settling serve unchanged (the lists longer: INT8_SCREEN_CAP). On SmolLM2's
+ * lm_head and 110 decode rows of compass prompts, columns left to settle per row, median / p90 / max, from the
+ * bound in float64: per-row int8 without outliers 35300 / 49075 / 49152 (useless: one channel 19x the rms sets
+ * the step), x in int8 groups of 16 instead 6 / 843 / 4257, 16 outliers 2 / 239 / 1492, 32 outliers 2 / 80 / 625;
+ * in this kernel, 36 rows a step, 495 columns in all, no row left to every column (SCREEN_CAP's 128 left 12: the
+ * lists fill before the floor rises).
+ * VPDPBUSD multiplies unsigned by signed bytes: x's rows go in as p + 128 and the packing's 128 sum_k q_vk
+ * (colsum128) comes off the int32 sums.
+ *
+ * Measured (that Xeon, 2 threads, SmolLM2's head evicted from the caches before each call, 110 real decode rows
+ * cycled, best of 7 interleaved, every answer checked against the panels', ms int8 / bf16 screen / fp32 panels):
+ *   1 row 1.74 / 2.37 / 3.93; 8: 2.69 / 3.10 / 5.57; 16: 3.70 / 5.60 / 7.38; 36: 5.57 / 9.78 / 11.34;
+ *   64: 8.06 / 15.87 / 17.91.
+ * Of the 36-row time, ~1.4 ms is the outliers' fp32 rows: scattered lines of the fp32 panels (64 per block), each
+ * a miss; the first row tile of a block prefetches the next block's (5.54 -> 5.12 ms). NOUT 16: 4.36 ms, but
+ * more rows then overflow their lists. gcc 12 copied each VPDPBUSD accumulator through the stack every step
+ * (7.1 ms at 36 rows): the instruction is inline asm. */
+#ifndef INT8_SCREEN_CAP
+#define INT8_SCREEN_CAP 512 /* SCREEN_CAP for the int8 screen, whose bound is looser */
+#endif
+#ifndef NOUT
+#define NOUT 32 /* outlier channels kept fp32 per step (measured above) */
+#endif
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+
+/* rows x 32 columns of one column block: the int32 sums of x's u8 rows (stride k) with the block's int8 weight
+ * (per k-quad two 64-byte rows: columns 0-15, then 16-31, each lane 4 k), scaled to fp32, plus the outlier
+ * channels' fp32 products from the fp32 panels, then the screen's epilogue. */
+static inline __attribute__((always_inline)) void i8_tile(int rows, const uint8_t *xq, int64_t k, const int8_t *block,
+                                                          const float *sw, const int32_t *colsum128,
+                                                          const float *sx, const float *x_f32, int64_t ldx,
+                                                          const float *panels, const int32_t *outliers, int nout,
+                                                          int ncols, dp_screen *sc, int64_t row0, int64_t col,
+                                                          const float *ahead)
+{
+    __m512i c0a = _mm512_setzero_si512(), c1a = c0a, c2a = c0a, c3a = c0a, c4a = c0a, c5a = c0a;
+    __m512i c6a = c0a, c7a = c0a, c8a = c0a, c9a = c0a, c10a = c0a, c11a = c0a;
+    __m512i c0b = c0a, c1b = c0a, c2b = c0a, c3b = c0a, c4b = c0a, c5b = c0a;
+    __m512i c6b = c0a, c7b = c0a, c8b = c0a, c9b = c0a, c10b = c0a, c11b = c0a;
+    const int32_t *x0 = (const int32_t *)xq, *x1 = (const int32_t *)(xq + k), *x2 = (const int32_t *)(xq + 2 * k),
+                  *x3 = (const int32_t *)(xq + 3 * k), *x4 = (const int32_t *)(xq + 4 * k),
+                  *x5 = (const int32_t *)(xq + 5 * k), *x6 = (const int32_t *)(xq + 6 * k),
+                  *x7 = (const int32_t *)(xq + 7 * k), *x8 = (const int32_t *)(xq + 8 * k),
+                  *x9 = (const int32_t *)(xq + 9 * k), *x10 = (const int32_t *)(xq + 10 * k),
+                  *x11 = (const int32_t *)(xq + 11 * k);
+/* inline asm: gcc 12's _mm512_dpbusd_epi32 copies each accumulator through another register and the stack
+   every step here (measured: a third of VPDPBUSD's rate) */
+#define ROW(r)                                                                                  \
+    if (rows > r) {                                                                             \
+        const __m512i xb = _mm512_set1_epi32(x##r[kq]);                                         \
+        __asm__("vpdpbusd %[w], %[x], %[acc]" : [acc] "+v"(c##r##a) : [x] "v"(xb), [w] "v"(w0)); \
+        __asm__("vpdpbusd %[w], %[x], %[acc]" : [acc] "+v"(c##r##b) : [x] "v"(xb), [w] "v"(w1)); \
+    }
+    for (int64_t kq = 0; kq < k / 4; kq++) {
+        const int8_t *wp = block + kq * 128;
+        _mm_prefetch((const char *)(wp + 2 * DP_PF), DP_PF_HINT); /* as many bytes ahead as the bf16 tile */
+        _mm_prefetch((const char *)(wp + 2 * DP_PF + 64), DP_PF_HINT);
+        if (ahead && kq < 2 * nout) /* the next block's outlier rows of its two fp32 panels, one line a step */
+            _mm_prefetch((const char *)(ahead + (kq & 1) * k * 16 + outliers[kq >> 1] * 16), DP_PF_HINT);
+        const __m512i w0 = _mm512_loadu_si512((const void *)wp), w1 = _mm512_loadu_si512((const void *)(wp + 64));
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
+    }
+#undef ROW
+    const __m512i sums0[DP_MR] = {c0a, c1a, c2a, c3a, c4a, c5a, c6a, c7a, c8a, c9a, c10a, c11a};
+    const __m512i sums1[DP_MR] = {c0b, c1b, c2b, c3b, c4b, c5b, c6b, c7b, c8b, c9b, c10b, c11b};
+    const __m512i off0 = _mm512_loadu_si512((const void *)colsum128), off1 = _mm512_loadu_si512((const void *)(colsum128 + 16));
+    const __m512 sw0 = _mm512_loadu_ps(sw), sw1 = _mm512_loadu_ps(sw + 16);
+    __m512 acc0[DP_MR], acc1[DP_MR];
+#pragma GCC unroll 12
+    for (int r = 0; r < DP_MR; r++) {
+        if (r < rows) {
+            const __m512 s = _mm512_set1_ps(sx[r]);
+            acc0[r] = _mm512_mul_ps(_mm512_mul_ps(s, sw0), _mm512_cvtepi32_ps(_mm512_sub_epi32(sums0[r], off0)));
+            acc1[r] = _mm512_mul_ps(_mm512_mul_ps(s, sw1), _mm512_cvtepi32_ps(_mm512_sub_epi32(sums1[r], off1)));
+        }
+    }
+    const float *panel0 = panels + (col / 16) * k * 16, *panel1 = panel0 + k * 16;
+    const int second = ncols > 16; /* a last block of 16 columns or fewer has no second panel */
+    for (int j = 0; j < nout; j++) {
+        const int64_t kk = outliers[j];
+        const __m512 w0 = _mm512_loadu_ps(panel0 + kk * 16);
+        const __m512 w1 = second ? _mm512_loadu_ps(panel1 + kk * 16) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+        for (int r = 0; r < DP_MR; r++) {
+            if (r < rows) {
+                const __m512 xv = _mm512_set1_ps(x_f32[r * ldx + kk]);
+                acc0[r] = _mm512_fmadd_ps(xv, w0, acc0[r]);
+                acc1[r] = _mm512_fmadd_ps(xv, w1, acc1[r]);
+            }
+        }
+    }
+    screen_epilogue(acc0, acc1, rows, ncols, sc, row0, col);
+}
+
+static inline void i8_tile_rows(int rows, const uint8_t *xq, int64_t k, const int8_t *block, const float *sw,
+                                const int32_t *colsum128, const float *sx, const float *x_f32, int64_t ldx,
+                                const float *panels, const int32_t *outliers, int nout, int ncols, dp_screen *sc,
+                                int64_t row0, int64_t col, const float *ahead)
+{
+#define I8_CASE(n) \
+    case n: i8_tile(n, xq, k, block, sw, colsum128, sx, x_f32, ldx, panels, outliers, nout, ncols, sc, row0, col, ahead); break;
+    switch (rows) {
+    I8_CASE(12) I8_CASE(11) I8_CASE(10) I8_CASE(9) I8_CASE(8) I8_CASE(7)
+    I8_CASE(6) I8_CASE(5) I8_CASE(4) I8_CASE(3) I8_CASE(2)
+    default: i8_tile(1, xq, k, block, sw, colsum128, sx, x_f32, ldx, panels, outliers, nout, ncols, sc, row0, col, ahead); break;
+    }
+#undef I8_CASE
+}
+
+/* The step's outlier channels, nout <= k of them, ascending: greedily, the row whose largest |x| outside the
+ * channels chosen so far is the largest relative to its norm (the row whose int8 rounding would bound worst)
+ * gives up that channel. A row's bound grows with its int8 step, max_R |x_i| / 127, against logit gaps that
+ * grow with ||x_i||; so the worst row sets the step's fallbacks. A hidden state's massive activations sit in
+ * the same few channels in every row, so nout = 32 covers them and each row's own. One thread: m x k to start,
+ * then k per row whose largest was taken (microseconds at decode sizes). row_top [m] and top_at [m] scratch;
+ * chosen [k] bytes of scratch. */
+static void pick_outliers(const float *x, int64_t ldx, int64_t m, int64_t k, int nout, int32_t *out, float *row_top,
+                          int64_t *top_at, uint8_t *chosen)
+{
+    memset(chosen, 0, (size_t)k);
+    for (int64_t i = 0; i < m; i++) {
+        const float *xr = x + i * ldx;
+        double norm = 0;
+        float top = -1.f;
+        int64_t at = 0;
+        for (int64_t c = 0; c < k; c++) {
+            const float v = fabsf(xr[c]);
+            norm += (double)v * v;
+            if (v > top) { top = v; at = c; }
+        }
+        /* relative to the norm; a zero or non-finite row last (its bound is moot: it is settled or left to
+           every column either way) */
+        row_top[i] = norm > 0 && isfinite(norm) ? (float)(top / sqrt(norm)) : -1.f;
+        top_at[i] = at;
+    }
+    for (int j = 0; j < nout; j++) {
+        int64_t worst = -1;
+        for (int64_t i = 0; i < m; i++)
+            if (worst < 0 || row_top[i] > row_top[worst]) worst = i;
+        int64_t c = worst >= 0 && row_top[worst] >= 0 ? top_at[worst] : -1;
+        if (c < 0 || chosen[c]) /* rows exhausted: the lowest channels not yet chosen */
+            for (c = 0; chosen[c]; c++) {}
+        chosen[c] = 1;
+        for (int64_t i = 0; i < m; i++) { /* rows whose largest was c: their next largest outside the chosen */
+            if (top_at[i] != c || row_top[i] < 0) continue;
+            const float *xr = x + i * ldx;
+            double norm = 0;
+            float top = -1.f;
+            int64_t at = -1;
+            for (int64_t cc = 0; cc < k; cc++) {
+                const float v = fabsf(xr[cc]);
+                norm += (double)v * v;
+                if (!chosen[cc] && v > top) { top = v; at = cc; }
+            }
+            row_top[i] = at >= 0 ? (float)(top / sqrt(norm)) : -1.f;
+            top_at[i] = at >= 0 ? at : 0;
+        }
+    }
+    for (int64_t c = 0, j = 0; c < k; c++)
+        if (chosen[c]) out[j++] = (int32_t)c;
+}
+
+/* gemm_bf16_dp_screen_argmax's contract (best, idx with -1 for a row left to every column, counts) with the int8
+ * screen above. w8: the int8 weight, per column block of 32 and k-quad two 64-byte rows (columns 0-15, 16-31, 4 k
+ * per lane); sw [blocks * 32] its per-column scales (0 past n), colsum128 [blocks * 32] 128 x each column's sum
+ * of q; row_norm ||w_v|| and rounding_norm ||sw_v q_v - w_v||, rounded up. k a multiple of 4, at most 1024 (so
+ * |S| < 2^24: exact in fp32), and >= NOUT. Returns 0, or -1 when scratch memory could not be had. */
+int gemm_int8_screen_argmax(const float *x_f32, int64_t ldx, int64_t m, const int8_t *w8, const float *sw,
+                            const int32_t *colsum128, const float *exact_panels, const float *row_norm,
+                            const float *rounding_norm, float max_row_norm, int64_t n, int64_t k, float *best,
+                            int64_t *idx, int64_t *counts, int num_threads)
+{
+    if (k % 4 || k > 1024 || k < NOUT) return -2;
+    const int64_t blocks = (n + 31) / 32;
+    const int teams = num_threads > 0 ? num_threads : 1;
+    uint8_t *xq = (uint8_t *)malloc((size_t)(m * k));
+    float *sx = (float *)malloc(sizeof(float) * m);
+    float *row_top = (float *)malloc(sizeof(float) * m);
+    int64_t *top_at = (int64_t *)malloc(sizeof(int64_t) * m);
+    uint8_t *chosen = (uint8_t *)malloc((size_t)k);
+    int32_t outliers[NOUT];
+    float *scale = (float *)malloc(sizeof(float) * m * 2);
+    float *floor_lanes = (float *)malloc(sizeof(float) * teams * m * 16);
+    float *floors = (float *)malloc(sizeof(float) * teams * m);
+    int32_t *cand_col = (int32_t *)malloc(sizeof(int32_t) * teams * m * INT8_SCREEN_CAP);
+    float *cand_hi = (float *)malloc(sizeof(float) * teams * m * INT8_SCREEN_CAP);
+    int32_t *count = (int32_t *)malloc(sizeof(int32_t) * teams * m);
+    int status = xq && sx && row_top && top_at && chosen && scale && floor_lanes && floors && cand_col && cand_hi && count ? 0 : -1;
+    const double u = 0x1p-23 * (double)(k + 2), g = u / (1.0 - u), rho = 0x1p-20, inflate = 1.0 + 0x1p-16;
+    int64_t settled = 0, full_rows = 0;
+    if (status == 0) {
+        #pragma omp parallel num_threads(teams) if (blocks > 1)
+        {
+            const int t = omp_get_thread_num(), used = omp_get_num_threads();
+            #pragma omp single
+            pick_outliers(x_f32, ldx, m, k, NOUT, outliers, row_top, top_at, chosen); /* a barrier at its end */
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < m; i++) {
+                const float *xr = x_f32 + i * ldx;
+                uint8_t *q = xq + i * k;
+                float top = 0.f;
+                int o = 0;
+                for (int64_t c = 0; c < k; c++) { /* the largest |x| outside the outliers */
+                    if (o < NOUT && outliers[o] == c) { o++; continue; }
+                    const float v = fabsf(xr[c]);
+                    if (v > top) top = v;
+                }
+                const float step = top / 127.f; /* 0 where the rest is all zeros (then so is every p) */
+                double nx = 0, nr = 0, no = 0, nt = 0, nd = 0;
+                o = 0;
+                for (int64_t c = 0; c < k; c++) {
+                    const double a = xr[c];
+                    nx += a * a;
+                    if (o < NOUT && outliers[o] == c) { o++; no += a * a; q[c] = 128; continue; }
+                    const float p = step > 0.f ? nearbyintf(xr[c] / step) : 0.f; /* |p| <= 127 */
+                    q[c] = (uint8_t)((int)p + 128);
+                    const double b = (double)p * (double)step;
+                    nr += a * a, nt += b * b, nd += (b - a) * (b - a);
+                }
+                sx[i] = step;
+                nx = sqrt(nx), nr = sqrt(nr), no = sqrt(no), nt = sqrt(nt), nd = sqrt(nd);
+                const double s = ((g + rho) * nt + nd + g * no + g * nx) * inflate;
+                const double tt = ((g + rho) * nt + nd + nr) * inflate;
+                const int narrow = isfinite(nx) && isfinite(step) && nx * (double)max_row_norm <= 1e30;
+                scale[2 * i] = narrow ? (float)(s * (1.0 + 0x1p-20)) : NAN; /* rounded up */
+                scale[2 * i + 1] = narrow ? (float)(tt * (1.0 + 0x1p-20)) : NAN;
+            } /* a barrier: every row's int8 rows and scales ready */
+            dp_screen sc = {row_norm, rounding_norm, scale, floor_lanes + (int64_t)t * m * 16, floors + (int64_t)t * m,
+                            cand_col + (int64_t)t * m * INT8_SCREEN_CAP, cand_hi + (int64_t)t * m * INT8_SCREEN_CAP,
+                            count + (int64_t)t * m, INT8_SCREEN_CAP};
+            for (int64_t i = 0; i < m; i++) {
+                for (int l = 0; l < 16; l++) sc.floor_lanes[i * 16 + l] = -INFINITY;
+                sc.floor[i] = -INFINITY;
+                sc.count[i] = scale[2 * i] == scale[2 * i] ? 0 : -1;
+            }
+            const int64_t tiles = (m + DP_MR - 1) / DP_MR;
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t col = b * 32;
+                const int ncols = (int)(n - col < 32 ? n - col : 32);
+                int64_t r0 = 0;
+                for (int64_t tl = tiles; tl > 0; tl--) { /* the rows left spread evenly over the tiles left */
+                    const int rows = (int)((m - r0 + tl - 1) / tl);
+                    /* the first row tile of a block prefetches the next block's outlier rows (scattered lines, which
+                       the hardware prefetcher does not fetch ahead) */
+                    const float *ahead = r0 == 0 && b + 1 < blocks && col + 32 < n ? exact_panels + (col + 32) / 16 * k * 16 : NULL;
+                    i8_tile_rows(rows, xq + r0 * k, k, w8 + b * 32 * k, sw + col, colsum128 + col, sx + r0,
+                                 x_f32 + r0 * ldx, ldx, exact_panels, outliers, NOUT, ncols, &sc, r0, col, ahead);
+                    r0 += rows;
+                }
+            } /* a barrier: every thread's candidates ready */
+            #pragma omp for schedule(dynamic, 1) reduction(+ : settled, full_rows)
+            for (int64_t i = 0; i < m; i++) {
+                const float *xr = x_f32 + i * ldx;
+                float lo = -INFINITY, mx = -INFINITY;
+                int64_t at = -1;
+                int full = 0;
+                for (int s = 0; s < used; s++) {
+                    full |= count[(int64_t)s * m + i] < 0;
+                    if (floors[(int64_t)s * m + i] > lo) lo = floors[(int64_t)s * m + i];
+                }
+                for (int s = 0; s < used && !full; s++) {
+                    const int32_t *cols = cand_col + ((int64_t)s * m + i) * INT8_SCREEN_CAP;
+                    const float *highs = cand_hi + ((int64_t)s * m + i) * INT8_SCREEN_CAP;
+                    for (int32_t j = 0; j < count[(int64_t)s * m + i]; j++) {
+                        if (!(highs[j] >= lo)) continue;
+                        const float v = panel_value(xr, exact_panels, k, cols[j]);
+                        settled++;
+                        if (v > mx || (v == mx && cols[j] < at)) { mx = v; at = cols[j]; }
+                    }
+                }
+                if (full || at < 0) {
+                    best[i] = NAN;
+                    idx[i] = -1;
+                    full_rows++;
+                } else {
+                    best[i] = mx;
+                    idx[i] = at;
+                }
+            }
+        }
+        counts[0] += settled;
+        counts[1] += full_rows;
+    }
+    free(xq); free(sx); free(row_top); free(top_at); free(chosen); free(scale); free(floor_lanes); free(floors); free(cand_col); free(cand_hi);
+    free(count);
+    return status;
+}
+#pragma GCC pop_options
+
 #else /* not the avx512 build: no AVX512-bf16 code here */
 
 int bf16_dp_use_fma(int on)
@@ -652,6 +961,16 @@ int gemm_bf16_dp_screen_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int
 {
     (void)x_f32, (void)ldx, (void)x, (void)m, (void)w, (void)exact_panels, (void)row_norm, (void)rounding_norm;
     (void)max_row_norm, (void)n, (void)k, (void)best, (void)idx, (void)counts, (void)num_threads;
+    return -2;
+}
+
+int gemm_int8_screen_argmax(const float *x_f32, int64_t ldx, int64_t m, const int8_t *w8, const float *sw,
+                            const int32_t *colsum128, const float *exact_panels, const float *row_norm,
+                            const float *rounding_norm, float max_row_norm, int64_t n, int64_t k, float *best,
+                            int64_t *idx, int64_t *counts, int num_threads)
+{
+    (void)x_f32, (void)ldx, (void)m, (void)w8, (void)sw, (void)colsum128, (void)exact_panels, (void)row_norm;
+    (void)rounding_norm, (void)max_row_norm, (void)n, (void)k, (void)best, (void)idx, (void)counts, (void)num_threads;
     return -2;
 }
 

@@ -31,10 +31,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"), noinline))
     return 0;
 }
 
-__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"), noinline)) static int probe_avx512_bf16(void)
+/* The avx512_bf16 level also runs AVX512-VNNI (VPDPBUSD: the lm_head's int8 screen, cpu_bf16_dp.c), which every
+ * CPU with AVX512-bf16 has (Cooper Lake, Sapphire Rapids and later, Zen 4 and later): both are run here. */
+__attribute__((target("avx512bf16,avx512vnni,avx512f,avx512bw,avx512vl"), noinline)) static int probe_avx512_bf16(void)
 {
     __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(sink + 1.f), _mm512_set1_ps(2.f));
-    sink = _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x, x));
+    const __m512i b = _mm512_set1_epi8((char)(sink + 3.f));
+    const __m512i d = _mm512_dpbusd_epi32(_mm512_set1_epi32((int)sink), b, b);
+    sink = _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_cvtepi32_ps(d), x, x));
     return 0;
 }
 

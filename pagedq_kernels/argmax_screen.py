@@ -19,12 +19,13 @@ the caches before each call, best of 7 interleaved, ms screened / fp32 panels: 1
 16: 4.44 / 5.74, 36: 7.90 / 8.56, 64: 13.24 / 13.56 (on the dot products it had lost from 12 rows: 36 rows
 13.8-18.8 / 11.5-12.1).
 
-The int8 screen (``gemm_int8_screen_argmax``, the default where it packs: ``in_features`` a multiple of 4, 32 to
-1024) is the same contract with its products on AVX512-VNNI, 4 bytes per 32-bit lane, and a quarter of the fp32
-weight's bytes: x's rows in int8 per row, except the step's 32 channels of largest |x| (a hidden state's massive
-activations), which stay fp32 (the bound and its measurements are in the C source's comment). Same machine, same
-method, 110 real decode rows cycled, ms int8 / bf16 screen / fp32 panels: 1 row 1.74 / 2.37 / 3.93, 36: 5.57 / 9.78 /
-11.34, 64: 8.06 / 15.87 / 17.91; in compass fp32 the head's argmax went from 2.58-2.70 s to 1.43-1.69 s.
+The int8 screen (``gemm_int8_screen_argmax``; the default where it packs, ``in_features`` a multiple of 4 from 32
+to 1024, on CPUs whose bf16 products run on their FMAs) is the same contract with its products on AVX512-VNNI, 4
+bytes per 32-bit lane, and a quarter of the fp32 weight's bytes: x's rows in int8 per row, except the step's 32
+channels of largest |x| (a hidden state's massive activations, and each row's own largest), which stay fp32 (the
+bound and its measurements are in the C source's comment). Same machine, same method, 110 real decode rows cycled,
+ms int8 / bf16 screen / fp32 panels: 1 row 1.74 / 2.37 / 3.93, 36: 5.57 / 9.78 / 11.34, 64: 8.06 / 15.87 / 17.91;
+in compass fp32 without drafts the head's argmax went from 2.58-2.70 s to 1.43-1.69 s (alternating processes).
 
 ``PAGEDQ_ARGMAX_SCREEN=bf16`` takes the bf16 screen instead; ``PAGEDQ_DISABLE_SCREENED_ARGMAX=1`` switches both
 off (the fp32 panels' argmax serves)."""
@@ -38,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from pagedq_kernels import cpu_linear
+from pagedq_kernels import cpu_isa, cpu_linear
 
 BLOCK = 32  # output columns per column block (both screens): the per-column arrays are padded to a multiple (zeros)
 KIND_ENV = "PAGEDQ_ARGMAX_SCREEN"
@@ -89,11 +90,9 @@ def _rounded_up(norms: torch.Tensor) -> torch.Tensor:
 
 def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None, kind: Kind | None = None) -> ScreenedHead | None:
     """The screen for ``weight [vocab, hidden]`` fp32, whose fp32 panels are ``exact``: ``kind``, else
-    ``PAGEDQ_ARGMAX_SCREEN``'s, else int8 where its shape packs and bf16 otherwise. None where none can run
-    (switched off, no AVX512-bf16, not fp32 panels, ``in_features`` not a multiple of 32, a non-finite weight).
-    int8 first: it multiplies 4 bytes per lane where bf16 multiplies 2, and streams half the bytes (measured in the
-    module docstring on the Xeon whose bf16 products run on FMAs; not yet measured where VDPBF16PS runs at full
-    rate, Zen 4/5)."""
+    ``PAGEDQ_ARGMAX_SCREEN``'s, else :func:`_default_kind`'s. None where it cannot run (switched off, no
+    AVX512-bf16, not fp32 panels, ``in_features`` not a multiple of 32, a non-finite weight; int8: ``in_features``
+    past 1024)."""
     if os.environ.get("PAGEDQ_DISABLE_SCREENED_ARGMAX") or exact is None or exact.kind != "panels" or exact.glu:
         return None
     if weight.dtype != torch.float32 or tuple(weight.shape) != (exact.out_features, exact.in_features):
@@ -103,7 +102,7 @@ def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None, kind: Kin
     kernels = cpu_linear.dp_library()
     if kernels is None:
         return None
-    chosen = kind or os.environ.get(KIND_ENV) or ("int8" if _int8_packs(weight.shape[1]) else "bf16")
+    chosen = kind or os.environ.get(KIND_ENV) or _default_kind(weight.shape[1])
     if chosen not in ("int8", "bf16"):
         raise ValueError(f"{KIND_ENV}={chosen!r}: the screens are int8 and bf16")
     if chosen == "int8" and not _int8_packs(weight.shape[1]):
@@ -130,6 +129,12 @@ def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None, kind: Kin
         float(_rounded_up(wide.norm(dim=1).max()).item()),
         kernels,
     )
+
+
+def _default_kind(in_features: int) -> Kind:
+    """int8 where it packs and this CPU's bf16 products run on its FMAs (where it was measured to win, above);
+    bf16 where VDPBF16PS runs at full rate (Zen 4/5: not yet measured against int8 there)."""
+    return "int8" if _int8_packs(in_features) and cpu_isa.current().bf16_products_on_fma else "bf16"
 
 
 def _int8_packs(in_features: int) -> bool:

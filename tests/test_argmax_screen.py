@@ -188,13 +188,17 @@ def test_hidden_states_with_massive_channels_are_screened_narrowly(threads: int)
 
 def test_the_int8_screen_refuses_shapes_it_cannot_pack_and_unknown_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
     """int8 needs in_features from 32 to 1024 (its sums exact in fp32): past it the default is the bf16 screen and
-    an explicit int8 is None; a misspelt kind is an error that names both."""
+    an explicit int8 is None; within it the default is int8 where this CPU's bf16 products run on its FMAs; a
+    misspelt kind is an error that names both."""
     g = torch.Generator().manual_seed(13)
     wide = torch.randn(64, 1056, generator=g)
     assert argmax_screen.build(wide, cpu_linear.pack(wide, "panels"), "int8") is None
     monkeypatch.delenv(argmax_screen.KIND_ENV)
     head = argmax_screen.build(wide, cpu_linear.pack(wide, "panels"))
     assert head is not None and head.kind == "bf16"
+    narrow = wide[:, :1024].contiguous()
+    head = argmax_screen.build(narrow, cpu_linear.pack(narrow, "panels"))
+    assert head is not None and head.kind == ("int8" if cpu_isa.current().bf16_products_on_fma else "bf16")
     monkeypatch.setenv(argmax_screen.KIND_ENV, "fp8")
     with pytest.raises(ValueError, match="int8 and bf16"):
         argmax_screen.build(wide, cpu_linear.pack(wide, "panels"))

@@ -506,6 +506,94 @@ static float panel_value(const float *x, const float *panels, int64_t k, int64_t
     return lanes[col % 16];
 }
 
+/* A screen's scratch for m rows and `teams` threads: the rows' bound factors (scale [m][2]) and each thread's
+ * floors and candidate lists (cap per row). */
+typedef struct {
+    float *scale, *floor_lanes, *floors, *cand_hi;
+    int32_t *cand_col, *count;
+    int32_t cap;
+} screen_scratch;
+
+/* 0, or -1 (nothing held) when memory could not be had. */
+static int screen_scratch_alloc(screen_scratch *sc, int teams, int64_t m, int32_t cap)
+{
+    sc->cap = cap;
+    sc->scale = (float *)malloc(sizeof(float) * m * 2);
+    sc->floor_lanes = (float *)malloc(sizeof(float) * teams * m * 16);
+    sc->floors = (float *)malloc(sizeof(float) * teams * m);
+    sc->cand_col = (int32_t *)malloc(sizeof(int32_t) * teams * m * cap);
+    sc->cand_hi = (float *)malloc(sizeof(float) * teams * m * cap);
+    sc->count = (int32_t *)malloc(sizeof(int32_t) * teams * m);
+    if (sc->scale && sc->floor_lanes && sc->floors && sc->cand_col && sc->cand_hi && sc->count) return 0;
+    free(sc->scale); free(sc->floor_lanes); free(sc->floors); free(sc->cand_col); free(sc->cand_hi); free(sc->count);
+    return -1;
+}
+
+static void screen_scratch_free(screen_scratch *sc)
+{
+    free(sc->scale); free(sc->floor_lanes); free(sc->floors); free(sc->cand_col); free(sc->cand_hi); free(sc->count);
+}
+
+/* Thread t's screen over the scratch, its floors at -inf and its lists empty (a row whose scale is NaN, which
+ * the screen cannot narrow, marked overflowed from the start). After every row's scale is set. */
+static dp_screen screen_start(const screen_scratch *s, const float *row_norm, const float *rounding_norm, int t,
+                              int64_t m)
+{
+    dp_screen sc = {row_norm, rounding_norm, s->scale, s->floor_lanes + (int64_t)t * m * 16, s->floors + (int64_t)t * m,
+                    s->cand_col + (int64_t)t * m * s->cap, s->cand_hi + (int64_t)t * m * s->cap,
+                    s->count + (int64_t)t * m, s->cap};
+    for (int64_t i = 0; i < m; i++) {
+        for (int l = 0; l < 16; l++) sc.floor_lanes[i * 16 + l] = -INFINITY;
+        sc.floor[i] = -INFINITY;
+        sc.count[i] = s->scale[2 * i] == s->scale[2 * i] ? 0 : -1;
+    }
+    return sc;
+}
+
+/* Settles each row from the `used` threads' candidate lists (a worksharing loop: inside the parallel region,
+ * after a barrier): the candidates whose upper bound reaches the highest floor, each valued as the panel kernel
+ * values it (panel_value), the largest winning, the first column on a tie. A row some thread overflowed gets
+ * best NAN and idx -1 (every column, by the caller). Adds the columns valued and the rows left into *settled and
+ * *full_rows (atomically). */
+static void screen_settle(const screen_scratch *s, int used, const float *x_f32, int64_t ldx, int64_t m, int64_t k,
+                          const float *exact_panels, float *best, int64_t *idx, int64_t *settled, int64_t *full_rows)
+{
+    int64_t valued = 0, left = 0;
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < m; i++) {
+        const float *xr = x_f32 + i * ldx;
+        float lo = -INFINITY, mx = -INFINITY;
+        int64_t at = -1;
+        int full = 0;
+        for (int t = 0; t < used; t++) {
+            full |= s->count[(int64_t)t * m + i] < 0;
+            if (s->floors[(int64_t)t * m + i] > lo) lo = s->floors[(int64_t)t * m + i];
+        }
+        for (int t = 0; t < used && !full; t++) {
+            const int32_t *cols = s->cand_col + ((int64_t)t * m + i) * s->cap;
+            const float *highs = s->cand_hi + ((int64_t)t * m + i) * s->cap;
+            for (int32_t j = 0; j < s->count[(int64_t)t * m + i]; j++) {
+                if (!(highs[j] >= lo)) continue;
+                const float v = panel_value(xr, exact_panels, k, cols[j]);
+                valued++;
+                if (v > mx || (v == mx && cols[j] < at)) { mx = v; at = cols[j]; }
+            }
+        }
+        if (full || at < 0) { /* at < 0 cannot happen: the floor's own column reaches it */
+            best[i] = NAN;
+            idx[i] = -1;
+            left++;
+        } else {
+            best[i] = mx;
+            idx[i] = at;
+        }
+    }
+    #pragma omp atomic
+    *settled += valued;
+    #pragma omp atomic
+    *full_rows += left;
+}
+
 /* Per row of x @ W^T, W fp32 (no bias): gemm_panels_argmax_f32's answer, bit for bit (the same largest value,
  * the first column holding it, NaN first), from a bf16 screen and an fp32 settling: the greedy sampler's argmax
  * over an fp32 lm_head (pagedq_kernels/argmax_screen.py), at about half the fp32 kernel's time.
@@ -534,84 +622,43 @@ int gemm_bf16_dp_screen_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int
 {
     const int64_t blocks = (n + 31) / 32;
     const int teams = num_threads > 0 ? num_threads : 1;
-    float *scale = (float *)malloc(sizeof(float) * m * 2);
-    float *floor_lanes = (float *)malloc(sizeof(float) * teams * m * 16);
-    float *floors = (float *)malloc(sizeof(float) * teams * m);
-    int32_t *cand_col = (int32_t *)malloc(sizeof(int32_t) * teams * m * SCREEN_CAP);
-    float *cand_hi = (float *)malloc(sizeof(float) * teams * m * SCREEN_CAP);
-    int32_t *count = (int32_t *)malloc(sizeof(int32_t) * teams * m);
+    screen_scratch scr;
+    if (screen_scratch_alloc(&scr, teams, m, SCREEN_CAP) != 0) return -1;
     float *xw = fma_rows(m, k);
-    int status = scale && floor_lanes && floors && cand_col && cand_hi && count ? 0 : -1;
     /* g: k terms, twice fp32's unit roundoff (margin for the dot product's two adds per instruction) */
     const double u = 0x1p-23 * (double)(k + 2), g = u / (1.0 - u), rho = 0x1p-20, inflate = 1.0 + 0x1p-16;
     int64_t settled = 0, full_rows = 0;
-    if (status == 0) {
-        #pragma omp parallel num_threads(teams) if (blocks > 1)
-        {
-            const int t = omp_get_thread_num(), used = omp_get_num_threads();
-            round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
-            #pragma omp for schedule(static)
-            for (int64_t i = 0; i < m; i++) {
-                const float *xr = x_f32 + i * ldx;
-                const uint16_t *xt = x + i * k;
-                double nx = 0, nt = 0, nd = 0;
-                for (int64_t kk = 0; kk < k; kk++) {
-                    union { uint32_t bits; float value; } rounded = {(uint32_t)xt[kk] << 16};
-                    const double a = xr[kk], b = rounded.value;
-                    nx += a * a, nt += b * b, nd += (b - a) * (b - a);
-                }
-                nx = sqrt(nx), nt = sqrt(nt), nd = sqrt(nd);
-                const double s = (g * (nt + nx) + nd + rho * nt) * inflate, tt = (g * nt + nt + rho * nt) * inflate;
-                const int narrow = isfinite(nx) && isfinite(nt) && nx * (double)max_row_norm <= 1e30 &&
-                                   nt * (double)max_row_norm <= 1e30;
-                scale[2 * i] = narrow ? (float)(s * (1.0 + 0x1p-20)) : NAN; /* rounded up */
-                scale[2 * i + 1] = narrow ? (float)(tt * (1.0 + 0x1p-20)) : NAN;
-            } /* a barrier: every row's scale ready */
-            dp_screen sc = {row_norm, rounding_norm, scale, floor_lanes + (int64_t)t * m * 16, floors + (int64_t)t * m,
-                            cand_col + (int64_t)t * m * SCREEN_CAP, cand_hi + (int64_t)t * m * SCREEN_CAP,
-                            count + (int64_t)t * m, SCREEN_CAP};
-            for (int64_t i = 0; i < m; i++) {
-                for (int l = 0; l < 16; l++) sc.floor_lanes[i * 16 + l] = -INFINITY;
-                sc.floor[i] = -INFINITY;
-                sc.count[i] = scale[2 * i] == scale[2 * i] ? 0 : -1;
+    #pragma omp parallel num_threads(teams) if (blocks > 1)
+    {
+        const int t = omp_get_thread_num(), used = omp_get_num_threads();
+        round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) {
+            const float *xr = x_f32 + i * ldx;
+            const uint16_t *xt = x + i * k;
+            double nx = 0, nt = 0, nd = 0;
+            for (int64_t kk = 0; kk < k; kk++) {
+                union { uint32_t bits; float value; } rounded = {(uint32_t)xt[kk] << 16};
+                const double a = xr[kk], b = rounded.value;
+                nx += a * a, nt += b * b, nd += (b - a) * (b - a);
             }
-            dp_blocks(x, xw, m, w, NULL, NULL, 0, n, k, 0, NULL, &sc);
-            #pragma omp barrier
-            #pragma omp for schedule(dynamic, 1) reduction(+ : settled, full_rows)
-            for (int64_t i = 0; i < m; i++) {
-                const float *xr = x_f32 + i * ldx;
-                float lo = -INFINITY, mx = -INFINITY;
-                int64_t at = -1;
-                int full = 0;
-                for (int s = 0; s < used; s++) {
-                    full |= count[(int64_t)s * m + i] < 0;
-                    if (floors[(int64_t)s * m + i] > lo) lo = floors[(int64_t)s * m + i];
-                }
-                for (int s = 0; s < used && !full; s++) {
-                    const int32_t *cols = cand_col + ((int64_t)s * m + i) * SCREEN_CAP;
-                    const float *highs = cand_hi + ((int64_t)s * m + i) * SCREEN_CAP;
-                    for (int32_t j = 0; j < count[(int64_t)s * m + i]; j++) {
-                        if (!(highs[j] >= lo)) continue;
-                        const float v = panel_value(xr, exact_panels, k, cols[j]);
-                        settled++;
-                        if (v > mx || (v == mx && cols[j] < at)) { mx = v; at = cols[j]; }
-                    }
-                }
-                if (full || at < 0) { /* at < 0 cannot happen: the floor's own column reaches it */
-                    best[i] = NAN;
-                    idx[i] = -1;
-                    full_rows++;
-                } else {
-                    best[i] = mx;
-                    idx[i] = at;
-                }
-            }
-        }
-        counts[0] += settled;
-        counts[1] += full_rows;
+            nx = sqrt(nx), nt = sqrt(nt), nd = sqrt(nd);
+            const double s = (g * (nt + nx) + nd + rho * nt) * inflate, tt = (g * nt + nt + rho * nt) * inflate;
+            const int narrow = isfinite(nx) && isfinite(nt) && nx * (double)max_row_norm <= 1e30 &&
+                               nt * (double)max_row_norm <= 1e30;
+            scr.scale[2 * i] = narrow ? (float)(s * (1.0 + 0x1p-20)) : NAN; /* rounded up */
+            scr.scale[2 * i + 1] = narrow ? (float)(tt * (1.0 + 0x1p-20)) : NAN;
+        } /* a barrier: every row's scale ready */
+        dp_screen sc = screen_start(&scr, row_norm, rounding_norm, t, m);
+        dp_blocks(x, xw, m, w, NULL, NULL, 0, n, k, 0, NULL, &sc);
+        #pragma omp barrier
+        screen_settle(&scr, used, x_f32, ldx, m, k, exact_panels, best, idx, &settled, &full_rows);
     }
-    free(scale); free(floor_lanes); free(floors); free(cand_col); free(cand_hi); free(count); free(xw);
-    return status;
+    counts[0] += settled;
+    counts[1] += full_rows;
+    screen_scratch_free(&scr);
+    free(xw);
+    return 0;
 }
 
 /* ---- The int8 screen (gemm_int8_screen_argmax): gemm_bf16_dp_screen_argmax's answer with its screen on
@@ -807,19 +854,15 @@ int gemm_int8_screen_argmax(const float *x_f32, int64_t ldx, int64_t m, const in
     if (k % 4 || k > 1024 || k < NOUT) return -2;
     const int64_t blocks = (n + 31) / 32;
     const int teams = num_threads > 0 ? num_threads : 1;
+    screen_scratch scr;
+    if (screen_scratch_alloc(&scr, teams, m, INT8_SCREEN_CAP) != 0) return -1;
     uint8_t *xq = (uint8_t *)malloc((size_t)(m * k));
     float *sx = (float *)malloc(sizeof(float) * m);
     float *row_top = (float *)malloc(sizeof(float) * m);
     int64_t *top_at = (int64_t *)malloc(sizeof(int64_t) * m);
     uint8_t *chosen = (uint8_t *)malloc((size_t)k);
     int32_t outliers[NOUT];
-    float *scale = (float *)malloc(sizeof(float) * m * 2);
-    float *floor_lanes = (float *)malloc(sizeof(float) * teams * m * 16);
-    float *floors = (float *)malloc(sizeof(float) * teams * m);
-    int32_t *cand_col = (int32_t *)malloc(sizeof(int32_t) * teams * m * INT8_SCREEN_CAP);
-    float *cand_hi = (float *)malloc(sizeof(float) * teams * m * INT8_SCREEN_CAP);
-    int32_t *count = (int32_t *)malloc(sizeof(int32_t) * teams * m);
-    int status = xq && sx && row_top && top_at && chosen && scale && floor_lanes && floors && cand_col && cand_hi && count ? 0 : -1;
+    const int status = xq && sx && row_top && top_at && chosen ? 0 : -1;
     const double u = 0x1p-23 * (double)(k + 2), g = u / (1.0 - u), rho = 0x1p-20, inflate = 1.0 + 0x1p-16;
     int64_t settled = 0, full_rows = 0;
     if (status == 0) {
@@ -856,17 +899,10 @@ int gemm_int8_screen_argmax(const float *x_f32, int64_t ldx, int64_t m, const in
                 const double s = ((g + rho) * nt + nd + g * no + g * nx) * inflate;
                 const double tt = ((g + rho) * nt + nd + nr) * inflate;
                 const int narrow = isfinite(nx) && isfinite(step) && nx * (double)max_row_norm <= 1e30;
-                scale[2 * i] = narrow ? (float)(s * (1.0 + 0x1p-20)) : NAN; /* rounded up */
-                scale[2 * i + 1] = narrow ? (float)(tt * (1.0 + 0x1p-20)) : NAN;
+                scr.scale[2 * i] = narrow ? (float)(s * (1.0 + 0x1p-20)) : NAN; /* rounded up */
+                scr.scale[2 * i + 1] = narrow ? (float)(tt * (1.0 + 0x1p-20)) : NAN;
             } /* a barrier: every row's int8 rows and scales ready */
-            dp_screen sc = {row_norm, rounding_norm, scale, floor_lanes + (int64_t)t * m * 16, floors + (int64_t)t * m,
-                            cand_col + (int64_t)t * m * INT8_SCREEN_CAP, cand_hi + (int64_t)t * m * INT8_SCREEN_CAP,
-                            count + (int64_t)t * m, INT8_SCREEN_CAP};
-            for (int64_t i = 0; i < m; i++) {
-                for (int l = 0; l < 16; l++) sc.floor_lanes[i * 16 + l] = -INFINITY;
-                sc.floor[i] = -INFINITY;
-                sc.count[i] = scale[2 * i] == scale[2 * i] ? 0 : -1;
-            }
+            dp_screen sc = screen_start(&scr, row_norm, rounding_norm, t, m);
             const int64_t tiles = (m + DP_MR - 1) / DP_MR;
             #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
@@ -883,41 +919,13 @@ int gemm_int8_screen_argmax(const float *x_f32, int64_t ldx, int64_t m, const in
                     r0 += rows;
                 }
             } /* a barrier: every thread's candidates ready */
-            #pragma omp for schedule(dynamic, 1) reduction(+ : settled, full_rows)
-            for (int64_t i = 0; i < m; i++) {
-                const float *xr = x_f32 + i * ldx;
-                float lo = -INFINITY, mx = -INFINITY;
-                int64_t at = -1;
-                int full = 0;
-                for (int s = 0; s < used; s++) {
-                    full |= count[(int64_t)s * m + i] < 0;
-                    if (floors[(int64_t)s * m + i] > lo) lo = floors[(int64_t)s * m + i];
-                }
-                for (int s = 0; s < used && !full; s++) {
-                    const int32_t *cols = cand_col + ((int64_t)s * m + i) * INT8_SCREEN_CAP;
-                    const float *highs = cand_hi + ((int64_t)s * m + i) * INT8_SCREEN_CAP;
-                    for (int32_t j = 0; j < count[(int64_t)s * m + i]; j++) {
-                        if (!(highs[j] >= lo)) continue;
-                        const float v = panel_value(xr, exact_panels, k, cols[j]);
-                        settled++;
-                        if (v > mx || (v == mx && cols[j] < at)) { mx = v; at = cols[j]; }
-                    }
-                }
-                if (full || at < 0) {
-                    best[i] = NAN;
-                    idx[i] = -1;
-                    full_rows++;
-                } else {
-                    best[i] = mx;
-                    idx[i] = at;
-                }
-            }
+            screen_settle(&scr, used, x_f32, ldx, m, k, exact_panels, best, idx, &settled, &full_rows);
         }
         counts[0] += settled;
         counts[1] += full_rows;
     }
-    free(xq); free(sx); free(row_top); free(top_at); free(chosen); free(scale); free(floor_lanes); free(floors); free(cand_col); free(cand_hi);
-    free(count);
+    screen_scratch_free(&scr);
+    free(xq); free(sx); free(row_top); free(top_at); free(chosen);
     return status;
 }
 #pragma GCC pop_options

@@ -93,6 +93,9 @@ def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None, kind: Kin
     ``PAGEDQ_ARGMAX_SCREEN``'s, else :func:`_default_kind`'s. None where it cannot run (switched off, no
     AVX512-bf16, not fp32 panels, ``in_features`` not a multiple of 32, a non-finite weight; int8: ``in_features``
     past 1024)."""
+    requested = kind or os.environ.get(KIND_ENV) or None
+    if requested not in (None, "int8", "bf16"):  # checked first: a misspelt value is an error on every CPU
+        raise ValueError(f"{KIND_ENV}={requested!r}: the screens are int8 and bf16")
     if os.environ.get("PAGEDQ_DISABLE_SCREENED_ARGMAX") or exact is None or exact.kind != "panels" or exact.glu:
         return None
     if weight.dtype != torch.float32 or tuple(weight.shape) != (exact.out_features, exact.in_features):
@@ -102,9 +105,7 @@ def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None, kind: Kin
     kernels = cpu_linear.dp_library()
     if kernels is None:
         return None
-    chosen = kind or os.environ.get(KIND_ENV) or _default_kind(weight.shape[1])
-    if chosen not in ("int8", "bf16"):
-        raise ValueError(f"{KIND_ENV}={chosen!r}: the screens are int8 and bf16")
+    chosen = requested or _default_kind(weight.shape[1])
     if chosen == "int8" and not _int8_packs(weight.shape[1]):
         return None
     wide = weight.detach().double()

@@ -481,6 +481,7 @@ OTHER_ENV = frozenset(
         "MODEL_DIR",  # where the default model is prepared (engine/default_model.py)
         "CPU_ISA",  # caps the C kernels' instruction set (pagedq_kernels/cpu_isa.py)
         "KERNEL_CACHE",  # where the C kernels are built (pagedq_kernels/c_build.py)
+        "ARGMAX_SCREEN",  # which screen the fp32 lm_head's greedy argmax takes (pagedq_kernels/argmax_screen.py)
         # `pagedq serve` (ops/gateway/settings.py: GatewaySettings), which may share the environment
         "HOST", "PORT", "API_KEYS", "QUEUE_TIMEOUT_S", "REQUEST_TIMEOUT_S", "DEFAULT_MAX_TOKENS",
         "REDIS_MAX_CONNECTIONS", "REDIS_POOL_TIMEOUT_S", "DASHBOARD_REFRESH_S",

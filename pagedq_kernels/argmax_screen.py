@@ -19,13 +19,14 @@ the caches before each call, best of 7 interleaved, ms screened / fp32 panels: 1
 16: 4.44 / 5.74, 36: 7.90 / 8.56, 64: 13.24 / 13.56 (on the dot products it had lost from 12 rows: 36 rows
 13.8-18.8 / 11.5-12.1).
 
-The int8 screen (``gemm_int8_screen_argmax``; the default where it packs, ``in_features`` a multiple of 4 from 32
-to 1024, on CPUs whose bf16 products run on their FMAs) is the same contract with its products on AVX512-VNNI, 4
-bytes per 32-bit lane, and a quarter of the fp32 weight's bytes: x's rows in int8 per row, except the step's 32
-channels of largest |x| (a hidden state's massive activations, and each row's own largest), which stay fp32 (the
-bound and its measurements are in the C source's comment). Same machine, same method, 110 real decode rows cycled,
-ms int8 / bf16 screen / fp32 panels: 1 row 1.74 / 2.37 / 3.93, 36: 5.57 / 9.78 / 11.34, 64: 8.06 / 15.87 / 17.91;
-in compass fp32 without drafts the head's argmax went from 2.58-2.70 s to 1.43-1.69 s (alternating processes).
+The int8 screen (``gemm_int8_screen_argmax``; the default where it packs, ``in_features`` from 32 to 1024 (the
+kernel needs a multiple of 4, both screens here a multiple of 32), on CPUs whose bf16 products run on their FMAs) is
+the same contract with its products on AVX512-VNNI, 4 bytes per 32-bit lane, and a quarter of the fp32 weight's
+bytes: x's rows in int8 per row, except the step's 32 channels of largest |x| (a hidden state's massive activations,
+and each row's own largest), which stay fp32 (the bound and its measurements are in the C source's comment). Same
+machine, same method, 110 real decode rows cycled, ms int8 / bf16 screen / fp32 panels: 1 row 1.74 / 2.37 / 3.93,
+36: 5.57 / 9.78 / 11.34, 64: 8.06 / 15.87 / 17.91; in compass fp32 without drafts the head's argmax went from
+2.58-2.70 s to 1.43-1.69 s (alternating processes).
 
 ``PAGEDQ_ARGMAX_SCREEN=bf16`` takes the bf16 screen instead; ``PAGEDQ_DISABLE_SCREENED_ARGMAX=1`` switches both
 off (the fp32 panels' argmax serves)."""
@@ -93,9 +94,7 @@ def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None, kind: Kin
     ``PAGEDQ_ARGMAX_SCREEN``'s, else :func:`_default_kind`'s. None where it cannot run (switched off, no
     AVX512-bf16, not fp32 panels, ``in_features`` not a multiple of 32, a non-finite weight; int8: ``in_features``
     past 1024)."""
-    requested = kind or os.environ.get(KIND_ENV) or None
-    if requested not in (None, "int8", "bf16"):  # checked first: a misspelt value is an error on every CPU
-        raise ValueError(f"{KIND_ENV}={requested!r}: the screens are int8 and bf16")
+    requested = _requested_kind(kind)  # first: a misspelt value is an error on every CPU
     if os.environ.get("PAGEDQ_DISABLE_SCREENED_ARGMAX") or exact is None or exact.kind != "panels" or exact.glu:
         return None
     if weight.dtype != torch.float32 or tuple(weight.shape) != (exact.out_features, exact.in_features):
@@ -109,6 +108,7 @@ def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None, kind: Kin
     if chosen == "int8" and not _int8_packs(weight.shape[1]):
         return None
     wide = weight.detach().double()
+    row_norm = wide.norm(dim=1)
     padded = -(-weight.shape[0] // BLOCK) * BLOCK
     pad = (0, padded - weight.shape[0])
     scales = offsets = None
@@ -121,15 +121,27 @@ def build(weight: torch.Tensor, exact: cpu_linear.PackedWeight | None, kind: Kin
         screen, screened = packed.data, weight.detach().to(torch.bfloat16).double()
     return ScreenedHead(
         exact,
-        "int8" if chosen == "int8" else "bf16",
+        chosen,
         screen,
         scales,
         offsets,
-        torch.nn.functional.pad(_rounded_up(wide.norm(dim=1)), pad),
+        torch.nn.functional.pad(_rounded_up(row_norm), pad),
         torch.nn.functional.pad(_rounded_up((screened - wide).norm(dim=1)), pad),
-        float(_rounded_up(wide.norm(dim=1).max()).item()),
+        float(_rounded_up(row_norm.max()).item()),
         kernels,
     )
+
+
+def _requested_kind(kind: Kind | None) -> Kind | None:
+    """``kind``, else ``PAGEDQ_ARGMAX_SCREEN``'s (None: neither says); a ValueError for any other value."""
+    requested = kind or os.environ.get(KIND_ENV) or None
+    if requested is None:
+        return None
+    if requested == "int8":
+        return "int8"
+    if requested == "bf16":
+        return "bf16"
+    raise ValueError(f"{KIND_ENV}={requested!r}: the screens are int8 and bf16")
 
 
 def _default_kind(in_features: int) -> Kind:
@@ -139,7 +151,8 @@ def _default_kind(in_features: int) -> Kind:
 
 
 def _int8_packs(in_features: int) -> bool:
-    return in_features % 4 == 0 and INT8_OUTLIERS <= in_features <= INT8_MAX_IN
+    """in_features (a multiple of 32 here, as both screens need) within the int8 kernel's range."""
+    return INT8_OUTLIERS <= in_features <= INT8_MAX_IN
 
 
 def _pack_int8(weight: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -149,9 +162,8 @@ def _pack_int8(weight: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.T
     comes off the int32 sums with it); and the dequantised weight in float64, for its rounding norms."""
     n, k = weight.shape
     scale = weight.abs().amax(dim=1) / 127
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(weight / safe[:, None]).clamp(-127, 127)
-    q = torch.where(scale[:, None] > 0, q, torch.zeros_like(q)).to(torch.int8)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero column (scale 0) stays all zeros
+    q = torch.round(weight / safe[:, None]).clamp(-127, 127).to(torch.int8)
     rows = torch.zeros((padded, k), dtype=torch.int8)
     rows[:n] = q
     layout = rows.view(padded // BLOCK, 2, 16, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()

@@ -514,6 +514,11 @@ typedef struct {
     int32_t cap;
 } screen_scratch;
 
+static void screen_scratch_free(screen_scratch *sc)
+{
+    free(sc->scale); free(sc->floor_lanes); free(sc->floors); free(sc->cand_col); free(sc->cand_hi); free(sc->count);
+}
+
 /* 0, or -1 (nothing held) when memory could not be had. */
 static int screen_scratch_alloc(screen_scratch *sc, int teams, int64_t m, int32_t cap)
 {
@@ -525,13 +530,8 @@ static int screen_scratch_alloc(screen_scratch *sc, int teams, int64_t m, int32_
     sc->cand_hi = (float *)malloc(sizeof(float) * teams * m * cap);
     sc->count = (int32_t *)malloc(sizeof(int32_t) * teams * m);
     if (sc->scale && sc->floor_lanes && sc->floors && sc->cand_col && sc->cand_hi && sc->count) return 0;
-    free(sc->scale); free(sc->floor_lanes); free(sc->floors); free(sc->cand_col); free(sc->cand_hi); free(sc->count);
+    screen_scratch_free(sc);
     return -1;
-}
-
-static void screen_scratch_free(screen_scratch *sc)
-{
-    free(sc->scale); free(sc->floor_lanes); free(sc->floors); free(sc->cand_col); free(sc->cand_hi); free(sc->count);
 }
 
 /* Thread t's screen over the scratch, its floors at -inf and its lists empty (a row whose scale is NaN, which
@@ -788,6 +788,23 @@ static inline void i8_tile_rows(int rows, const uint8_t *xq, int64_t k, const in
 #undef I8_CASE
 }
 
+/* Row xr's largest |x| outside the chosen channels, relative to the row's norm, and where it is (*at); -1 where
+ * there is none, or for a zero or non-finite row, which so goes last (its bound is moot: it is settled or left to
+ * every column either way). */
+static float relative_top(const float *xr, int64_t k, const uint8_t *chosen, int64_t *at)
+{
+    double norm = 0;
+    float top = -1.f;
+    int64_t where = -1;
+    for (int64_t c = 0; c < k; c++) {
+        const float v = fabsf(xr[c]);
+        norm += (double)v * v;
+        if (!chosen[c] && v > top) { top = v; where = c; }
+    }
+    *at = where >= 0 ? where : 0;
+    return where >= 0 && norm > 0 && isfinite(norm) ? (float)(top / sqrt(norm)) : -1.f;
+}
+
 /* The step's outlier channels, nout <= k of them, ascending: greedily, the row whose largest |x| outside the
  * channels chosen so far is the largest relative to its norm (the row whose int8 rounding would bound worst)
  * gives up that channel. A row's bound grows with its int8 step, max_R |x_i| / 127, against logit gaps that
@@ -799,21 +816,8 @@ static void pick_outliers(const float *x, int64_t ldx, int64_t m, int64_t k, int
                           int64_t *top_at, uint8_t *chosen)
 {
     memset(chosen, 0, (size_t)k);
-    for (int64_t i = 0; i < m; i++) {
-        const float *xr = x + i * ldx;
-        double norm = 0;
-        float top = -1.f;
-        int64_t at = 0;
-        for (int64_t c = 0; c < k; c++) {
-            const float v = fabsf(xr[c]);
-            norm += (double)v * v;
-            if (v > top) { top = v; at = c; }
-        }
-        /* relative to the norm; a zero or non-finite row last (its bound is moot: it is settled or left to
-           every column either way) */
-        row_top[i] = norm > 0 && isfinite(norm) ? (float)(top / sqrt(norm)) : -1.f;
-        top_at[i] = at;
-    }
+    for (int64_t i = 0; i < m; i++)
+        row_top[i] = relative_top(x + i * ldx, k, chosen, &top_at[i]);
     for (int j = 0; j < nout; j++) {
         int64_t worst = -1;
         for (int64_t i = 0; i < m; i++)
@@ -822,20 +826,9 @@ static void pick_outliers(const float *x, int64_t ldx, int64_t m, int64_t k, int
         if (c < 0 || chosen[c]) /* rows exhausted: the lowest channels not yet chosen */
             for (c = 0; chosen[c]; c++) {}
         chosen[c] = 1;
-        for (int64_t i = 0; i < m; i++) { /* rows whose largest was c: their next largest outside the chosen */
-            if (top_at[i] != c || row_top[i] < 0) continue;
-            const float *xr = x + i * ldx;
-            double norm = 0;
-            float top = -1.f;
-            int64_t at = -1;
-            for (int64_t cc = 0; cc < k; cc++) {
-                const float v = fabsf(xr[cc]);
-                norm += (double)v * v;
-                if (!chosen[cc] && v > top) { top = v; at = cc; }
-            }
-            row_top[i] = at >= 0 ? (float)(top / sqrt(norm)) : -1.f;
-            top_at[i] = at >= 0 ? at : 0;
-        }
+        for (int64_t i = 0; i < m; i++) /* rows whose largest was c: their next largest outside the chosen */
+            if (top_at[i] == c && row_top[i] >= 0)
+                row_top[i] = relative_top(x + i * ldx, k, chosen, &top_at[i]);
     }
     for (int64_t c = 0, j = 0; c < k; c++)
         if (chosen[c]) out[j++] = (int32_t)c;

@@ -38,7 +38,9 @@
  * 2048 rows qkv 197 -> 208, o 197 -> 209, gate_up 195 -> 244, down 261 -> 281; 512 rows qkv 200 -> 210, o 204
  * -> 207, gate_up 193 -> 198, down 183 -> 206; 256 rows 235 -> 239, 226 -> 249, 192 -> 200, 200 -> 217 (oneDNN
  * there: 237-260 at 2048 rows). compass fp32 without drafts, old and new in alternating processes: its eight
- * 2048-token prefill steps 21.5 / 20.2 s -> 19.0 / 19.3 s, 192.9 / 202.4 -> 215.5 / 206.6 tok/s.
+ * 2048-token prefill steps 21.5 / 20.2 s -> 19.0 / 19.3 s, 192.9 / 202.4 -> 215.5 / 206.6 tok/s. Its later row
+ * tiles read an item's panels from L2, so they prefetch them into L1 a few k rows ahead, and only a block's first
+ * row tile streams them from memory into L2 (tile_triple's from_memory; 4-15 % at 512-2048 rows, measured there).
  *
  * Layout of a packed weight: ceil(N/16) panels of K x 16 floats; columns past N are zero. The
  * register tile lives in gemm_tile.h (prefill attention runs on it too); with glu, the merged
@@ -153,7 +155,7 @@ static void panel_items(const float *x, int64_t ldx, const float *packed, const 
                 for (int64_t r = m0; r < m1; r += TR) {
                     const int rows = (int)(m1 - r < TR ? m1 - r : TR);
                     tile_triple_rows(rows, x + r * ldx, ldx, panel, k, y + r * ldy + col, ldy, bp, width, ncols,
-                                     ncols1, ncols2, glu);
+                                     ncols1, ncols2, glu, r == m0);
                 }
                 continue;
             }

@@ -297,10 +297,10 @@ static inline __attribute__((always_inline)) void tile_triple(int rows, const fl
         _mm_prefetch((const char *)(wp0 + TRIPLE_L1_PF * NR), _MM_HINT_T0);
         _mm_prefetch((const char *)(wp1 + TRIPLE_L1_PF * NR), _MM_HINT_T0);
         _mm_prefetch((const char *)(wp2 + TRIPLE_L1_PF * NR), _MM_HINT_T0);
-        if (from_memory) {
-            _mm_prefetch((const char *)(wp0 + PF * NR), _MM_HINT_T1);
-            _mm_prefetch((const char *)(wp1 + PF * NR), _MM_HINT_T1);
-            _mm_prefetch((const char *)(wp2 + PF * NR), _MM_HINT_T1);
+        if (from_memory) { /* PF_HINT: where the includer streams a weight from memory (cpu_gemm.c: L2) */
+            _mm_prefetch((const char *)(wp0 + PF * NR), PF_HINT);
+            _mm_prefetch((const char *)(wp1 + PF * NR), PF_HINT);
+            _mm_prefetch((const char *)(wp2 + PF * NR), PF_HINT);
         }
         const __m512 w0 = _mm512_loadu_ps(wp0), w1 = _mm512_loadu_ps(wp1), w2 = _mm512_loadu_ps(wp2);
 #pragma GCC unroll 8

@@ -31,8 +31,9 @@
  * within +-3 %. Not yet measured on an AVX2-only CPU (Zen 3), whose memory is slower per FMA, where it
  * should matter more.
  *
- * From TRIPLE_MIN_ROWS rows (prefill steps) the avx512 build's work items are three panels through an 8-row tile
- * (gemm_tile.h tile_triple: 8 broadcasts + 3 weight loads for 24 FMAs, where tile_pair issues 12 + 2), the same
+ * From TRIPLE_MIN_ROWS rows (prefill steps, decode steps with drafts) the avx512 build's work items are three
+ * panels through an 8-row tile (gemm_tile.h tile_triple: 8 broadcasts + 3 weight loads for 24 FMAs, where
+ * tile_pair issues 12 + 2), the same
  * chain of FMAs per output, so a row's floats do not depend on its step's size (tests/test_cpu_kernels.py). Intel
  * Xeon family 6 model 207, 2 threads, SmolLM2's shapes, interleaved builds, best of 5, GFLOP/s pair -> triple:
  * 2048 rows qkv 197 -> 208, o 197 -> 209, gate_up 195 -> 244, down 261 -> 281; 512 rows qkv 200 -> 210, o 204
@@ -41,6 +42,12 @@
  * 2048-token prefill steps 21.5 / 20.2 s -> 19.0 / 19.3 s, 192.9 / 202.4 -> 215.5 / 206.6 tok/s. Its later row
  * tiles read an item's panels from L2, so they prefetch them into L1 a few k rows ahead, and only a block's first
  * row tile streams them from memory into L2 (tile_triple's from_memory; 4-15 % at 512-2048 rows, measured there).
+ * With that prefetch the triple tile also wins from 96 rows (a decode step that verifies drafts has a row per
+ * draft: 32 sequences with 3 drafts each are 128), so TRIPLE_MIN_ROWS went from 256 to 96. The same machine, the
+ * 30-layer pass, builds interleaved, best of 7, GFLOP/s pair -> triple (two copies of each build): 96 rows 182 /
+ * 162 -> 194 / 195, 128 rows 195 / 213 -> 215 / 220, 192 rows 193 / 193 -> 215 / 218; at 64 rows 185 / 195 -> 196
+ * / 187 and at 40-56 rows within +-3 % (so decode steps without drafts keep the pair tile). compass fp32 with
+ * drafts spent 2.4 s of its 22.4 + 2.4 s of step matmuls over 96 rows in steps of 96-255 rows.
  *
  * Layout of a packed weight: ceil(N/16) panels of K x 16 floats; columns past N are zero. The
  * register tile lives in gemm_tile.h (prefill attention runs on it too); with glu, the merged
@@ -66,7 +73,7 @@
 #error "cpu_gemm needs AVX2/FMA: without them the packed weights go to oneDNN (pagedq_kernels/cpu_linear.py)"
 #endif
 #ifndef TRIPLE_MIN_ROWS
-#define TRIPLE_MIN_ROWS 256 /* rows from which the avx512 build's items are three panels (measured in the header) */
+#define TRIPLE_MIN_ROWS 96 /* rows from which the avx512 build's items are three panels (measured in the header) */
 #endif
 #ifndef MB
 #define MB 384 /* rows of x per block (measured 256-384 best here): the block is reused across every panel */

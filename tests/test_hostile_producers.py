@@ -443,6 +443,30 @@ def test_a_wedged_loop_reports_unhealthy_and_the_process_exits_non_zero(
         assert code == 503 and "has not completed a tick" in body
         assert proc.proc.wait(30) == 70
         assert any(line.get("event") == "worker.watchdog_exit" for line in proc.log_lines())
+        assert WEDGED_FRAME in proc.log(), "the watchdog wrote no stack naming the wedged step"
+
+
+WEDGED_FRAME = 'fault_injection.py", line'
+"""How a stack dump (faulthandler's format) names the wedged step (tests/fault_injection.py's sleep)."""
+
+
+@pytest.mark.slow  # a worker process wedged on purpose (~10 s)
+def test_sigusr1_writes_every_threads_stack_and_the_worker_goes_on(ctx: Ctx, model_dir: Path, tmp_path: Path) -> None:
+    """`kill -USR1` answers with the stacks even while the loop's thread is stuck inside a step (faulthandler
+    answers from C), and does not end the worker."""
+    proc = WorkerProcess(ctx, model_dir, tmp_path, "asked", wedge_marker="WEDGE")
+    with logs_shown_on_failure(proc.log, proc.close):
+        proc.wait_ready()
+        ctx.client.submit("WEDGE me", max_tokens=3)
+
+        def dumped_inside_the_step() -> bool:
+            proc.proc.send_signal(signal.SIGUSR1)  # again until a dump lands while the step is the wedged one
+            return WEDGED_FRAME in proc.log()
+
+        wait_for(dumped_inside_the_step, 30, 0.5, "a stack dump naming the wedged step")
+        assert "most recent call first" in proc.log()
+        assert proc.proc.poll() is None, "SIGUSR1 ended the worker"
+        assert "asked" in ctx.heartbeats()
 
 
 @pytest.mark.slow  # waits out a wedged loop's grace period (~11 s)

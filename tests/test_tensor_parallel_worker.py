@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +55,18 @@ def rank_pids(worker: Any) -> list[int]:
     return pids
 
 
+def exit_code_within(worker: Any, timeout: float) -> int:
+    """The worker's exit code; a worker still running after ``timeout`` is asked for its stacks (SIGUSR1: the
+    log shown on failure then names the wait it sits in) before the test fails."""
+    try:
+        code: int = worker.proc.wait(timeout)
+        return code
+    except subprocess.TimeoutExpired:
+        worker.proc.send_signal(signal.SIGUSR1)
+        wait_for(lambda: "most recent call first" in worker.log(), 10, 0.1, f"{worker.name}'s stacks")
+        raise
+
+
 def test_worker_with_two_ranks_serves_jobs(ctx: Ctx, workers: Workers) -> None:
     worker = workers.start("tp2", tensor_parallel_size=2)
     worker.wait_ready(180)
@@ -93,7 +106,7 @@ def test_rank_killed_mid_generation_hands_jobs_back_and_exits(ctx: Ctx, workers:
     os.kill(rank1, signal.SIGKILL)
     killed_at = time.monotonic()
     victim.proc.send_signal(signal.SIGCONT)
-    assert victim.proc.wait(60) == EXIT_ENGINE_LOST
+    assert exit_code_within(victim, 60) == EXIT_ENGINE_LOST
     exited_after = time.monotonic() - killed_at
     print(f"rank 1 killed mid-generation of {cut_off}; the worker exited {exited_after:.1f} s later")
     assert exited_after < 30
@@ -118,7 +131,7 @@ def test_rank_killed_while_idle_the_worker_exits_before_taking_jobs(ctx: Ctx, wo
     idle.wait_ready(180)
     os.kill(rank_pids(idle)[1], signal.SIGKILL)
     killed_at = time.monotonic()
-    assert idle.proc.wait(60) == EXIT_ENGINE_LOST
+    assert exit_code_within(idle, 60) == EXIT_ENGINE_LOST
     assert time.monotonic() - killed_at < 30
     lost = [line for line in idle.log_lines() if line.get("event") == "worker.engine_lost"]
     assert lost and lost[0]["handed_back"] == [] and "rank 1" in lost[0]["error"], lost

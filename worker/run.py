@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import logging
 import signal
@@ -154,6 +155,10 @@ def run_worker(settings: Settings) -> int:
     # the process without a word, leaving the embedded Redis (its own session) running; Ctrl-C printed a
     # KeyboardInterrupt traceback.
     starting = {sig: signal.signal(sig, _stop_while_starting) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # `kill -USR1 <pid>` writes every thread's Python stack to stderr and the worker goes on: where a slow
+    # load or a stuck step is. faulthandler answers from C, so it works while the loop's thread sits inside
+    # a kernel or a collective, where a Python handler would wait for it to come back.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     engine: EngineLike | None = None
     try:
         if settings.metrics_port:  # before the model loads: /healthz answers, /readyz says "loading"
@@ -210,6 +215,7 @@ def run_worker(settings: Settings) -> int:
         log.exception("worker.failed")
         return 1
     finally:
+        faulthandler.unregister(signal.SIGUSR1)
         for sig, handler in starting.items():
             signal.signal(sig, handler)
         close = getattr(engine, "close", None)

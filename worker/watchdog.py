@@ -10,12 +10,18 @@ two clocks, exits the process with :data:`EXIT_UNHEALTHY`:
 * when a stop was requested (SIGTERM) and the process is still here ``shutdown_grace_s`` later, plus
   :data:`EXIT_MARGIN_S`: the grace period is honoured whatever state the loop is in.
 
+Before it exits it writes every thread's Python stack to stderr (:func:`dump_stacks`), so the log says where
+the loop was stuck.
+
 Entries the process held stay pending in the consumer group and are taken over by other workers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
+import sys
 import threading
 import time
 from typing import Any, Protocol
@@ -69,5 +75,14 @@ class Watchdog(threading.Thread):
             why = self.verdict()
             if why is not None:
                 self.log.error("worker.watchdog_exit", reason=why, exit_code=EXIT_UNHEALTHY)
+                dump_stacks()
                 self._exit(EXIT_UNHEALTHY)
                 return
+
+
+def dump_stacks() -> None:
+    """Every thread's Python stack to stderr (faulthandler's format, after the log line): where the loop was
+    stuck when the process ends, for whoever reads the log of a worker its supervisor restarted."""
+    with contextlib.suppress(OSError, ValueError):  # a stderr without a file descriptor (captured): no dump
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

@@ -131,6 +131,18 @@ def _stop_while_starting(signum: int, _frame: FrameType | None) -> None:
     raise _StopWhileStarting(signum)
 
 
+def _register_stack_dump() -> bool:
+    """`kill -USR1 <pid>` writes every thread's Python stack to stderr and the worker goes on: where a slow load
+    or a stuck step is. faulthandler answers from C, so it works while the loop's thread sits inside a kernel or
+    a collective, where a Python handler would wait for it to come back. False where stderr has no file
+    descriptor to write to (a host that embeds the worker and replaced it, a test's capture): no dump then."""
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    except (OSError, ValueError, RuntimeError, AttributeError):  # io.UnsupportedOperation: no fileno()
+        return False
+    return True
+
+
 def run_worker(settings: Settings) -> int:
     """Run a worker until SIGTERM/SIGINT (graceful drain; a second signal stops at once). Exit code."""
     configure_logging(settings)
@@ -155,10 +167,7 @@ def run_worker(settings: Settings) -> int:
     # the process without a word, leaving the embedded Redis (its own session) running; Ctrl-C printed a
     # KeyboardInterrupt traceback.
     starting = {sig: signal.signal(sig, _stop_while_starting) for sig in (signal.SIGTERM, signal.SIGINT)}
-    # `kill -USR1 <pid>` writes every thread's Python stack to stderr and the worker goes on: where a slow
-    # load or a stuck step is. faulthandler answers from C, so it works while the loop's thread sits inside
-    # a kernel or a collective, where a Python handler would wait for it to come back.
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    stacks_on_sigusr1 = _register_stack_dump()
     engine: EngineLike | None = None
     try:
         if settings.metrics_port:  # before the model loads: /healthz answers, /readyz says "loading"
@@ -215,7 +224,8 @@ def run_worker(settings: Settings) -> int:
         log.exception("worker.failed")
         return 1
     finally:
-        faulthandler.unregister(signal.SIGUSR1)
+        if stacks_on_sigusr1:
+            faulthandler.unregister(signal.SIGUSR1)
         for sig, handler in starting.items():
             signal.signal(sig, handler)
         close = getattr(engine, "close", None)

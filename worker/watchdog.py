@@ -83,6 +83,6 @@ class Watchdog(threading.Thread):
 def dump_stacks() -> None:
     """Every thread's Python stack to stderr (faulthandler's format, after the log line): where the loop was
     stuck when the process ends, for whoever reads the log of a worker its supervisor restarted."""
-    with contextlib.suppress(OSError, ValueError):  # a stderr without a file descriptor (captured): no dump
+    with contextlib.suppress(OSError, ValueError, RuntimeError, AttributeError):  # a stderr without a descriptor
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

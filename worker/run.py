@@ -21,7 +21,7 @@ from worker.embedded_redis import EmbeddedRedis
 from worker.health import HealthServer, start_health_server
 from worker.redis_link import NotAClusterError, check_cluster
 from worker.settings import Settings
-from worker.watchdog import CHECK_EVERY_S, Watchdog
+from worker.watchdog import CHECK_EVERY_S, NO_STDERR_DESCRIPTOR, Watchdog
 
 log = structlog.get_logger("pagedq.worker")
 
@@ -134,11 +134,11 @@ def _stop_while_starting(signum: int, _frame: FrameType | None) -> None:
 def _register_stack_dump() -> bool:
     """`kill -USR1 <pid>` writes every thread's Python stack to stderr and the worker goes on: where a slow load
     or a stuck step is. faulthandler answers from C, so it works while the loop's thread sits inside a kernel or
-    a collective, where a Python handler would wait for it to come back. False where stderr has no file
-    descriptor to write to (a host that embeds the worker and replaced it, a test's capture): no dump then."""
+    a collective, where a Python handler would wait for it to come back. False where stderr cannot take it
+    (:data:`~worker.watchdog.NO_STDERR_DESCRIPTOR`): no dump then."""
     try:
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    except (OSError, ValueError, RuntimeError, AttributeError):  # io.UnsupportedOperation: no fileno()
+    except NO_STDERR_DESCRIPTOR:
         return False
     return True
 
@@ -224,8 +224,6 @@ def run_worker(settings: Settings) -> int:
         log.exception("worker.failed")
         return 1
     finally:
-        if stacks_on_sigusr1:
-            faulthandler.unregister(signal.SIGUSR1)
         for sig, handler in starting.items():
             signal.signal(sig, handler)
         close = getattr(engine, "close", None)
@@ -235,3 +233,5 @@ def run_worker(settings: Settings) -> int:
             health.stop()
         if embedded is not None:
             embedded.stop()
+        if stacks_on_sigusr1:  # last: a stop that hangs (a rank's join, a collective's teardown) still answers
+            faulthandler.unregister(signal.SIGUSR1)

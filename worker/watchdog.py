@@ -80,9 +80,14 @@ class Watchdog(threading.Thread):
                 return
 
 
+NO_STDERR_DESCRIPTOR = (OSError, ValueError, RuntimeError, AttributeError)
+"""What faulthandler raises for a stderr it cannot write to from C: none (AttributeError, RuntimeError) or one
+without a file descriptor (io.UnsupportedOperation: a host that embeds the worker and replaced it, a test's capture)."""
+
+
 def dump_stacks() -> None:
     """Every thread's Python stack to stderr (faulthandler's format, after the log line): where the loop was
     stuck when the process ends, for whoever reads the log of a worker its supervisor restarted."""
-    with contextlib.suppress(OSError, ValueError, RuntimeError, AttributeError):  # a stderr without a descriptor
+    with contextlib.suppress(*NO_STDERR_DESCRIPTOR):
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

@@ -33,8 +33,8 @@
  *
  * From TRIPLE_MIN_ROWS rows (prefill steps, decode steps with drafts) the avx512 build's work items are three
  * panels through an 8-row tile (gemm_tile.h tile_triple: 8 broadcasts + 3 weight loads for 24 FMAs, where
- * tile_pair issues 12 + 2), the same
- * chain of FMAs per output, so a row's floats do not depend on its step's size (tests/test_cpu_kernels.py). Intel
+ * tile_pair issues 12 + 2), the same chain of FMAs per output, so a row's floats do not depend on its step's size
+ * (tests/test_cpu_kernels.py). Intel
  * Xeon family 6 model 207, 2 threads, SmolLM2's shapes, interleaved builds, best of 5, GFLOP/s pair -> triple:
  * 2048 rows qkv 197 -> 208, o 197 -> 209, gate_up 195 -> 244, down 261 -> 281; 512 rows qkv 200 -> 210, o 204
  * -> 207, gate_up 193 -> 198, down 183 -> 206; 256 rows 235 -> 239, 226 -> 249, 192 -> 200, 200 -> 217 (oneDNN
@@ -46,8 +46,9 @@
  * draft: 32 sequences with 3 drafts each are 128), so TRIPLE_MIN_ROWS went from 256 to 96. The same machine, the
  * 30-layer pass, builds interleaved, best of 7, GFLOP/s pair -> triple (two copies of each build): 96 rows 182 /
  * 162 -> 194 / 195, 128 rows 195 / 213 -> 215 / 220, 192 rows 193 / 193 -> 215 / 218; at 64 rows 185 / 195 -> 196
- * / 187 and at 40-56 rows within +-3 % (so decode steps without drafts keep the pair tile). compass fp32 with
- * drafts spent 2.4 s of its 22.4 + 2.4 s of step matmuls over 96 rows in steps of 96-255 rows.
+ * / 187 and at 40-56 rows within +-3 % (so decode steps without drafts keep the pair tile). In compass fp32 with
+ * drafts the steps of 96-255 rows spent 2.1-2.3 s in their matmuls (of ~25 s) before and after: the host's
+ * minute does not resolve it.
  *
  * Layout of a packed weight: ceil(N/16) panels of K x 16 floats; columns past N are zero. The
  * register tile lives in gemm_tile.h (prefill attention runs on it too); with glu, the merged

@@ -32,7 +32,14 @@ from tests.redis_servers import (  # noqa: F401
     redis_cluster,
     redis_server,
 )
-from tests.worker_harness import Ctx, WorkerProcess, inprocess_worker, logs_shown_on_failure, wait_for
+from tests.worker_harness import (
+    STACK_DUMP_HEADER,
+    Ctx,
+    WorkerProcess,
+    inprocess_worker,
+    logs_shown_on_failure,
+    wait_for,
+)
 from worker.consumer import EngineLike, Worker
 from worker.publisher import Outbox, Publisher, Terminal
 from worker.reclaimer import Reclaimer, ensure_group
@@ -464,7 +471,7 @@ def test_sigusr1_writes_every_threads_stack_and_the_worker_goes_on(ctx: Ctx, mod
             return WEDGED_FRAME in proc.log()
 
         wait_for(dumped_inside_the_step, 30, 0.5, "a stack dump naming the wedged step")
-        assert "most recent call first" in proc.log()
+        assert STACK_DUMP_HEADER in proc.log()
         assert proc.proc.poll() is None, "SIGUSR1 ended the worker"
         assert "asked" in ctx.heartbeats()
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.redis_servers import RedisServer, redis_server  # noqa: F401
 from tests.test_worker_e2e import Workers, assert_exactly_once, freeze, mid_generation, stream_text_matches
-from tests.worker_harness import Ctx, wait_for
+from tests.worker_harness import STACK_DUMP_HEADER, Ctx, wait_for
 
 pytestmark = pytest.mark.slow  # worker processes with two model ranks each (see the module doc)
 
@@ -63,7 +63,7 @@ def exit_code_within(worker: Any, timeout: float) -> int:
         return code
     except subprocess.TimeoutExpired:
         worker.proc.send_signal(signal.SIGUSR1)
-        wait_for(lambda: "most recent call first" in worker.log(), 10, 0.1, f"{worker.name}'s stacks")
+        wait_for(lambda: STACK_DUMP_HEADER in worker.log(), 10, 0.1, f"{worker.name}'s stacks")
         raise
 
 

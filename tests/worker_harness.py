@@ -33,6 +33,7 @@ from worker.job_run import EngineLike
 from worker.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
+STACK_DUMP_HEADER = "most recent call first"  # in each thread's header of faulthandler's dump (SIGUSR1, watchdog)
 
 ENGINE_KW: dict[str, Any] = {
     "max_num_seqs": 4,

@@ -94,8 +94,9 @@ def test_gated_panels_fuse_silu_and_mul(inter: int, rows: int) -> None:
 @pytest.mark.parametrize(("out", "glu"), [(200, False), (1000, False), (100, True), (300, True)])
 def test_a_rows_panel_product_is_the_same_floats_in_any_batch(out: int, glu: bool) -> None:
     """Each row gets the same chain of fused multiply-adds whatever the step's row count picks (single and paired
-    12-row tiles, three-panel 8-row tiles from 96 rows; 13 / 63 / 13 / 38 panels: items with one or two panels left
-    over): a request's floats do not depend on what it is batched with."""
+    12-row tiles, three-panel 8-row tiles from 16 rows, with the next item's panels prefetched up to 128; 13 / 63 /
+    13 / 38 panels: items with one or two panels left over): a request's floats do not depend on what it is batched
+    with."""
     need_kind("panels")
     torch.manual_seed(out)
     k = 72
@@ -105,7 +106,7 @@ def test_a_rows_panel_product_is_the_same_floats_in_any_batch(out: int, glu: boo
     assert packed is not None
     x = torch.randn(301, k)
     alone = torch.cat([cpu_linear.linear(x[i : i + 1], packed, bias) for i in range(x.shape[0])])
-    for rows in (2, 13, 95, 96, 100, 301):
+    for rows in (2, 13, 15, 16, 95, 128, 129, 301):
         assert torch.equal(cpu_linear.linear(x[:rows], packed, bias), alone[:rows]), rows
     torch.testing.assert_close(
         alone, silu_and_mul_torch(F.linear(x, weight)) if glu else F.linear(x, weight, bias), atol=2e-4, rtol=1e-4

@@ -31,7 +31,7 @@
  * within +-3 %. Not yet measured on an AVX2-only CPU (Zen 3), whose memory is slower per FMA, where it
  * should matter more.
  *
- * From TRIPLE_MIN_ROWS rows (prefill steps, decode steps with drafts) the avx512 build's work items are three
+ * From TRIPLE_MIN_ROWS rows (prefill steps, decode steps of 16 rows or more) the avx512 build's work items are three
  * panels through an 8-row tile (gemm_tile.h tile_triple: 8 broadcasts + 3 weight loads for 24 FMAs, where
  * tile_pair issues 12 + 2), the same chain of FMAs per output, so a row's floats do not depend on its step's size
  * (tests/test_cpu_kernels.py). Intel
@@ -46,9 +46,16 @@
  * draft: 32 sequences with 3 drafts each are 128), so TRIPLE_MIN_ROWS went from 256 to 96. The same machine, the
  * 30-layer pass, builds interleaved, best of 7, GFLOP/s pair -> triple (two copies of each build): 96 rows 182 /
  * 162 -> 194 / 195, 128 rows 195 / 213 -> 215 / 220, 192 rows 193 / 193 -> 215 / 218; at 64 rows 185 / 195 -> 196
- * / 187 and at 40-56 rows within +-3 % (so decode steps without drafts keep the pair tile). In compass fp32 with
- * drafts the steps of 96-255 rows spent 2.1-2.3 s in their matmuls (of ~25 s) before and after: the host's
- * minute does not resolve it.
+ * / 187 and at 40-56 rows within +-3 %. In compass fp32 with drafts the steps of 96-255 rows spent 2.1-2.3 s in
+ * their matmuls (of ~25 s) before and after: the host's minute does not resolve it.
+ * What the triple lacked at decode sizes was the pair's ahead prefetch: a block of few rows has few row tiles, and
+ * only its first streamed the panels from memory. With each row tile prefetching its share of the next triple
+ * (blocks up to TRIPLE_AHEAD_ROWS rows) the triple wins from 16 rows, so TRIPLE_MIN_ROWS went from 96 to 16. The
+ * same machine and pass, two copies of each build interleaved, best of 7, GFLOP/s before -> after: 16 rows 148.6 /
+ * 147.0 -> 158.1 / 158.9, 24 rows 196.5 / 192.1 -> 210.8 / 209.7, 36 rows 243.8 / 241.5 -> 247.6 / 247.5, 48 rows
+ * 271.6 / 266.4 -> 267.4 / 269.7, 64 rows 257.5 / 272.1 -> 278.1 / 271.7, 96 rows 271.8 / 271.6 -> 290.3 / 291.6,
+ * 128 rows 279.0 / 272.2 -> 292.5 / 295.2 (the ahead prefetch at 192-384 rows: 0-2 % slower, so not there);
+ * from 1 row, the triple ran 1 row 7 % slower and 4-12 rows alike.
  *
  * Layout of a packed weight: ceil(N/16) panels of K x 16 floats; columns past N are zero. The
  * register tile lives in gemm_tile.h (prefill attention runs on it too); with glu, the merged
@@ -74,7 +81,10 @@
 #error "cpu_gemm needs AVX2/FMA: without them the packed weights go to oneDNN (pagedq_kernels/cpu_linear.py)"
 #endif
 #ifndef TRIPLE_MIN_ROWS
-#define TRIPLE_MIN_ROWS 96 /* rows from which the avx512 build's items are three panels (measured in the header) */
+#define TRIPLE_MIN_ROWS 16 /* rows from which the avx512 build's items are three panels (measured in the header) */
+#endif
+#ifndef TRIPLE_AHEAD_ROWS
+#define TRIPLE_AHEAD_ROWS 128 /* blocks of up to this many rows prefetch the next triple's panels (the header) */
 #endif
 #ifndef MB
 #define MB 384 /* rows of x per block (measured 256-384 best here): the block is reused across every panel */
@@ -115,13 +125,13 @@ void pack_glu_panels_f32(const float *w, int64_t i, int64_t k, float *out)
 #ifndef AHEAD_MIN_TILES
 #define AHEAD_MIN_TILES 2 /* row tiles an item needs before its tiles prefetch the next item (measured above) */
 #endif
-/* The row tile at row offset `r0` of a block of `rows` over the work item of `step` panels from panel p (of
- * `panels`, each k x NR floats: k cache lines) prefetches this share of the next item's panels into L2, when
- * there is a next item: sets *ahead and returns its line count (0: none). */
+/* The row tile (`height` rows: MR, or TR for tile_triple) at row offset `r0` of a block of `rows` over the work
+ * item of `step` panels from panel p (of `panels`, each k x NR floats: k cache lines) prefetches this share of the
+ * next item's panels into L2, when there is a next item: sets *ahead and returns its line count (0: none). */
 static inline int64_t ahead_share(const float *panel, int64_t p, int64_t step, int64_t panels, int64_t k,
-                                  int has_next, int64_t r0, int64_t rows, const char **ahead)
+                                  int has_next, int64_t r0, int64_t rows, int64_t height, const char **ahead)
 {
-    const int64_t tiles = (rows + MR - 1) / MR, tile = r0 / MR;
+    const int64_t tiles = (rows + height - 1) / height, tile = r0 / height;
     *ahead = NULL;
     if (!has_next || tiles < AHEAD_MIN_TILES) return 0;
     const int64_t next_panels = panels - p - step < step ? panels - p - step : step;
@@ -160,10 +170,13 @@ static void panel_items(const float *x, int64_t ldx, const float *packed, const 
             if (step == 3 && p + 2 < panels) { /* a last item of one or two panels goes on below, as with step 2 */
                 const int ncols1 = (int)(n - col - width < width ? n - col - width : width);
                 const int ncols2 = (int)(n - col - 2 * width < width ? n - col - 2 * width : width);
+                const int next = item + 1 < items && m1 - m0 <= TRIPLE_AHEAD_ROWS;
                 for (int64_t r = m0; r < m1; r += TR) {
                     const int rows = (int)(m1 - r < TR ? m1 - r : TR);
+                    const char *ahead;
+                    const int64_t ahead_lines = ahead_share(panel, p, step, panels, k, next, r - m0, m1 - m0, TR, &ahead);
                     tile_triple_rows(rows, x + r * ldx, ldx, panel, k, y + r * ldy + col, ldy, bp, width, ncols,
-                                     ncols1, ncols2, glu, r == m0);
+                                     ncols1, ncols2, glu, r == m0 && !ahead_lines, ahead, ahead_lines);
                 }
                 continue;
             }
@@ -173,7 +186,7 @@ static void panel_items(const float *x, int64_t ldx, const float *packed, const 
                 for (int64_t r = m0; r < m1; r += MR) {
                     const int rows = (int)(m1 - r < MR ? m1 - r : MR);
                     const char *ahead;
-                    const int64_t ahead_lines = ahead_share(panel, p, step, panels, k, item + 1 < items, r - m0, m1 - m0, &ahead);
+                    const int64_t ahead_lines = ahead_share(panel, p, step, panels, k, item + 1 < items, r - m0, m1 - m0, MR, &ahead);
                     tile_pair_rows(rows, x + r * ldx, ldx, panel, panel + k * NR, NR, k, y + r * ldy + col,
                                    y + r * ldy + col1, ldy, bp, bp ? bp + width : NULL, ncols, ncols1, glu, ahead,
                                    ahead_lines);
@@ -184,7 +197,7 @@ static void panel_items(const float *x, int64_t ldx, const float *packed, const 
             for (int64_t r = m0; r < m1; r += MR) {
                 const int rows = (int)(m1 - r < MR ? m1 - r : MR);
                 const char *ahead;
-                const int64_t ahead_lines = ahead_share(panel, p, step, panels, k, item + 1 < items, r - m0, m1 - m0, &ahead);
+                const int64_t ahead_lines = ahead_share(panel, p, step, panels, k, item + 1 < items, r - m0, m1 - m0, MR, &ahead);
                 tile_rows(rows, x + r * ldx, ldx, panel, NR, k, y + r * ldy + col, ldy, bp, ncols, glu, ahead,
                           ahead_lines);
             }
@@ -299,7 +312,7 @@ int gemm_panels_argmax_f32(const float *x, int64_t ldx, const float *packed, int
                             const int rows = (int)(m1 - r < MR ? m1 - r : MR);
                             float *out = block + (r - m0) * 2 * NR;
                             const char *ahead;
-                            const int64_t ahead_lines = ahead_share(panel, p, step, panels, k, item + 1 < items, r - m0, m1 - m0, &ahead);
+                            const int64_t ahead_lines = ahead_share(panel, p, step, panels, k, item + 1 < items, r - m0, m1 - m0, MR, &ahead);
                             tile_pair_rows(rows, x + r * ldx, ldx, panel, panel + k * NR, NR, k, out, out + NR, 2 * NR,
                                            NULL, NULL, ncols, ncols1, 0, ahead, ahead_lines);
                         }
@@ -310,7 +323,7 @@ int gemm_panels_argmax_f32(const float *x, int64_t ldx, const float *packed, int
                         for (int64_t r = m0; r < m1; r += MR) {
                             const int rows = (int)(m1 - r < MR ? m1 - r : MR);
                             const char *ahead;
-                            const int64_t ahead_lines = ahead_share(panel, p, step, panels, k, item + 1 < items, r - m0, m1 - m0, &ahead);
+                            const int64_t ahead_lines = ahead_share(panel, p, step, panels, k, item + 1 < items, r - m0, m1 - m0, MR, &ahead);
                             tile_rows(rows, x + r * ldx, ldx, panel, NR, k, block + (r - m0) * 2 * NR, 2 * NR, NULL,
                                       ncols, 0, ahead, ahead_lines);
                         }

@@ -265,12 +265,13 @@ static inline void tile_pair_rows(int rows, const float *x, int64_t ldx, const f
  * accumulators, each k step 8 broadcasts + 3 weight loads for 24 FMAs (tile_pair: 12 + 2). panel1 and panel2 follow
  * panel0 at k x NR floats each; their outputs go to y + width and y + 2 * width (width: a panel's output columns,
  * NR or with glu NR / 2), their biases likewise. Every output is the same chain of FMAs over k as in tile_pair, so
- * the floats are the same. No prefetch of a next item: at these row counts a panel is read once from memory and
- * then from L2 by every later row tile.
+ * the floats are the same. A panel is read once from memory and then from L2 by every later row tile.
  *
- * Hence two prefetches: every row tile pulls its panels from L2 into L1 TRIPLE_L1_PF k rows ahead (the three
- * panels, 110 KB at k = 576, do not stay in a 48 KB L1 from one row tile to the next), and the block's first row
- * tile (from_memory) also streams them from memory into L2 PF rows ahead, as before. Before, every row tile
+ * Hence the prefetches: every row tile pulls its panels from L2 into L1 TRIPLE_L1_PF k rows ahead (the three
+ * panels, 110 KB at k = 576, do not stay in a 48 KB L1 from one row tile to the next); in a block of few rows
+ * (decode steps, cpu_gemm.c TRIPLE_AHEAD_ROWS) each row tile also prefetches its share of the next item's panels
+ * into L2 (`ahead`, as tile_pair's), and otherwise the block's first row tile (from_memory) streams them from
+ * memory into L2 PF rows ahead. Before, every row tile
  * prefetched PF rows ahead into L2, where the later ones found their lines already: L1 misses stalled them.
  * Measured on the 2-vCPU Intel Xeon (family 6 model 207), 30 layers' distinct weights, the four projections in
  * order, builds interleaved in one process, best of 4-5, GFLOP/s before -> after: 256 rows 293 -> 296, 512 rows
@@ -283,9 +284,11 @@ static inline void tile_pair_rows(int rows, const float *x, int64_t ldx, const f
 static inline __attribute__((always_inline)) void tile_triple(int rows, const float *x, int64_t ldx,
                                                               const float *panel0, int64_t k, float *y, int64_t ldy,
                                                               const float *bias, int64_t width, int ncols0,
-                                                              int ncols1, int ncols2, int glu, int from_memory)
+                                                              int ncols1, int ncols2, int glu, int from_memory,
+                                                              const char *ahead, int64_t ahead_lines)
 {
     __m512 a[TR], b[TR], c[TR];
+    int64_t due = 0;
     for (int r = 0; r < TR; r++) {
         a[r] = _mm512_setzero_ps();
         b[r] = a[r];
@@ -302,6 +305,7 @@ static inline __attribute__((always_inline)) void tile_triple(int rows, const fl
             _mm_prefetch((const char *)(wp1 + PF * NR), PF_HINT);
             _mm_prefetch((const char *)(wp2 + PF * NR), PF_HINT);
         }
+        ahead_step(&ahead, &due, ahead_lines, k);
         const __m512 w0 = _mm512_loadu_ps(wp0), w1 = _mm512_loadu_ps(wp1), w2 = _mm512_loadu_ps(wp2);
 #pragma GCC unroll 8
         for (int r = 0; r < TR; r++) {
@@ -321,13 +325,19 @@ static inline __attribute__((always_inline)) void tile_triple(int rows, const fl
 /* tile_triple, one inlined copy per row count (as tile_rows). */
 static inline void tile_triple_rows(int rows, const float *x, int64_t ldx, const float *panel0, int64_t k, float *y,
                                     int64_t ldy, const float *bias, int64_t width, int ncols0, int ncols1, int ncols2,
-                                    int glu, int from_memory)
+                                    int glu, int from_memory, const char *ahead, int64_t ahead_lines)
 {
 #define TRIPLE_CASE(n) \
-    case n: tile_triple(n, x, ldx, panel0, k, y, ldy, bias, width, ncols0, ncols1, ncols2, glu, from_memory); break;
+    case n: \
+        tile_triple(n, x, ldx, panel0, k, y, ldy, bias, width, ncols0, ncols1, ncols2, glu, from_memory, ahead, \
+                    ahead_lines); \
+        break;
     switch (rows) {
     TRIPLE_CASE(8) TRIPLE_CASE(7) TRIPLE_CASE(6) TRIPLE_CASE(5) TRIPLE_CASE(4) TRIPLE_CASE(3) TRIPLE_CASE(2)
-    default: tile_triple(1, x, ldx, panel0, k, y, ldy, bias, width, ncols0, ncols1, ncols2, glu, from_memory); break;
+    default:
+        tile_triple(1, x, ldx, panel0, k, y, ldy, bias, width, ncols0, ncols1, ncols2, glu, from_memory, ahead,
+                    ahead_lines);
+        break;
     }
 #undef TRIPLE_CASE
 }

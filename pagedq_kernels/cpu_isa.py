@@ -108,6 +108,32 @@ class CpuIsa:
         return described
 
 
+@dataclass(frozen=True)
+class CpuModel:
+    """The core design as ``/proc/cpuinfo`` names it. Never what decides which instructions run (the probe does):
+    only tuning choices measured to differ between core designs, such as which register tile a matmul prefers."""
+
+    vendor: str  # cpuid's vendor string: GenuineIntel, AuthenticAMD
+    family: int
+    model: int
+
+
+@functools.cache
+def cpu_model() -> CpuModel | None:
+    """This CPU's vendor, family and model from ``/proc/cpuinfo``'s first processor; None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            fields: dict[str, str] = {}
+            for line in cpuinfo:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+        return CpuModel(fields["vendor_id"], int(fields["cpu family"]), int(fields["model"]))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 @functools.cache
 def is_x86_64() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")

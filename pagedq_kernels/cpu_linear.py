@@ -96,6 +96,40 @@ def _bind(lib: ctypes.CDLL) -> None:
     f32 = ctypes.c_float
     lib.gemm_panels_add_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, f32, ptr, i32]
     lib.gemm_panels_add_norm_f32.restype = None
+    lib.gemm_panels_triple_rows.argtypes = [i64]
+    lib.gemm_panels_triple_rows.restype = i64
+    max_rows = triple_tile_max_rows()
+    if max_rows is not None:
+        lib.gemm_panels_triple_rows(max_rows)
+
+
+ZEN5_TRIPLE_MAX_ROWS = 0  # the pair tile at every size
+
+
+def triple_tile_max_rows() -> int | None:
+    """Up to how many rows the fp32 panel kernel's avx512 build multiplies through its three-panel tile (``csrc/
+    cpu_gemm.c`` triple_max_rows; the pair tile above), None for every size from 16. The floats are the same either
+    way; the speed is the core's: on an Intel Xeon (family 6 model 207) the triple won at every size from 16 rows,
+    on an AMD Zen 5 (family 26) the pair at 96 rows and more by 2-9 % and alike at decode sizes (both measured in
+    the C file), so there the pair serves every size. Zen 4 (family 25) and other cores keep the default,
+    unmeasured there."""
+    model = cpu_isa.cpu_model()
+    if model is not None and model.vendor == "AuthenticAMD" and model.family >= 26:
+        return ZEN5_TRIPLE_MAX_ROWS
+    return None
+
+
+@contextlib.contextmanager
+def panel_triple_rows(max_rows: int) -> Iterator[None]:
+    """The panel kernel's three-panel tile up to ``max_rows`` rows inside the block (0: the pair tile at every
+    size), whatever :func:`triple_tile_max_rows` chose, then back: for tests and timings of both tiles."""
+    lib = _panels_lib()
+    before = lib.gemm_panels_triple_rows(max_rows) if lib is not None else 0
+    try:
+        yield
+    finally:
+        if lib is not None:
+            lib.gemm_panels_triple_rows(before)
 
 
 def _panels_lib() -> ctypes.CDLL | None:

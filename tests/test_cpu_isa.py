@@ -134,3 +134,16 @@ def test_onednn_is_capped_where_listed_amx_does_not_run(monkeypatch: pytest.Monk
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the operator's own cap wins
     cpu_isa._cap_onednn(("avx2", "avx512"))
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+
+
+def test_the_cpu_model_is_read_as_lscpu_reads_it() -> None:
+    """Vendor, family and model (tuning choices measured per core design key on them, e.g. the panel kernel's tile
+    rule, cpu_linear.triple_tile_max_rows) match what ``lscpu`` prints for this machine."""
+    model = cpu_isa.cpu_model()
+    assert model is not None
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"}).stdout
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in lscpu.splitlines())}
+    if "CPU family" not in fields:
+        pytest.skip("lscpu is not installed or names no family")
+    expected = (fields["Vendor ID"], int(fields["CPU family"]), int(fields["Model"]))
+    assert (model.vendor, model.family, model.model) == expected

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers import Linear, build_cos_sin_cache
-from pagedq_kernels import cpu_linear, cpu_ops
+from pagedq_kernels import cpu_isa, cpu_linear, cpu_ops
 from pagedq_kernels.activation import silu_and_mul_torch
 from pagedq_kernels.rms_norm import rms_norm_torch
 from pagedq_kernels.rotary import rotary_embedding_torch
@@ -91,12 +91,13 @@ def test_gated_panels_fuse_silu_and_mul(inter: int, rows: int) -> None:
         cpu_linear.linear(x, packed, torch.zeros(inter))
 
 
+@pytest.mark.parametrize("triple_max_rows", [0, 1 << 40], ids=["pair-tile", "triple-tile"])
 @pytest.mark.parametrize(("out", "glu"), [(200, False), (1000, False), (100, True), (300, True)])
-def test_a_rows_panel_product_is_the_same_floats_in_any_batch(out: int, glu: bool) -> None:
+def test_a_rows_panel_product_is_the_same_floats_in_any_batch(out: int, glu: bool, triple_max_rows: int) -> None:
     """Each row gets the same chain of fused multiply-adds whatever the step's row count picks (single and paired
     12-row tiles, three-panel 8-row tiles from 16 rows, with the next item's panels prefetched up to 128; 13 / 63 /
-    13 / 38 panels: items with one or two panels left over): a request's floats do not depend on what it is batched
-    with."""
+    13 / 38 panels: items with one or two panels left over), and whichever tile the CPU's rule serves many rows with
+    (cpu_linear.triple_tile_max_rows): a request's floats do not depend on what it is batched with."""
     need_kind("panels")
     torch.manual_seed(out)
     k = 72
@@ -106,11 +107,24 @@ def test_a_rows_panel_product_is_the_same_floats_in_any_batch(out: int, glu: boo
     assert packed is not None
     x = torch.randn(301, k)
     alone = torch.cat([cpu_linear.linear(x[i : i + 1], packed, bias) for i in range(x.shape[0])])
-    for rows in (2, 13, 15, 16, 95, 128, 129, 301):
-        assert torch.equal(cpu_linear.linear(x[:rows], packed, bias), alone[:rows]), rows
+    with cpu_linear.panel_triple_rows(triple_max_rows):
+        for rows in (2, 13, 15, 16, 63, 64, 95, 128, 129, 301):
+            assert torch.equal(cpu_linear.linear(x[:rows], packed, bias), alone[:rows]), rows
     torch.testing.assert_close(
         alone, silu_and_mul_torch(F.linear(x, weight)) if glu else F.linear(x, weight, bias), atol=2e-4, rtol=1e-4
     )
+
+
+@pytest.mark.parametrize(
+    ("vendor", "family", "max_rows"),
+    [("AuthenticAMD", 26, cpu_linear.ZEN5_TRIPLE_MAX_ROWS), ("AuthenticAMD", 25, None), ("GenuineIntel", 6, None)],
+)
+def test_the_tile_rule_follows_the_core_it_was_measured_on(
+    vendor: str, family: int, max_rows: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pair tile at every size only on a Zen 5, the one core it was measured faster on (csrc/cpu_gemm.c)."""
+    monkeypatch.setattr(cpu_isa, "cpu_model", lambda: cpu_isa.CpuModel(vendor, family, 2))
+    assert cpu_linear.triple_tile_max_rows() == max_rows
 
 
 def test_pack_declines_what_it_cannot_run() -> None:

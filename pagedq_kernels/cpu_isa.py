@@ -118,17 +118,27 @@ class CpuModel:
     model: int
 
 
+def first_processor(cpuinfo: str) -> dict[str, str]:
+    """The ``key: value`` lines of the first processor's stanza of a ``/proc/cpuinfo`` text (the bench's CPU line,
+    ``ops/bench/host_cpu.py``, reads it too)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 @functools.cache
 def cpu_model() -> CpuModel | None:
     """This CPU's vendor, family and model from ``/proc/cpuinfo``'s first processor; None where it cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
-            fields: dict[str, str] = {}
-            for line in cpuinfo:
-                if not line.strip():
-                    break
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
+            fields = first_processor(cpuinfo.read())
         return CpuModel(fields["vendor_id"], int(fields["cpu family"]), int(fields["model"]))
     except (OSError, KeyError, ValueError):
         return None

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedq_kernels import cpu_isa
+
 # The flags that decide which kernels and dtypes can run, in the order the README writes them.
 VECTOR_FLAGS = (
     "avx",
@@ -74,20 +76,6 @@ class HostCpu:
         }
 
 
-def _first_processor(cpuinfo: str) -> dict[str, str]:
-    """The ``key: value`` lines of the first processor's stanza."""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        if not line.strip():
-            if fields:
-                break
-            continue
-        key, sep, value = line.partition(":")
-        if sep:
-            fields.setdefault(key.strip(), value.strip())
-    return fields
-
-
 def _size(text: str) -> str:
     """sysfs's ``32K`` / ``1024K`` / ``32768K`` as ``32 KiB`` / ``1 MiB`` / ``32 MiB``."""
     text = text.strip()
@@ -115,7 +103,7 @@ def host_cpu(
 ) -> HostCpu:
     """This machine's CPU; on a system without ``/proc/cpuinfo``, the name Python knows and nothing more."""
     try:
-        fields = _first_processor(cpuinfo_path.read_text(encoding="ascii", errors="replace"))
+        fields = cpu_isa.first_processor(cpuinfo_path.read_text(encoding="ascii", errors="replace"))
     except OSError:
         return HostCpu(name=platform.processor() or platform.machine())
     flags = set(fields.get("flags", "").split())

@@ -150,8 +150,8 @@ class TorchAttention:
 
     Decode tokens (one query each, the bulk of a busy step) and prefill chunks each go through a C
     kernel that reads the cache in place (``pagedq_kernels/cpu_attention``), one call per layer for all of
-    them; without a compiler, for queries other than float32 or head sizes the prefill kernel does not
-    cover, torch paths gather the blocks instead (decode: one batched SDPA; prefill: one per chunk).
+    them; without a compiler, or for queries other than float32, torch paths gather the blocks instead
+    (decode: one batched SDPA; prefill: one per chunk).
     The cache may hold a narrower dtype than the queries (bf16 under fp32 activations: half the bytes):
     the K/V are written rounded to nearest even, and read back widened to the queries' dtype. In the avx512
     build, chunks of up to :data:`MULTI_QUERY_MAX` queries of speculative verification go to the decode
@@ -287,7 +287,7 @@ def _c_prefill_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and k_cache.dtype in cpu_attention.KV_DTYPES
         and q.stride(-1) == 1
         and k_cache.is_contiguous()
-        and cpu_attention.prefill_supported(q.shape[-1])
+        and cpu_attention.available()
     )
 
 

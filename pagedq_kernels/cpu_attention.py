@@ -36,8 +36,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     prefill = lib.paged_prefill_attention_f32
     prefill.argtypes = [*query_and_cache, ptr, ptr, ptr, ptr, *shapes_and_scale, c_int, c_int, c_int]
     prefill.restype = None
-    lib.paged_prefill_attention_supported.argtypes = [i64]
-    lib.paged_prefill_attention_supported.restype = ctypes.c_int
+    lib.prefill_flash_tiles.argtypes = [i64]
+    lib.prefill_flash_tiles.restype = ctypes.c_int
     lib.write_kv_cache_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, c_int]
     lib.write_kv_cache_f32.restype = None
     lib.decode_cascade_blocks.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64]
@@ -274,10 +274,12 @@ def cascade_blocks(seq_lens: torch.Tensor, block_tables: torch.Tensor, k_cache: 
     )
 
 
-def prefill_supported(head_dim: int) -> bool:
-    """Whether :func:`paged_prefill_attention` runs here for this head size (AVX2, head_dim % 16 == 0)."""
+def flash_tiles(head_dim: int) -> bool:
+    """Whether prefill runs on flash tiles for this head size (AVX2 and up, head_dim % 16 == 0), and so whether
+    decode steps can attend a shared prefix once (:func:`cascade_blocks`); elsewhere prefill takes one query row
+    at a time, as decode does, and each sequence reads its whole context."""
     lib = c_build.load(_NAME, _bind)
-    return lib is not None and bool(lib.paged_prefill_attention_supported(head_dim))
+    return lib is not None and bool(lib.prefill_flash_tiles(head_dim))
 
 
 def prefill_call(
@@ -299,7 +301,8 @@ def prefill_call(
     to the same rows of ``out [N, H, D]`` (contiguous). ``q_starts`` int64, the rest int32, contiguous.
     Over a bf16 cache where :func:`dp_attention_enabled`, q and the softmax numerators are rounded to bf16 for
     the products (bf16 flash attention's numerics); otherwise the arithmetic is fp32.
-    ``use_dp`` as for :func:`decode_call`. Ask :func:`prefill_supported` first.
+    ``use_dp`` as for :func:`decode_call`. Any head size (:func:`flash_tiles` says which path); ask
+    :func:`available` first.
     """
     operands = (q_starts, q_lens, seq_lens, block_tables, scale)
     return prefill_calls(q, [(k_cache, v_cache)], out, *operands, use_dp=use_dp)[0]
@@ -318,7 +321,7 @@ def prefill_calls(
 ) -> list[kernel_call.KernelCall]:
     """:func:`prefill_call` over each layer's caches."""
     lib = c_build.load(_NAME, _bind)
-    assert lib is not None and prefill_supported(q.shape[-1]), "call prefill_supported() first"
+    assert lib is not None, "call available() first"
     k_cache, v_cache = caches[0]
     if use_dp is None:
         use_dp = dp_attention_enabled(k_cache.dtype)

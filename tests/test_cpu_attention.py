@@ -74,10 +74,10 @@ def make_batch(
 
 @pytest.mark.parametrize("use_c", [True, False])
 # head_dim 20 takes the decode kernel's portable path (not a multiple of 8; the avx512 build's masked-tail
-# task) and torch's prefill (not a multiple of 16); the AVX2 decode task takes a kv head's query rows 3 at a
-# time and 16 value columns at a time: groups of 8 (3 + 3 + 2) and 2, and head_dim 24 (16 + 8), run its shorter
-# passes; a sequence's last, partly filled block runs its one-position tail. Block size 4 makes the prefill
-# kernel's 64-key chunks span many blocks.
+# task), and prefill a row at a time through the decode kernel (not a multiple of 16); the AVX2 decode task takes
+# a kv head's query rows 3 at a time and 16 value columns at a time: groups of 8 (3 + 3 + 2) and 2, and head_dim
+# 24 (16 + 8), run its shorter passes; a sequence's last, partly filled block runs its one-position tail. Block
+# size 4 makes the prefill kernel's 64-key chunks span many blocks.
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 1, 32), (6, 2, 20), (4, 2, 24)]
 )
@@ -89,7 +89,6 @@ def test_matches_reference(
         pytest.skip("no C compiler: the torch fallback is what runs here")
     if not use_c:
         monkeypatch.setattr(cpu_attention, "available", lambda: False)
-        monkeypatch.setattr(cpu_attention, "prefill_supported", lambda head_dim: False)
     rng = random.Random(num_heads * 100 + head_dim + block_size)
     torch.manual_seed(rng.randrange(1000))
     for trial in range(8):
@@ -157,8 +156,8 @@ def test_decode_task_shapes_agree(
 
 
 def test_prefill_kernel_long_chunks() -> None:
-    if not cpu_attention.prefill_supported(64):
-        pytest.skip("no C compiler, or a build without AVX2: torch's prefill runs")
+    if not cpu_attention.available():
+        pytest.skip("no C compiler: torch's prefill runs")
     # Many 16-query tiles and 64-key chunks: a whole 300-token prompt, a 70-token chunk after 230
     # cached tokens, a chunk starting mid-block, next to decode tokens in the same step.
     torch.manual_seed(0)
@@ -171,6 +170,45 @@ def test_prefill_kernel_long_chunks() -> None:
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 20), (4, 2, 24)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_rows_do_not_depend_on_their_chunk(
+    num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype
+) -> None:
+    # A 70-token prompt prefilled whole, and its tail as chunks of 1-16 rows after the rest is cached (what a
+    # prefix-cache hit leaves): each row's floats are the same bit for bit, on the flash tiles (head_dim % 16
+    # == 0 from AVX2 up) and where a row is decoded alone (the generic build; other head sizes), where they are
+    # also what the decode kernel gives for that row.
+    if not cpu_attention.available():
+        pytest.skip("no C compiler: torch's prefill runs")
+    torch.manual_seed(head_dim)
+    total, block_size = 70, 16
+    meta, q, _, _, k_cache, v_cache = make_batch([total], [total], num_heads, num_kv_heads, head_dim, block_size)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    q, tables, scale = q.contiguous(), meta.block_tables.contiguous(), head_dim**-0.5
+
+    def prefill(start: int) -> torch.Tensor:
+        rows = q[start:].contiguous()
+        out = torch.empty_like(rows)
+        q_starts, q_lens = torch.zeros(1, dtype=torch.int64), torch.tensor([total - start], dtype=torch.int32)
+        lens = meta.seq_lens
+        cpu_attention.paged_prefill_attention(rows, k_cache, v_cache, out, q_starts, q_lens, lens, tables, scale)
+        return out
+
+    whole = prefill(0)
+    for tail in (1, 2, 5, 9, 16):
+        assert torch.equal(prefill(total - tail), whole[total - tail :]), tail
+    if not cpu_attention.flash_tiles(head_dim):
+        for pos in (0, 33, total - 1):
+            out = torch.zeros_like(q)
+            lens = torch.tensor([pos + 1], dtype=torch.int32)
+            cpu_attention.paged_decode_attention(q, k_cache, v_cache, out, torch.tensor([pos]), lens, tables, scale)
+            assert torch.equal(out[pos], whole[pos]), pos
+    args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len, meta.max_seq_len)
+    ref = paged_attention_torch(q, k_cache.float(), v_cache.float(), *args)
+    torch.testing.assert_close(whole, ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 32), (4, 4, 16), (6, 2, 20)])
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 def test_decode_cascade_over_shared_prefix(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
@@ -180,7 +218,7 @@ def test_decode_cascade_over_shared_prefix(num_heads: int, num_kv_heads: int, he
         pytest.skip("no C compiler: the torch fallback is what runs here")
     rng = random.Random(head_dim * 7 + block_size)
     torch.manual_seed(rng.randrange(1000))
-    cascade_runs = head_dim % 16 == 0 and cpu_attention.prefill_supported(head_dim)
+    cascade_runs = cpu_attention.flash_tiles(head_dim)
     shared = 96 // block_size
     cases = [
         # 37 sequences (tiles of 16, 16, 5), one of them with a single position of its own
@@ -245,7 +283,6 @@ def test_bf16_cache(
         pytest.skip("no C compiler: the torch fallback is what runs here")
     if not use_c:
         monkeypatch.setattr(cpu_attention, "available", lambda: False)
-        monkeypatch.setattr(cpu_attention, "prefill_supported", lambda head_dim: False)
     rng = random.Random(head_dim * 13 + block_size)
     torch.manual_seed(rng.randrange(1000))
     shared = 48 // block_size
@@ -516,7 +553,7 @@ def test_dp_cascade_over_shared_prefix(num_heads: int, num_kv_heads: int, head_d
     meta, q, k_cache, v_cache = bf16_cache_batch(
         seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, shared_blocks=shared
     )
-    expected = shared if head_dim % 16 == 0 and cpu_attention.prefill_supported(head_dim) else 0
+    expected = shared if cpu_attention.flash_tiles(head_dim) else 0
     assert cpu_attention.cascade_blocks(meta.seq_lens, meta.block_tables.contiguous(), k_cache, num_heads) == expected
     ref = reference64(meta, q, k_cache, v_cache)
     for cascade in (True, False):

@@ -120,8 +120,7 @@ def test_plan_equals_the_module_forward_fp32(
     if isa_variant == "generic" and quantization == "none":
         assert model.cpu_plan is None
         return
-    # The generic build has no C prefill kernel: a step with prompt chunks keeps the modules' torch prefill.
-    _both_forwards(llm, STEP if cpu_attention.prefill_supported(16) else DECODE_STEP)
+    _both_forwards(llm, STEP)
 
 
 def test_a_kept_step_frame_serves_the_next_step_of_as_many_rows(tiny_model: Callable[[str], Path]) -> None:
@@ -160,7 +159,7 @@ def test_only_the_rows_kept_go_past_the_last_layers_attention(
     assert isinstance(runner, ModelRunner)
     if runner.model.cpu_plan is None:
         pytest.skip("no fp32 panel kernel in this build: no plan")
-    step = STEP if cpu_attention.prefill_supported(16) else DECODE_STEP
+    step = STEP
     cache = runner.kv_cache
     whole = _both_forwards(llm, step)
     whole_cache = cache.clone()

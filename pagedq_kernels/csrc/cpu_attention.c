@@ -1035,8 +1035,8 @@ static void task_in_place_dp(const attn_args *a, int64_t s, int64_t h0, int64_t 
  * avx512 build both products take 32 columns per register tile (tile_pair): SmolLM2's heads on an Intel
  * Xeon (family 6 model 167, 2 threads), bf16 cache, 4 x 256 / 4 x 512 / 1 x 2000 tokens: 2.28 -> 2.03,
  * 8.29 -> 7.47, 29.5 -> 26.4 ms (fp32 cache: 2.27 -> 1.99, 8.76 -> 7.50, 28.6 -> 26.5). AVX2
- * and head_dim % 16 == 0 only: the callers keep the per-sequence paths otherwise
- * (paged_prefill_attention_supported). */
+ * and head_dim % 16 == 0 only (prefill_flash_tiles): elsewhere prefill decodes each row alone
+ * (prefill_as_decodes) and decode steps read the shared prefix per sequence. */
 #define QT 16 /* prefill queries per tile; also the decode sequences per tile of the prefix pass */
 #ifdef PAGEDQ_AVX512
 #define PAIR 2 /* 16-column panels per register tile (gemm_tile.h tile_pair) */
@@ -1045,7 +1045,9 @@ static void task_in_place_dp(const attn_args *a, int64_t s, int64_t h0, int64_t 
 #endif
 #define KC 64 /* keys per chunk */
 
-int paged_prefill_attention_supported(int64_t head_dim)
+/* Whether paged_prefill_attention_f32 takes the flash tiles for this head size; the decode kernel's cascade
+ * (its shared-prefix pass runs on the same tiles) runs where this holds. */
+int prefill_flash_tiles(int64_t head_dim)
 {
 #ifdef PAGEDQ_AVX2
     return head_dim % NR == 0;
@@ -1906,7 +1908,43 @@ static void prefill_task(const prefill_args *a, int64_t s, int64_t h, int64_t t0
 }
 #endif
 
-/* out [N, H, D] contiguous; q, caches as for decode. Requires paged_prefill_attention_supported().
+/* Prefill without flash tiles (the generic build; a head_dim they do not take): each prompt row is decoded as
+ * a sequence of its own, over the positions up to and with its own (the same block table), so its floats are
+ * what decoding that token gives and never depend on the chunk it came in. Before, these builds prefilled
+ * through torch's SDPA, whose floats on an AMD EPYC Zen 5 (family 26 model 2) depended on the query chunk's
+ * length: a prompt whose head came from the prefix cache got logprobs that moved in the last bit. Cost, there
+ * (2 threads; 9 q / 3 kv heads, blocks of 16; the engine's attention forward, fastest of 5, ms, this vs torch's
+ * SDPA, which is not capped to the build's instruction set): generic build, head_dim 64, 4 x 256 tokens 7.5 vs
+ * 4.1, 1 x 512 7.3 vs 4.1, 1 x 2048 118 vs 41; head_dim 20, avx512 build (task_in_place) 1 x 512 1.26 vs 1.76,
+ * 1 x 2048 18.1 vs 16.9; avx2 build (the portable task) 5.5 vs 1.8 and 85 vs 18. */
+static void prefill_as_decodes(const float *q, int64_t q_tok, int64_t q_head, const void *k_cache,
+                               const void *v_cache, float *out, const int64_t *q_starts, const int32_t *q_lens,
+                               const int32_t *seq_lens, const int32_t *block_tables, int64_t num_seqs,
+                               int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t block_size, float scale, int kv_bf16, int use_dp, int num_threads)
+{
+    int64_t num_rows = 0;
+    for (int64_t s = 0; s < num_seqs; s++) num_rows += q_lens[s];
+    if (num_rows == 0) return;
+    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * num_rows);
+    int32_t *lens = (int32_t *)malloc(sizeof(int32_t) * num_rows);
+    int32_t *tables = (int32_t *)malloc(sizeof(int32_t) * num_rows * max_blocks);
+    int64_t r = 0;
+    for (int64_t s = 0; s < num_seqs; s++) /* the latest rows (the longest contexts) first, as tasks are taken */
+        for (int64_t i = q_lens[s] - 1; i >= 0; i--, r++) {
+            rows[r] = q_starts[s] + i;
+            lens[r] = seq_lens[s] - q_lens[s] + (int32_t)i + 1;
+            memcpy(tables + r * max_blocks, block_tables + s * max_blocks, sizeof(int32_t) * max_blocks);
+        }
+    paged_decode_attention_f32(q, q_tok, q_head, k_cache, v_cache, out, rows, lens, tables, NULL, num_rows,
+                               max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale, kv_bf16, use_dp,
+                               0, num_threads);
+    free(tables);
+    free(lens);
+    free(rows);
+}
+
+/* out [N, H, D] contiguous; q, caches as for decode. Any head_dim (flash tiles or prefill_as_decodes).
  * use_dp: a bf16 cache's products on AVX512-bf16 dot products (flash_rows_dp, tiles of DP_QT queries); the
  * caller sets it only where that instruction runs, and it is ignored outside the avx512 build or over fp32.
  * Measured with it (AMD EPYC, family 26 model 2 = Zen 5, 2 threads, SmolLM2-135M's heads (9 q / 3 kv, D 64,
@@ -1934,6 +1972,12 @@ void paged_prefill_attention_f32(
     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, float scale, int kv_bf16, int use_dp, int num_threads)
 {
+    if (!prefill_flash_tiles(head_dim)) {
+        prefill_as_decodes(q, q_tok, q_head, k_cache, v_cache, out, q_starts, q_lens, seq_lens, block_tables,
+                           num_seqs, max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale, kv_bf16,
+                           use_dp, num_threads);
+        return;
+    }
 #ifdef PAGEDQ_AVX2
     int64_t tile_q = QT;
 #ifdef PAGEDQ_AVX512
@@ -1972,9 +2016,5 @@ void paged_prefill_attention_f32(
         free(scratch);
     }
     free(tasks);
-#else
-    (void)q; (void)q_tok; (void)q_head; (void)k_cache; (void)v_cache; (void)out; (void)q_starts;
-    (void)q_lens; (void)seq_lens; (void)block_tables; (void)num_seqs; (void)max_blocks; (void)num_heads;
-    (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale; (void)kv_bf16; (void)use_dp; (void)num_threads;
 #endif
 }

@@ -10,7 +10,8 @@
  * once for all of them (cascade attention, see decode_cascade_blocks) and merged into each.
  *
  * Layouts: q [*, H, D] with strides (q_tok, q_head, 1); out [N, H, D] contiguous;
- * k_cache, v_cache [num_blocks, block_size, KVH, D] contiguous; block_tables [S, max_blocks].
+ * k_cache, v_cache [num_blocks, block_size, KVH, D] contiguous; block_tables [S, max_blocks] (decode: max_blocks
+ * 0 gives every sequence the same table, prefill_as_decodes' rows).
  *
  * The caches hold float32, or bfloat16 with kv_bf16 set (half the bytes a step reads, and twice the
  * blocks in the same memory). In the avx512 build, decode reads the cache in place, either dtype
@@ -1914,32 +1915,33 @@ static void prefill_task(const prefill_args *a, int64_t s, int64_t h, int64_t t0
  * through torch's SDPA, whose floats on an AMD EPYC Zen 5 (family 26 model 2) depended on the query chunk's
  * length: a prompt whose head came from the prefix cache got logprobs that moved in the last bit. Cost, there
  * (2 threads; 9 q / 3 kv heads, blocks of 16; the engine's attention forward, fastest of 5, ms, this vs torch's
- * SDPA, which is not capped to the build's instruction set): generic build, head_dim 64, 4 x 256 tokens 7.5 vs
- * 4.1, 1 x 512 7.3 vs 4.1, 1 x 2048 118 vs 41; head_dim 20, avx512 build (task_in_place) 1 x 512 1.26 vs 1.76,
- * 1 x 2048 18.1 vs 16.9; avx2 build (the portable task) 5.5 vs 1.8 and 85 vs 18. */
+ * SDPA, which is not capped to the build's instruction set): generic build, head_dim 64, 4 x 256 tokens 8.1 vs
+ * 4.4, 1 x 512 7.1 vs 3.8, 1 x 2048 118 vs 41; head_dim 20, avx512 build (task_in_place) 1 x 512 1.20 vs 1.76,
+ * 1 x 2048 18.2 vs 17.1; avx2 build (the portable task) 5.2 vs 1.7 and 82 vs 17. The floats first: the generic
+ * build serves CPUs without AVX2, and no model pagedq ships has a head size that is not a multiple of 16. */
 static void prefill_as_decodes(const float *q, int64_t q_tok, int64_t q_head, const void *k_cache,
                                const void *v_cache, float *out, const int64_t *q_starts, const int32_t *q_lens,
                                const int32_t *seq_lens, const int32_t *block_tables, int64_t num_seqs,
                                int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                int64_t block_size, float scale, int kv_bf16, int use_dp, int num_threads)
 {
-    int64_t num_rows = 0;
-    for (int64_t s = 0; s < num_seqs; s++) num_rows += q_lens[s];
-    if (num_rows == 0) return;
-    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * num_rows);
-    int32_t *lens = (int32_t *)malloc(sizeof(int32_t) * num_rows);
-    int32_t *tables = (int32_t *)malloc(sizeof(int32_t) * num_rows * max_blocks);
-    int64_t r = 0;
-    for (int64_t s = 0; s < num_seqs; s++) /* the latest rows (the longest contexts) first, as tasks are taken */
-        for (int64_t i = q_lens[s] - 1; i >= 0; i--, r++) {
-            rows[r] = q_starts[s] + i;
-            lens[r] = seq_lens[s] - q_lens[s] + (int32_t)i + 1;
-            memcpy(tables + r * max_blocks, block_tables + s * max_blocks, sizeof(int32_t) * max_blocks);
+    int64_t most = 0;
+    for (int64_t s = 0; s < num_seqs; s++) most = q_lens[s] > most ? q_lens[s] : most;
+    if (most == 0) return;
+    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * most);
+    int32_t *lens = (int32_t *)malloc(sizeof(int32_t) * most);
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t n = q_lens[s];
+        for (int64_t r = 0; r < n; r++) { /* the latest rows (the longest contexts) first, as tasks are taken */
+            rows[r] = q_starts[s] + n - 1 - r;
+            lens[r] = seq_lens[s] - (int32_t)r;
         }
-    paged_decode_attention_f32(q, q_tok, q_head, k_cache, v_cache, out, rows, lens, tables, NULL, num_rows,
-                               max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale, kv_bf16, use_dp,
-                               0, num_threads);
-    free(tables);
+        /* One decode call per sequence, its table at stride 0: every row reads the sequence's one table. */
+        if (n > 0)
+            paged_decode_attention_f32(q, q_tok, q_head, k_cache, v_cache, out, rows, lens,
+                                       block_tables + s * max_blocks, NULL, n, 0, num_heads, num_kv_heads, head_dim,
+                                       block_size, scale, kv_bf16, use_dp, 0, num_threads);
+    }
     free(lens);
     free(rows);
 }

@@ -1909,16 +1909,17 @@ static void prefill_task(const prefill_args *a, int64_t s, int64_t h, int64_t t0
 }
 #endif
 
-/* Prefill without flash tiles (the generic build; a head_dim they do not take): each prompt row is decoded as
- * a sequence of its own, over the positions up to and with its own (the same block table), so its floats are
- * what decoding that token gives and never depend on the chunk it came in. Before, these builds prefilled
- * through torch's SDPA, whose floats on an AMD EPYC Zen 5 (family 26 model 2) depended on the query chunk's
- * length: a prompt whose head came from the prefix cache got logprobs that moved in the last bit. Cost, there
- * (2 threads; 9 q / 3 kv heads, blocks of 16; the engine's attention forward, fastest of 5, ms, this vs torch's
- * SDPA, which is not capped to the build's instruction set): generic build, head_dim 64, 4 x 256 tokens 8.1 vs
- * 4.4, 1 x 512 7.1 vs 3.8, 1 x 2048 118 vs 41; head_dim 20, avx512 build (task_in_place) 1 x 512 1.20 vs 1.76,
- * 1 x 2048 18.2 vs 17.1; avx2 build (the portable task) 5.2 vs 1.7 and 82 vs 17. The floats first: the generic
- * build serves CPUs without AVX2, and no model pagedq ships has a head size that is not a multiple of 16. */
+/* Prefill without flash tiles (the generic build, the native one on other architectures; a head_dim they do not
+ * take): each prompt row is decoded as a sequence of its own, over the positions up to and with its own (the same
+ * block table), so its floats are what decoding that token gives and never depend on the chunk it came in.
+ * Before, these builds prefilled through torch's SDPA, whose floats on an AMD EPYC Zen 5 (family 26 model 2)
+ * depended on the query chunk's length: a prompt whose head came from the prefix cache got logprobs that moved in
+ * the last bit. Cost, there (2 threads; 9 q / 3 kv heads, blocks of 16; the engine's attention forward, fastest
+ * of 5, ms, this vs torch's SDPA, which is not capped to the build's instruction set): generic build, head_dim
+ * 64, 4 x 256 tokens 8.1 vs 4.4, 1 x 512 7.1 vs 3.8, 1 x 2048 118 vs 41; head_dim 20, avx512 build
+ * (task_in_place) 1 x 512 1.20 vs 1.76, 1 x 2048 18.2 vs 17.1; avx2 build (the portable task) 5.2 vs 1.7 and 82
+ * vs 17. The floats first: the generic build serves CPUs without AVX2, and no model pagedq ships has a head size
+ * that is not a multiple of 16 (the native build, on ARM, is not measured). */
 static void prefill_as_decodes(const float *q, int64_t q_tok, int64_t q_head, const void *k_cache,
                                const void *v_cache, float *out, const int64_t *q_starts, const int32_t *q_lens,
                                const int32_t *seq_lens, const int32_t *block_tables, int64_t num_seqs,

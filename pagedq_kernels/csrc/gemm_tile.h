@@ -3,8 +3,8 @@
  * stride ldw (16 for a packed weight panel). Epilogue: + bias, or with glu, silu(lanes 0-7) * lanes 8-15.
  * Two builds (pagedq_kernels/c_build.py variants): AVX-512 when the compiler targets it, a 12x16 tile of one zmm
  * accumulator per row; else AVX2/FMA, a 6x16 tile of two ymm per row. Without AVX2 neither user runs (the
- * callers keep oneDNN, and prefill attention decodes row by row). The panel layout (NR = 16 columns) is the same in both, so a
- * weight packed by one variant runs on the other. */
+ * matmuls stay on oneDNN, and prefill attention decodes row by row). The panel layout (NR = 16 columns) is the
+ * same in both, so a weight packed by one variant runs on the other. */
 #ifndef PAGEDQ_GEMM_TILE_H
 #define PAGEDQ_GEMM_TILE_H
 

@@ -50,6 +50,17 @@ def _compiler() -> str:
     return cc
 
 
+def kernel_flags(variant_flags: list[str]) -> list[str]:
+    """A kernel library's compiler flags around a variant's (:data:`VARIANT_FLAGS`)."""
+    return ["-O3", *variant_flags, "-fopenmp", "-shared", "-fPIC"]
+
+
+def compile_command(cc: str, name: str, flags: list[str], out: Path) -> list[str]:
+    """The command that compiles ``csrc/<name>.c`` with ``flags`` into ``out`` (also the test that cross-compiles the
+    kernels for ARM runs it)."""
+    return [cc, *flags, f"-I{CSRC}", str(CSRC / f"{name}.c"), "-o", str(out), "-lm"]
+
+
 def _compile(name: str, flags: list[str], suffix: str) -> Path:
     """``csrc/<name>.c`` compiled with ``flags`` into the cache (once per source, headers and flags)."""
     cc = _compiler()
@@ -63,8 +74,7 @@ def _compile(name: str, flags: list[str], suffix: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cc, *flags, f"-I{CSRC}", str(source), "-o", str(out), "-lm"]
-            subprocess.run(cmd, check=True, capture_output=True)
+            subprocess.run(compile_command(cc, name, flags, out), check=True, capture_output=True)
             os.replace(out, target)
     return target
 
@@ -96,8 +106,7 @@ def load(name: str, bind: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
     with _lock:
         if key not in _loaded:
             try:
-                flags = ["-O3", *VARIANT_FLAGS[key[1]], "-fopenmp", "-shared", "-fPIC"]
-                lib = ctypes.CDLL(str(_compile(name, flags, ".so")))
+                lib = ctypes.CDLL(str(_compile(name, kernel_flags(VARIANT_FLAGS[key[1]]), ".so")))
                 bind(lib)
                 _loaded[key] = lib
             except (OSError, RuntimeError, AttributeError, subprocess.CalledProcessError) as exc:

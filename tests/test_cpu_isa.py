@@ -150,3 +150,28 @@ def test_the_cpu_model_is_read_as_lscpu_reads_it() -> None:
         pytest.skip("lscpu names no family here")
     expected = (fields["Vendor ID"], int(fields["CPU family"]), int(fields["Model"]))
     assert (model.vendor, model.family, model.model) == expected
+
+
+# What an ARM server (AWS Graviton 2 / 3: Neoverse N1 / V1, the second with SVE) builds: the one `native` variant.
+# The attention, fused ops and int8 kernels have portable paths and must compile there; the fp32 panel kernel
+# refuses (its packed weights then go to oneDNN, cpu_linear.py); the bf16, AMX and probe sources never load there.
+ARM_KERNELS = {"cpu_attention": True, "cpu_ops": True, "cpu_int8_gemm": True, "cpu_gemm": False}
+EM_AARCH64 = 183  # the ELF header's e_machine for AArch64
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None, reason="no aarch64 cross compiler")
+@pytest.mark.parametrize("cpu", ["neoverse-n1", "neoverse-v1"])
+@pytest.mark.parametrize("name", sorted(ARM_KERNELS))
+def test_the_kernels_arm_loads_compile_for_arm(name: str, cpu: str, tmp_path: Path) -> None:
+    """Cross-compiled as c_build compiles the native variant (``-mcpu=`` the core instead of ``native``), so an x86
+    intrinsic outside its ISA's #ifdef fails here rather than on a user's ARM server (where the kernel would
+    silently fall back to torch). Compiling only: nothing here runs ARM code."""
+    flags = c_build.kernel_flags([f"-mcpu={cpu}"])
+    command = c_build.compile_command("aarch64-linux-gnu-gcc", name, flags, tmp_path / f"{name}.so")
+    result = subprocess.run(command, capture_output=True, text=True)
+    if ARM_KERNELS[name]:
+        assert result.returncode == 0, result.stderr
+        header = (tmp_path / f"{name}.so").read_bytes()[:20]
+        assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == EM_AARCH64
+    else:
+        assert result.returncode != 0 and "needs AVX2/FMA" in result.stderr

@@ -6,7 +6,6 @@ builds are held to in tests/test_cpu_attention.py. Needs Debian's ``gcc-aarch64-
 
 from __future__ import annotations
 
-import random
 import shutil
 import struct
 import subprocess
@@ -15,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.attention_metadata import AttentionMetadata
 from pagedq_kernels import c_build
 from pagedq_kernels.paged_attention import paged_attention_torch
+from tests.test_cpu_attention import make_batch
 
 CROSS_CC = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
@@ -76,34 +77,22 @@ def run_arm(
     return out.view(n, heads, head_dim)
 
 
-def paged_caches(
-    seq_lens: list[int], kv_heads: int, head_dim: int, kv_dtype: torch.dtype, seed: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random caches holding every position of each sequence, blocks scattered over the pool, and the tables."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    counts = [-(-n // BLOCK) for n in seq_lens]
-    free = list(range(sum(counts) + 3))
-    rng.shuffle(free)
-    width = max(counts)
-    tables = torch.tensor([[free.pop() for _ in range(c)] + [0] * (width - c) for c in counts], dtype=torch.int32)
-    shape = (sum(counts) + 3, BLOCK, kv_heads, head_dim)
-    return torch.randn(shape).to(kv_dtype), torch.randn(shape).to(kv_dtype), tables
-
-
-def reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    q_lens: list[int],
-    seq_lens: list[int],
-    tables: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    starts = torch.tensor([0, *torch.cumsum(torch.tensor(q_lens), 0).tolist()], dtype=torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    args = (starts, lens, tables, scale, max(q_lens), max(seq_lens))
-    return paged_attention_torch(q, k_cache.float(), v_cache.float(), *args)
+def batch(
+    seq_lens: list[int], q_lens: list[int], heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tests/test_cpu_attention.py's random step (scattered blocks), its caches in ``kv_dtype``, and torch's attention
+    over it (the caches widened): metadata, q, k_cache, v_cache, reference."""
+    meta, q, _, _, k_cache, v_cache = make_batch(seq_lens, q_lens, heads, kv_heads, head_dim, BLOCK)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    args = (
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        head_dim**-0.5,
+        meta.max_query_len,
+        meta.max_seq_len,
+    )
+    return meta, q, k_cache, v_cache, paged_attention_torch(q, k_cache.float(), v_cache.float(), *args)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 20)])
@@ -114,11 +103,11 @@ def test_arm_attention_matches_torch_and_a_cached_prefix_changes_no_row(
     """Prefill of a whole 70-token prompt and of its tails of 1, 5 and 16 rows (what a prefix-cache hit leaves): the
     rows bit for bit the same, each equal to decoding that row alone, all near torch's attention; then a decode
     step of five sequences and a prefill step of three chunks after cached positions, against torch."""
+    torch.manual_seed(head_dim)
     scale = head_dim**-0.5
     total = 70
-    k_cache, v_cache, tables = paged_caches([total], kv_heads, head_dim, kv_dtype, seed=head_dim)
-    q = torch.randn(total, heads, head_dim)
-    lens = torch.tensor([total], dtype=torch.int32)
+    meta, q, k_cache, v_cache, ref = batch([total], [total], heads, kv_heads, head_dim, kv_dtype)
+    tables, lens = meta.block_tables, meta.seq_lens
 
     def prefill(start: int) -> torch.Tensor:
         rows = q[start:]
@@ -126,7 +115,7 @@ def test_arm_attention_matches_torch_and_a_cached_prefix_changes_no_row(
         return run_arm(harness, tmp_path, rows, k_cache, v_cache, torch.zeros(1), lens, tables, scale, q_lens)
 
     whole = prefill(0)
-    torch.testing.assert_close(whole, reference(q, k_cache, v_cache, [total], [total], tables, scale))
+    torch.testing.assert_close(whole, ref)
     for tail in (1, 5, 16):
         assert torch.equal(prefill(total - tail), whole[total - tail :]), tail
     for pos in (0, 41, total - 1):
@@ -135,18 +124,12 @@ def test_arm_attention_matches_torch_and_a_cached_prefix_changes_no_row(
         assert torch.equal(one[0], whole[pos]), pos
 
     decode_lens = [1, 17, 33, 64, 90]
-    k_cache, v_cache, tables = paged_caches(decode_lens, kv_heads, head_dim, kv_dtype, seed=head_dim + 1)
-    q = torch.randn(len(decode_lens), heads, head_dim)
-    out = run_arm(
-        harness, tmp_path, q, k_cache, v_cache, torch.arange(len(decode_lens)), torch.tensor(decode_lens), tables, scale
-    )
-    ones = [1] * len(decode_lens)
-    torch.testing.assert_close(out, reference(q, k_cache, v_cache, ones, decode_lens, tables, scale))
+    meta, q, k_cache, v_cache, ref = batch(decode_lens, [1] * 5, heads, kv_heads, head_dim, kv_dtype)
+    out = run_arm(harness, tmp_path, q, k_cache, v_cache, torch.arange(5), meta.seq_lens, meta.block_tables, scale)
+    torch.testing.assert_close(out, ref)
 
-    prefill_lens, chunks = [40, 75, 19], [40, 23, 6]
-    k_cache, v_cache, tables = paged_caches(prefill_lens, kv_heads, head_dim, kv_dtype, seed=head_dim + 2)
-    q = torch.randn(sum(chunks), heads, head_dim)
-    starts = torch.tensor([0, *torch.cumsum(torch.tensor(chunks), 0).tolist()[:-1]])
-    lens = torch.tensor(prefill_lens)
-    out = run_arm(harness, tmp_path, q, k_cache, v_cache, starts, lens, tables, scale, torch.tensor(chunks))
-    torch.testing.assert_close(out, reference(q, k_cache, v_cache, chunks, prefill_lens, tables, scale))
+    chunks = [40, 23, 6]
+    meta, q, k_cache, v_cache, ref = batch([40, 75, 19], chunks, heads, kv_heads, head_dim, kv_dtype)
+    starts, q_lens = meta.query_start_loc[:-1], torch.tensor(chunks)
+    out = run_arm(harness, tmp_path, q, k_cache, v_cache, starts, meta.seq_lens, meta.block_tables, scale, q_lens)
+    torch.testing.assert_close(out, ref)

@@ -51,7 +51,7 @@ class Linear(nn.Module):
         # Either replaces the dense weight, which is then freed.
         self.int8: int8_linear.Int8Weight | None = None
         self.int8_packed: int8_linear.PackedInt8 | None = None
-        # quantization="w8a8": the int8 weight reordered for oneDNN's int8 matmul, inputs quantised per token.
+        # quantization="w8a8": the int8 weight packed for a W8A8 kernel (VNNI or oneDNN), inputs quantised per token.
         self.w8a8: w8a8_linear.PackedW8A8 | None = None
 
     def set_int8(self, weight: int8_linear.Int8Weight) -> None:

@@ -28,6 +28,7 @@ then ``F.linear``) is the reference every kernel is tested against.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import os
@@ -151,7 +152,9 @@ def linear_reference(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | N
 class PackedInt8:
     """An :class:`Int8Weight` in the C kernel's panels (opaque to torch); ``glu``: a merged gate/up weight
     whose product is ``silu(gate) * up``, ``out_features`` wide. ``amx``: in the AMX kernel's tile order
-    (``values`` int8 [blocks, K, 32], ``scales`` float32 [blocks, 32]; see ``csrc/cpu_int8_amx.c``)."""
+    (``values`` int8 [blocks, K, 32], ``scales`` float32 [blocks, 32]; see ``csrc/cpu_int8_amx.c``), x rounded to
+    bf16; multiplied on AMX tiles, or, where ``dp_kernels`` is set (AMX does not run), on that library's
+    AVX512-bf16 dot products (``csrc/cpu_bf16_dp.c`` gemm_int8_dp, the same sums)."""
 
     values: torch.Tensor  # int8 [panels, K, 16]
     scales: torch.Tensor  # float32 [panels, K // group_size, 16]
@@ -161,6 +164,7 @@ class PackedInt8:
     in_features: int
     glu: bool = False
     amx: bool = False
+    dp_kernels: ctypes.CDLL | None = None  # held as loaded: a later ISA cap moves no packed weight
 
     @property
     def nbytes(self) -> int:
@@ -270,15 +274,22 @@ def pack(weight: Int8Weight, glu: bool = False, matmul_dtype: torch.dtype | None
     :func:`linear_reference`). ``glu``: ``weight`` is a merged ``[gate; up]`` (``2i`` rows).
 
     ``matmul_dtype`` bf16 (the model multiplies in bf16: activations are rounded to bf16 anyway) puts a
-    per-channel weight on AMX tiles where the CPU runs them; otherwise (fp32: the exact kernel) panels."""
+    per-channel weight on AMX tiles where the CPU runs them, else on the AVX512-bf16 dot products where those run
+    (the same packing and sums); otherwise (fp32: the exact kernel) panels. On a 2-vCPU AMD EPYC Zen 5 the fp32
+    panels ran an int8 model's compass at 0.9x the fp32 model's speed (int8 -> fp32 widening on fp32 FMAs, at
+    compute-bound step sizes): see ``csrc/cpu_bf16_dp.c`` gemm_int8_dp for the change."""
     if weight.values.device.type != "cpu" or not kernel_available():
         return None
     n = weight.out_features
     if glu and n % 2:
         return None
     out_features = n // 2 if glu else n
-    if matmul_dtype == torch.bfloat16 and amx_supported(weight) and amx_available():
-        return _pack_amx(weight, out_features, glu)
+    if matmul_dtype == torch.bfloat16 and amx_supported(weight):
+        if amx_available():
+            return _pack_amx(weight, out_features, glu)
+        dp_kernels = None if os.environ.get("PAGEDQ_DISABLE_INT8_KERNEL") else cpu_linear.dp_library()
+        if dp_kernels is not None:
+            return dataclasses.replace(_pack_amx(weight, out_features, glu), dp_kernels=dp_kernels)
     # A merged gate/up has 2 * out_features rows: the padding index of _panel_rows is >= n, clamped to n.
     rows = _panel_rows(out_features, glu)
     return PackedInt8(
@@ -303,7 +314,7 @@ def linear(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None) -> to
         x_bf16 = torch.empty((cpu_linear.bf16_rows("amx", m), k), dtype=torch.bfloat16) if packed.amx else None
         function, args, _ = linear_call(packed, x2, out, bias, x_bf16, torch.get_num_threads())
         if function(*args):
-            buffer = "AMX weight" if packed.amx else "dequantisation"
+            buffer = "widened weight" if packed.amx else "dequantisation"
             raise MemoryError(f"int8 linear: no memory for the {buffer} buffer")
     return out.view(*x.shape[:-1], n).to(x.dtype)
 
@@ -324,12 +335,13 @@ def linear_call(
     values, scales = packed.values.data_ptr(), packed.scales.data_ptr()
     if packed.amx:
         assert x_bf16 is not None and x_bf16.numel() >= cpu_linear.bf16_rows("amx", m) * k, "bf16 buffer too small"
+        tiles = (x.data_ptr(), x.stride(0), x_bf16.data_ptr(), m, values, scales, bias_ptr, out.data_ptr())
+        args = (*tiles, out.stride(0), n, k, int(packed.glu), threads)
+        if packed.dp_kernels is not None:
+            return kernel_call.KernelCall(packed.dp_kernels.gemm_int8_dp, args, "int8 AVX512-bf16 linear")
         amx = _amx_lib()
         assert amx is not None, "AMX-packed int8 weight without its kernel"
-        tiles = (x.data_ptr(), x.stride(0), x_bf16.data_ptr(), m, values, scales, bias_ptr, out.data_ptr())
-        return kernel_call.KernelCall(
-            amx.gemm_int8_amx, (*tiles, out.stride(0), n, k, int(packed.glu), threads), "int8 AMX linear"
-        )
+        return kernel_call.KernelCall(amx.gemm_int8_amx, args, "int8 AMX linear")
     lib = c_build.load("cpu_int8_gemm", _bind)
     assert lib is not None, "int8-packed weight without its kernel"
     offsets = packed.offsets.data_ptr() if packed.offsets is not None else None

@@ -185,11 +185,25 @@ def test_plan_equals_the_module_forward_bf16(
     _both_forwards(llm)
 
 
+def test_plan_equals_the_module_forward_w8a8(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: Callable[[str], Path]
+) -> None:
+    """W8A8 on the VNNI kernel (the ISA cap lifted: it needs the avx512_bf16 level): every decoder linear in the plan,
+    gate_up through the kernel's glu epilogue, the same floats as the module forward."""
+    monkeypatch.delenv(cpu_isa.ENV_CAP, raising=False)
+    kinds = w8a8_linear.available_kinds()
+    if not kinds or kinds[0] != "vnni":
+        pytest.skip(f"W8A8 runs {kinds or 'nowhere'} here, not first on the VNNI kernel")
+    llm = LLM(str(tiny_model("llama_gqa")), dtype="float32", quantization="w8a8", num_kv_blocks=64, block_size=BLOCK)
+    _both_forwards(llm, STEP)
+    _both_forwards(llm, DECODE_STEP, seed=1)
+
+
 def test_models_the_plan_cannot_run_keep_the_module_forward(
     monkeypatch: pytest.MonkeyPatch, tiny_model: Callable[[str], Path]
 ) -> None:
-    """Qwen3's per-head norms, W8A8 (where oneDNN's int8 matmul runs) and the switch: no plan, and the engine
-    still generates."""
+    """Qwen3's per-head norms, W8A8 on oneDNN's int8 matmul (where it runs; the suite's ISA cap keeps the VNNI
+    kernel off) and the switch: no plan, and the engine still generates."""
     archs = [("qwen3", "none")] + ([("llama_gqa", "w8a8")] if w8a8_linear.available() else [])
     for arch, quantization in archs:
         llm = LLM(str(tiny_model(arch)), dtype="float32", quantization=quantization, num_kv_blocks=64)

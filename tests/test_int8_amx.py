@@ -1,5 +1,7 @@
-"""int8 weights on AMX bf16 tiles (pagedq_kernels/csrc/cpu_int8_amx.c): against the torch reference on bf16-rounded
-inputs, every partial tile, the cases that keep the exact fp32 kernel, and a bf16 tiny model end to end."""
+"""int8 weights of a bf16 model widened to bf16 in the AMX tile order, on each kernel that runs here: AMX tiles
+(pagedq_kernels/csrc/cpu_int8_amx.c) and, where AMX does not run, AVX512-bf16 dot products (csrc/cpu_bf16_dp.c
+gemm_int8_dp): against the torch reference on bf16-rounded inputs, every partial tile, the cases that keep the exact
+fp32 kernel, and a bf16 tiny model end to end."""
 
 from __future__ import annotations
 
@@ -13,18 +15,24 @@ import torch.nn.functional as F
 from engine import LLM
 from engine.layers import Linear
 from engine.models.llama import LlamaMLP
-from pagedq_kernels import cpu_isa, int8_linear
+from pagedq_kernels import cpu_isa, cpu_linear, int8_linear
 from schemas.sampling import SamplingParams
 from tests.tiny_models import random_linear
 
 
-@pytest.fixture(autouse=True)
-def amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The suite caps the ISA below bf16 (tests/conftest.py): lifted here, as tests/test_bf16.py does."""
+@pytest.fixture(autouse=True, params=["amx", "dpbf16"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The suite caps the ISA below bf16 (tests/conftest.py): lifted here, as tests/test_bf16.py does; for the
+    dot-product kernel capped at avx512_bf16, which keeps AMX off where it runs."""
     monkeypatch.delenv(cpu_isa.ENV_CAP, raising=False)
-    if not int8_linear.amx_available():
-        probed = list(cpu_isa.current().probed)
-        pytest.skip(f"AMX not runnable here (probed: {probed}): int8 weights keep the fp32 kernel")
+    probed = list(cpu_isa.current().probed)
+    if request.param == "amx" and not int8_linear.amx_available():
+        pytest.skip(f"AMX not runnable here (probed: {probed})")
+    if request.param == "dpbf16":
+        monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512_bf16")
+        if cpu_linear.dp_library() is None:
+            pytest.skip(f"AVX512-bf16 not runnable here (probed: {probed}): int8 weights keep the fp32 kernel")
+    return str(request.param)
 
 
 ROWS = (1, 5, 16, 17, 33, 300)  # one tile row, partial 16-row tiles, one and two 32-row blocks, several
@@ -35,10 +43,17 @@ def _weight(n: int, k: int, seed: int) -> int8_linear.Int8Weight:
     return int8_linear.quantize_per_channel(torch.randn(n, k, generator=g))
 
 
-def _on_amx(weight: int8_linear.Int8Weight, matmul_dtype: torch.dtype | None = None) -> bool:
+def _on_tiles(weight: int8_linear.Int8Weight, matmul_dtype: torch.dtype | None = None) -> bool:
     packed = int8_linear.pack(weight, matmul_dtype=matmul_dtype)
     assert packed is not None
     return packed.amx
+
+
+def _packed(kernel: str, weight: int8_linear.Int8Weight, glu: bool = False) -> int8_linear.PackedInt8:
+    """``weight`` packed for a bf16 model, checked to be on ``kernel``."""
+    packed = int8_linear.pack(weight, glu=glu, matmul_dtype=torch.bfloat16)
+    assert packed is not None and packed.amx and (packed.dp_kernels is not None) == (kernel == "dpbf16")
+    return packed
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
@@ -48,12 +63,11 @@ def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
 
 
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (200, 96), (33, 576), (70, 1536)])
-def test_amx_matches_reference_on_bf16_inputs(n: int, k: int) -> None:
+def test_tiles_match_reference_on_bf16_inputs(kernel: str, n: int, k: int) -> None:
     # n: one partial block, several with a partial last one, a last block of one column
     weight = _weight(n, k, seed=n * k)
     bias = torch.randn(n)
-    packed = int8_linear.pack(weight, matmul_dtype=torch.bfloat16)
-    assert packed is not None and packed.amx
+    packed = _packed(kernel, weight)
     assert packed.values.nbytes == -(-n // 32) * 32 * k  # still one byte per weight
     g = torch.Generator().manual_seed(k)
     for rows in ROWS:
@@ -70,10 +84,10 @@ def test_amx_matches_reference_on_bf16_inputs(n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize(("inter", "k"), [(40, 64), (24, 576)])
-def test_amx_gated_matches_reference(inter: int, k: int) -> None:
+def test_tiles_gated_match_reference(kernel: str, inter: int, k: int) -> None:
     weight = _weight(2 * inter, k, seed=inter)
-    packed = int8_linear.pack(weight, glu=True, matmul_dtype=torch.bfloat16)
-    assert packed is not None and packed.amx and packed.out_features == inter
+    packed = _packed(kernel, weight, glu=True)
+    assert packed.out_features == inter
     g = torch.Generator().manual_seed(inter)
     for rows in ROWS:
         x = torch.randn(rows, k, generator=g)
@@ -84,19 +98,21 @@ def test_amx_gated_matches_reference(inter: int, k: int) -> None:
         int8_linear.linear(torch.randn(2, k), packed, torch.zeros(inter))
 
 
-def test_amx_only_where_the_matmul_is_bf16_and_the_weight_per_channel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiles_only_where_the_matmul_is_bf16_and_the_weight_per_channel(
+    kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     per_channel = _weight(48, 64, seed=1)
-    assert _on_amx(per_channel, torch.bfloat16)
-    assert not _on_amx(per_channel) and not _on_amx(per_channel, torch.float32)  # fp32: the exact kernel
+    assert _on_tiles(per_channel, torch.bfloat16)
+    assert not _on_tiles(per_channel) and not _on_tiles(per_channel, torch.float32)  # fp32: the exact kernel
     group_wise = int8_linear.Int8Weight(per_channel.values, per_channel.scales.repeat(1, 2), None, 32)  # GGUF-like
-    assert not _on_amx(group_wise, torch.bfloat16)
-    assert not _on_amx(_weight(48, 48, seed=2), torch.bfloat16)  # K not a multiple of a tile row's 32
-    monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512_bf16")  # the operator's cap keeps AMX off
-    assert not int8_linear.amx_available()
-    assert not _on_amx(per_channel, torch.bfloat16)
+    assert not _on_tiles(group_wise, torch.bfloat16)
+    assert not _on_tiles(_weight(48, 48, seed=2), torch.bfloat16)  # K not a multiple of a tile row's 32
+    monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512")  # the operator's cap below bf16 keeps both off
+    assert not int8_linear.amx_available() and cpu_linear.dp_library() is None
+    assert not _on_tiles(per_channel, torch.bfloat16)
 
 
-def test_linear_layer_packs_for_amx_under_bf16() -> None:
+def test_linear_layer_packs_for_the_tiles_under_bf16(kernel: str) -> None:
     torch.manual_seed(3)
     layer = random_linear(96, 50, True)
     layer.quantize_int8()
@@ -105,12 +121,14 @@ def test_linear_layer_packs_for_amx_under_bf16() -> None:
     want = int8_linear.linear_reference(x.bfloat16().float(), layer.int8, layer.bias)
     assert layer.prepack(torch.bfloat16)
     assert layer.int8_packed is not None and layer.int8_packed.amx
+    assert (layer.int8_packed.dp_kernels is not None) == (kernel == "dpbf16")
     _close(layer(x), want, 96)
 
 
-def test_tiny_model_bf16_int8_runs_on_amx(tiny_model: Callable[[str], Path]) -> None:
-    """Every decoder linear of a bf16 model with int8 weights is AMX-packed, and greedy first tokens mostly
-    agree with fp32 (a random-weight model has thin argmax gaps: the share is the measure)."""
+def test_tiny_model_bf16_int8_runs_on_the_tiles(kernel: str, tiny_model: Callable[[str], Path]) -> None:
+    """Every decoder linear of a bf16 model with int8 weights is packed in the tile order (on ``kernel``), and
+    greedy first tokens mostly agree with fp32 (a random-weight model has thin argmax gaps: the share is the
+    measure)."""
     path = tiny_model("llama_gqa")
     fp32 = LLM(str(path), dtype="float32", num_kv_blocks=64)
     int8 = LLM(str(path), dtype="bfloat16", num_kv_blocks=64, quantization="int8")
@@ -119,6 +137,8 @@ def test_tiny_model_bf16_int8_runs_on_amx(tiny_model: Callable[[str], Path]) -> 
     mlps = [m for m in layers.modules() if isinstance(m, LlamaMLP)]
     assert len(linears) == 3 * len(mlps) and all(m.int8_packed.amx for m in linears)  # type: ignore[union-attr]
     assert all(m.gated_int8 is not None and m.gated_int8.amx for m in mlps)  # SiLU-and-mul fused
+    on_dp = [m.int8_packed.dp_kernels is not None for m in linears]  # type: ignore[union-attr]
+    assert all(on_dp) if kernel == "dpbf16" else not any(on_dp)
     g = torch.Generator().manual_seed(0)
     prompts: list[list[int]] = [torch.randint(3, 500, (12,), generator=g).tolist() for _ in range(48)]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -132,13 +132,18 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, False, dtype, device, tp)
         self.gated: cpu_linear.PackedWeight | None = None  # CPU: gate_up with the SiLU-and-mul fused in
         self.gated_int8: int8_linear.PackedInt8 | None = None  # the same, for an int8 gate_up
+        self.gated_w8a8: w8a8_linear.PackedW8A8 | None = None  # the same, for a W8A8 gate_up on the VNNI kernel
 
     def prepack_gated(self, dtype: torch.dtype | None = None) -> bool:
         """Pack gate_up with its activation fused (``cpu_linear.pack_gated``: fp32 panels, or bf16 on the AMX
         kernel where it runs; or the int8 kernel's glu panels for an int8 gate_up); False where unsupported
         (e.g. bf16 without AMX: gate_up is then packed as a plain oneDNN linear)."""
-        if self.gate_up_proj.w8a8 is not None:  # stays a W8A8 linear; gate_up_act fuses its row scale
-            return False
+        if self.gate_up_proj.w8a8 is not None:  # the VNNI kernel's glu epilogue; oneDNN's stays a plain product
+            self.gated_w8a8 = w8a8_linear.gated(self.gate_up_proj.w8a8)
+            if self.gated_w8a8 is None:
+                return False
+            self.gate_up_proj.w8a8 = None
+            return True
         quantised = self.gate_up_proj.int8
         if quantised is not None:
             self.gated_int8 = int8_linear.pack(quantised, glu=True, matmul_dtype=dtype)  # bf16: AMX tiles
@@ -161,6 +166,8 @@ class LlamaMLP(nn.Module):
             return cpu_ops.silu_and_mul_cpu(product, row_scale=row_scales).view(*x.shape[:-1], -1)
         if self.gated_int8 is not None:
             return int8_linear.linear(x, self.gated_int8, None)
+        if self.gated_w8a8 is not None:
+            return w8a8_linear.linear(x, self.gated_w8a8, None)
         return self.ops.silu_and_mul(self.gate_up_proj(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -344,6 +351,8 @@ class LlamaForCausalLM(nn.Module):
                     total += module.gated.data.numel() * module.gated.data.element_size()
                 if module.gated_int8 is not None:
                     total += module.gated_int8.nbytes
+                if module.gated_w8a8 is not None:
+                    total += module.gated_w8a8.nbytes
         if self.lm_head_packed is not None:
             total += self.lm_head_packed.data.numel() * self.lm_head_packed.data.element_size()
         if self.lm_head_screen is not None:

@@ -30,7 +30,7 @@ import torch
 from engine.attention import TorchAttention
 from engine.attention_metadata import AttentionMetadata
 from engine.layers import Linear
-from pagedq_kernels import cpu_linear, cpu_ops, int8_linear, kernel_call
+from pagedq_kernels import cpu_linear, cpu_ops, int8_linear, kernel_call, w8a8_linear
 
 if TYPE_CHECKING:
     from engine.models.llama import KVCache, LlamaAttention, LlamaForCausalLM
@@ -42,13 +42,15 @@ FRAME_CACHE_ROWS = 256
 FRAME_CACHE_ROWS_KEPT = 1024
 
 
-Packed = cpu_linear.PackedWeight | int8_linear.PackedInt8
+Packed = cpu_linear.PackedWeight | int8_linear.PackedInt8 | w8a8_linear.PackedW8A8
 
 
 def _c_packed(weight: Packed | None) -> Packed | None:
     """``weight`` where it has a C kernel call (:func:`_linear_call`), else None."""
     if isinstance(weight, cpu_linear.PackedWeight):
         return weight if weight.kind in cpu_linear.CALL_KINDS else None
+    if isinstance(weight, w8a8_linear.PackedW8A8):
+        return weight if weight.kind == "vnni" else None
     return weight
 
 
@@ -56,14 +58,14 @@ def _rounds_to_bf16(weight: Packed) -> bool:
     """Whether the weight's kernel rounds x into the step's bf16 buffer (bf16 weights, int8 on AMX tiles)."""
     if isinstance(weight, cpu_linear.PackedWeight):
         return weight.kind in cpu_linear.BF16_KINDS
-    return weight.amx
+    return isinstance(weight, int8_linear.PackedInt8) and weight.amx
 
 
 @dataclass(frozen=True)
 class _Projection:
-    """A packed linear (float or int8), its bias as the kernels read it (contiguous fp32), and its kernel's call
-    builder (``cpu_linear.linear_call`` or ``int8_linear.linear_call`` with the weight bound: x, out, bias, the
-    bf16 buffer, threads)."""
+    """A packed linear (float, int8 or W8A8 on the VNNI kernel), its bias as the kernels read it (contiguous fp32),
+    and its kernel's call builder (``cpu_linear.linear_call``, ``int8_linear.linear_call`` or
+    ``w8a8_linear.linear_call`` with the weight bound: x, out, bias, the bf16 buffer, threads)."""
 
     packed: Packed
     bias: torch.Tensor | None
@@ -76,15 +78,15 @@ class _Projection:
             return None
         if isinstance(packed, cpu_linear.PackedWeight):
             call = functools.partial(cpu_linear.linear_call, packed)
+        elif isinstance(packed, w8a8_linear.PackedW8A8):
+            call = functools.partial(w8a8_linear.linear_call, packed)
         else:
             call = functools.partial(int8_linear.linear_call, packed)
         return cls(packed, bias.detach().float().contiguous() if bias is not None else None, call)
 
     @classmethod
     def of_linear(cls, linear: Linear) -> _Projection | None:
-        if linear.w8a8 is not None:
-            return None
-        return cls.of(linear.packed or linear.int8_packed, linear.bias)
+        return cls.of(linear.packed or linear.int8_packed or linear.w8a8, linear.bias)
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ class LlamaCpuPlan:
         for i, block in enumerate(blocks):
             attn, mlp = block.self_attn, block.mlp
             qkv, o, down = (_Projection.of_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.down_proj))
-            gated = _Projection.of(mlp.gated or mlp.gated_int8)
+            gated = _Projection.of(mlp.gated or mlp.gated_int8 or mlp.gated_w8a8)
             post = block.post_attention_layernorm
             if qkv is None or o is None or down is None or attn.q_norm is not None:
                 return None

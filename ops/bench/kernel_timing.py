@@ -8,8 +8,9 @@ rounds, because on a shared machine one round can land far either way.
     python -m ops.bench.kernel_timing [--rounds 7] [--kv-dtype float32|bfloat16] [--only decode]
 
 ``--linears`` times the bf16 matmuls instead (no ISA variants: the packed kinds of ``pagedq_kernels/cpu_linear``
-side by side, pagedq's AMX or AVX512-bf16 kernel against oneDNN; ``--linear-dtype float32``: the C panels) in
-GFLOP/s over SmolLM2's projections and lm_head.
+side by side, pagedq's AMX or AVX512-bf16 kernel against oneDNN, and beside them the W8A8 kernels that run here,
+``pagedq_kernels/w8a8_linear``, on the decoder's projections; ``--linear-dtype float32``: the C panels) in
+GFLOP/s (W8A8: integer GOP/s) over SmolLM2's projections and lm_head.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from engine.layers import build_cos_sin_cache
-from pagedq_kernels import cpu_attention, cpu_isa, cpu_linear, cpu_ops, host_memory
+from pagedq_kernels import cpu_attention, cpu_isa, cpu_linear, cpu_ops, host_memory, int8_linear, w8a8_linear
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, BLOCK = 9, 3, 64, 576, 1536, 16  # SmolLM2-135M
 VOCAB, LAYERS = 49152, 30
@@ -147,6 +148,32 @@ def linear_case(
     return lambda: cpu_linear.linear(x, ready[next(layer) % len(ready)], None)
 
 
+def w8a8_case(kind: w8a8_linear.Kind, k: int, n: int, glu: bool, rows: int) -> Callable[[], object] | None:
+    """:func:`linear_case` for a W8A8 kernel: per-channel int8 copies of the weight, x quantised per call as the
+    engine's linears do; gate_up through the VNNI kernel's glu epilogue, or oneDNN's product then the row-scaled
+    C SiLU-and-mul. None for the lm_head (the engine keeps it in the activation dtype)."""
+    if n == VOCAB:
+        return None
+    g = torch.Generator().manual_seed(n * k)
+    int8 = [int8_linear.quantize_per_channel(torch.randn(n, k, generator=g) * k**-0.5) for _ in range(LAYERS)]
+    packed = [w8a8_linear.pack(w, kind) for w in int8]
+    ready = [p for p in packed if p is not None]
+    if len(ready) != len(packed):
+        return None
+    gated = [w8a8_linear.gated(p) for p in ready] if glu else []
+    x = torch.randn(rows, k, generator=g)
+    layer = iter(range(1 << 62))
+    if glu and not all(gated):
+
+        def unscaled() -> object:
+            product, row_scales = w8a8_linear.matmul_unscaled(x, ready[next(layer) % len(ready)])
+            return cpu_ops.silu_and_mul_cpu(product, row_scale=row_scales)
+
+        return unscaled
+    weights = [p for p in gated if p is not None] if glu else ready
+    return lambda: w8a8_linear.linear(x, weights[next(layer) % len(weights)], None)
+
+
 def time_linears(rounds: int, only: str, dtype: torch.dtype) -> None:
     """GFLOP/s of each linear kind for ``dtype`` weights (fastest of ``rounds`` interleaved rounds) per shape
     and row count: bf16's AMX or dpbf16 / oneDNN kinds, or fp32's C panels and oneDNN. dpbf16 twice, with its
@@ -156,21 +183,27 @@ def time_linears(rounds: int, only: str, dtype: torch.dtype) -> None:
     if not kinds:
         raise SystemExit("no bf16 matmul kind runs here (the CPU probe found no AMX or AVX512-bf16)")
     # label: (kind, products on FMAs: None where the kind has no such choice)
-    labels: dict[str, tuple[cpu_linear.Kind, bool | None]] = {}
+    labels: dict[str, tuple[str, bool | None]] = {}
     for kind in kinds:
         if kind == "dpbf16":
             labels["dpbf16"], labels["dpbf16/f"] = (kind, False), (kind, True)
         else:
             labels[kind] = (kind, None)
+    int8_kinds = w8a8_linear.available_kinds() if dtype == torch.bfloat16 else []
+    labels |= {f"w8a8/{int8_kind}": (f"w8a8/{int8_kind}", None) for int8_kind in int8_kinds}
     best: dict[tuple[str, str, int], float] = {}
     for name, (k, n, glu) in LINEAR_SHAPES.items():
         if only not in name:
             continue
-        made = {(kind, rows): linear_case(kind, k, n, glu, rows, dtype) for kind in kinds for rows in LINEAR_ROWS}
+        made: dict[tuple[str, int], Callable[[], object] | None] = {
+            (kind, rows): linear_case(kind, k, n, glu, rows, dtype) for kind in kinds for rows in LINEAR_ROWS
+        }
+        for int8_kind in int8_kinds:
+            made |= {(f"w8a8/{int8_kind}", rows): w8a8_case(int8_kind, k, n, glu, rows) for rows in LINEAR_ROWS}
         for _ in range(rounds):
-            for label, (kind, on_fma) in labels.items():
+            for label, (made_as, on_fma) in labels.items():
                 for rows in LINEAR_ROWS:
-                    fn = made[kind, rows]
+                    fn = made[made_as, rows]
                     if fn is None:
                         continue
                     with cpu_linear.dp_products(on_fma) if on_fma is not None else contextlib.nullcontext():
@@ -179,14 +212,14 @@ def time_linears(rounds: int, only: str, dtype: torch.dtype) -> None:
         del made  # the weight copies: a few hundred MB per shape
     label_text = "bf16" if dtype == torch.bfloat16 else "fp32"
     print(f"threads={torch.get_num_threads()} {label_text} weights, fp32 x (GFLOP/s, fastest of {rounds} rounds)")
-    print(f"{'linear':26s}{'kind':>9s}" + "".join(f"{'M=' + str(r):>9s}" for r in LINEAR_ROWS))
+    print(f"{'linear':26s}{'kind':>12s}" + "".join(f"{'M=' + str(r):>9s}" for r in LINEAR_ROWS))
     for name, (k, n, _) in LINEAR_SHAPES.items():
         for label in labels:
             cells = [best.get((name, label, r)) for r in LINEAR_ROWS]
             pairs = zip(LINEAR_ROWS, cells, strict=True)
             text = [f"{2 * r * k * n / t / 1e9:9.0f}" if t else f"{'-':>9s}" for r, t in pairs]
             if any(t for t in cells):
-                print(f"{name:26s}{label:>9s}" + "".join(text))
+                print(f"{name:26s}{label:>12s}" + "".join(text))
 
 
 def fastest(fn: Callable[[], object], seconds: float = 0.2) -> float:

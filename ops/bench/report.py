@@ -305,6 +305,11 @@ def format_table(report: dict[str, Any]) -> str:
         f"matmul peak={report['matmul_peak']['gflop_s']:.1f} GFLOP/s (start "
         f"{report['matmul_peak'].get('gflop_s_start', 0):.1f}, end {report['matmul_peak'].get('gflop_s_end', 0):.1f}"
         + (f"; the cores' fp32 FMAs alone {fma:.1f}" if (fma := report["matmul_peak"].get("cores_fma_gflop_s")) else "")
+        + (
+            f"; W8A8 int8 {int8:.1f} GOP/s, pagedq-w8a8's FLOP%"
+            if (int8 := report["matmul_peak"].get("w8a8_gop_s"))
+            else ""
+        )
         + f")  omp={meta.get('omp_wait_policy')}  load avg {meta['loadavg_start']}"
         f" -> {meta['loadavg_end']}",
     ]

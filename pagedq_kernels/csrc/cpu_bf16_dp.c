@@ -221,13 +221,14 @@ static inline __attribute__((always_inline)) void kpair_weights(const uint16_t *
     *w1 = _mm512_loadu_si512((const void *)(chunk + 512 + p * 32));
 }
 
-/* rows x 32 outputs of one column block: acc = x rows (bf16, stride k) @ the block's weight, then + bias,
- * or with glu silu(columns 0-15) * columns 16-31 (16 outputs), ncols of them valid. With `am` (column `col`,
- * first row `row0`), nothing is stored: the rows' running argmax takes the block's ncols values instead. */
+/* rows x 32 outputs of one column block: acc = x rows (bf16, stride k) @ the block's weight, times the block's 32
+ * per-column scales where given (an int8 weight widened: gemm_int8_dp), then + bias, or with glu silu(columns
+ * 0-15) * columns 16-31 (16 outputs), ncols of them valid. With `am` (column `col`, first row `row0`), nothing is
+ * stored: the rows' running argmax takes the block's ncols values instead. */
 static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16_t *x, const float *xw, int64_t k,
-                                                          const uint16_t *panel, const float *bias, float *y,
-                                                          int64_t ldy, int ncols, int glu, dp_argmax *am,
-                                                          dp_screen *sc, int64_t row0, int64_t col)
+                                                          const uint16_t *panel, const float *scale,
+                                                          const float *bias, float *y, int64_t ldy, int ncols, int glu,
+                                                          dp_argmax *am, dp_screen *sc, int64_t row0, int64_t col)
 {
     __m512 c0a = _mm512_setzero_ps(), c1a = c0a, c2a = c0a, c3a = c0a, c4a = c0a, c5a = c0a;
     __m512 c6a = c0a, c7a = c0a, c8a = c0a, c9a = c0a, c10a = c0a, c11a = c0a;
@@ -289,8 +290,16 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
         }
     }
 #undef ROW
-    const __m512 acc0[DP_MR] = {c0a, c1a, c2a, c3a, c4a, c5a, c6a, c7a, c8a, c9a, c10a, c11a};
-    const __m512 acc1[DP_MR] = {c0b, c1b, c2b, c3b, c4b, c5b, c6b, c7b, c8b, c9b, c10b, c11b};
+    __m512 acc0[DP_MR] = {c0a, c1a, c2a, c3a, c4a, c5a, c6a, c7a, c8a, c9a, c10a, c11a};
+    __m512 acc1[DP_MR] = {c0b, c1b, c2b, c3b, c4b, c5b, c6b, c7b, c8b, c9b, c10b, c11b};
+    if (scale) { /* w = scale * q: the scale factors out of the K sum */
+        const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+        for (int r = 0; r < DP_MR; r++) {
+            if (r >= rows) break;
+            acc0[r] = _mm512_mul_ps(acc0[r], s0);
+            acc1[r] = _mm512_mul_ps(acc1[r], s1);
+        }
+    }
     if (sc) {
         screen_epilogue(acc0, acc1, rows, ncols, sc, row0, col);
         return;
@@ -345,23 +354,33 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
 
 /* dp_tile, one inlined copy per row count: constant counts keep every accumulator in a register. */
 static inline void dp_tile_rows(int rows, const uint16_t *x, const float *xw, int64_t k, const uint16_t *panel,
-                                const float *bias, float *y, int64_t ldy, int ncols, int glu, dp_argmax *am,
-                                dp_screen *sc, int64_t row0, int64_t col)
+                                const float *scale, const float *bias, float *y, int64_t ldy, int ncols, int glu,
+                                dp_argmax *am, dp_screen *sc, int64_t row0, int64_t col)
 {
-#define DP_CASE(n) case n: dp_tile(n, x, xw, k, panel, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
+#define DP_CASE(n) case n: dp_tile(n, x, xw, k, panel, scale, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
     switch (rows) {
     DP_CASE(12) DP_CASE(11) DP_CASE(10) DP_CASE(9) DP_CASE(8) DP_CASE(7)
     DP_CASE(6) DP_CASE(5) DP_CASE(4) DP_CASE(3) DP_CASE(2)
-    default: dp_tile(1, x, xw, k, panel, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
+    default: dp_tile(1, x, xw, k, panel, scale, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
     }
 #undef DP_CASE
 }
 
+/* An int8 weight in cpu_int8_amx.c's packing (per column block K x 32 int8, 32 fp32 scales), multiplied here:
+ * each block widened into `wide` (this thread's K x 32 bf16) once per MB-row pass, then the tiles read it. */
+typedef struct {
+    const int8_t *values;
+    const float *scales;
+    uint16_t *wide;
+} dp_int8;
+
 /* The column blocks of this thread's static share, every MB-row pass of x over them (inside the caller's
  * parallel region, after round_rows): stored into y, or taken by the thread's running argmax `am`. The static
- * schedule hands each thread one contiguous range of blocks, the same in every pass, in thread order. */
-static void dp_blocks(const uint16_t *x, float *xw, int64_t m, const uint16_t *w, const float *bias, float *y,
-                      int64_t ldy, int64_t n, int64_t k, int glu, dp_argmax *am, dp_screen *sc)
+ * schedule hands each thread one contiguous range of blocks, the same in every pass, in thread order. `q8`: the
+ * weight is int8 (w unused), else NULL. */
+static void dp_blocks(const uint16_t *x, float *xw, int64_t m, const uint16_t *w, const dp_int8 *q8,
+                      const float *bias, float *y, int64_t ldy, int64_t n, int64_t k, int glu, dp_argmax *am,
+                      dp_screen *sc)
 {
     const int64_t width = glu ? 16 : 32; /* outputs per column block */
     const int64_t blocks = (n + width - 1) / width;
@@ -378,13 +397,15 @@ static void dp_blocks(const uint16_t *x, float *xw, int64_t m, const uint16_t *w
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t col = b * width;
             const int ncols = (int)(n - col < width ? n - col : width);
-            const uint16_t *panel = w + b * block_elems;
+            const uint16_t *panel = q8 ? q8->wide : w + b * block_elems;
+            if (q8) widen_block(q8->values + b * block_elems, q8->wide, block_elems);
+            const float *scale = q8 ? q8->scales + b * 32 : NULL;
             const float *bp = bias && !glu ? bias + col : NULL;
             int64_t r0 = m0;
             for (int64_t t = tiles; t > 0; t--) { /* the rows left spread evenly over the tiles left */
                 const int rows = (int)((m1 - r0 + t - 1) / t);
-                dp_tile_rows(rows, x + r0 * k, xw ? xw + r0 * k : NULL, k, panel, bp, am || sc ? NULL : y + r0 * ldy + col,
-                             ldy, ncols, glu, am, sc, r0, col);
+                dp_tile_rows(rows, x + r0 * k, xw ? xw + r0 * k : NULL, k, panel, scale, bp,
+                             am || sc ? NULL : y + r0 * ldy + col, ldy, ncols, glu, am, sc, r0, col);
                 r0 += rows;
             }
         }
@@ -404,10 +425,43 @@ int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const 
     #pragma omp parallel num_threads(num_threads) if (blocks > 1)
     {
         round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
-        dp_blocks(x, xw, m, w, bias, y, ldy, n, k, glu, NULL, NULL);
+        dp_blocks(x, xw, m, w, NULL, bias, y, ldy, n, k, glu, NULL, NULL);
     }
     free(xw);
     return 0;
+}
+
+/* gemm_bf16_dp for a symmetric per-channel int8 weight in cpu_int8_amx.c's packing (values int8 per column block of
+ * K x 32, scales fp32 [blocks][32]; the same arguments as gemm_int8_amx): where AMX does not run, the int8 weight of
+ * a model that multiplies in bf16 (quantization="int8" under dtype bf16 or auto) on these dot products. Each column
+ * block is widened to bf16 exactly (widen_block, amx_tile.h: every int8 is a bf16) into a thread's K x 32 buffer
+ * once per MB-row pass, the tiles read it as they read a bf16 weight, and the per-column scale multiplies the fp32
+ * sums before bias or SiLU-and-mul: y = scale * sum_k bf16(x) q, what cpu_int8_amx.c computes on the tiles. It
+ * replaced the fp32 kernel there (cpu_int8_gemm.c: q widened to fp32, x kept fp32), whose FMAs ran compass below
+ * the fp32 model's speed on a Zen 5. Returns 0, or -1 if a buffer could not be had. */
+int gemm_int8_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const int8_t *values, const float *scales,
+                 const float *bias, float *y, int64_t ldy, int64_t n, int64_t k, int glu, int num_threads)
+{
+    const int64_t blocks = (n + (glu ? 16 : 32) - 1) / (glu ? 16 : 32);
+    float *xw = fma_rows(m, k);
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) if (blocks > 1)
+    {
+        uint16_t *wide = (uint16_t *)aligned_alloc(64, (size_t)(k * 32) * sizeof(uint16_t));
+        round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
+        if (!wide) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp barrier
+        if (!failed) {
+            const dp_int8 q8 = {values, scales, wide};
+            dp_blocks(x, xw, m, NULL, &q8, bias, y, ldy, n, k, glu, NULL, NULL);
+        }
+        free(wide);
+    }
+    free(xw);
+    return failed ? -1 : 0;
 }
 
 /* gemm_bf16_dp (not glu) followed, in the same parallel region, by the residual add and the RMSNorm after the
@@ -422,7 +476,7 @@ int gemm_bf16_dp_add_norm(const float *x_f32, int64_t ldx, uint16_t *x, int64_t 
     #pragma omp parallel num_threads(num_threads)
     {
         round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
-        dp_blocks(x, xw, m, w, bias, y, n, n, k, 0, NULL, NULL);
+        dp_blocks(x, xw, m, w, NULL, bias, y, n, n, k, 0, NULL, NULL);
         #pragma omp barrier
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++)
@@ -463,7 +517,7 @@ int gemm_bf16_dp_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m,
             for (int64_t i = 0; i < m * 16; i++) { am.best[i] = -INFINITY; am.col[i] = 0; }
             for (int64_t i = 0; i < m; i++) am.nan_at[i] = -1;
             round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
-            dp_blocks(x, xw, m, w, NULL, NULL, 0, n, k, 0, &am, NULL);
+            dp_blocks(x, xw, m, w, NULL, NULL, NULL, 0, n, k, 0, &am, NULL);
             for (int64_t i = 0; i < m; i++) { /* this thread's 16 lanes -> its maximum and first column */
                 float mx = am.best[i * 16];
                 int64_t at = am.col[i * 16];
@@ -650,7 +704,7 @@ int gemm_bf16_dp_screen_argmax(const float *x_f32, int64_t ldx, uint16_t *x, int
             scr.scale[2 * i + 1] = narrow ? (float)(tt * (1.0 + 0x1p-20)) : NAN;
         } /* a barrier: every row's scale ready */
         dp_screen sc = screen_start(&scr, row_norm, rounding_norm, t, m);
-        dp_blocks(x, xw, m, w, NULL, NULL, 0, n, k, 0, NULL, &sc);
+        dp_blocks(x, xw, m, w, NULL, NULL, NULL, 0, n, k, 0, NULL, &sc);
         #pragma omp barrier
         screen_settle(&scr, used, x_f32, ldx, m, k, exact_panels, best, idx, &settled, &full_rows);
     }
@@ -936,6 +990,14 @@ int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const 
 {
     (void)x_f32, (void)ldx, (void)x, (void)m, (void)w, (void)bias, (void)y, (void)ldy, (void)n, (void)k, (void)glu;
     (void)num_threads;
+    return -2;
+}
+
+int gemm_int8_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const int8_t *values, const float *scales,
+                 const float *bias, float *y, int64_t ldy, int64_t n, int64_t k, int glu, int num_threads)
+{
+    (void)x_f32, (void)ldx, (void)x, (void)m, (void)values, (void)scales, (void)bias, (void)y, (void)ldy, (void)n;
+    (void)k, (void)glu, (void)num_threads;
     return -2;
 }
 

@@ -105,48 +105,14 @@ void silu_and_mul_f32(const float *x, int64_t x_stride, const float *row_scale, 
     }
 }
 
-/* Symmetric per-row int8: scales[i] = amax_i / 127, q[i, j] = round-half-even(x[i, j] * (127 / amax_i)),
- * the dynamic per-token activation quantisation of a W8A8 linear (pagedq_kernels/w8a8_linear; its torch reference
- * is op for op the same: one fp32 multiply by the reciprocal, so both round identically). A zero row gets
- * scale 0 and zeros. |x * 127/amax| <= 127 up to one rounding, so the saturating pack never clips.
- * One read of each row (the max) then a second from L1; torch took 5 passes (0.95 ms at 2048 x 576). */
+/* The dynamic per-token activation quantisation of a W8A8 linear (pagedq_kernels/w8a8_linear), row by row
+ * (simd_math.h quantize_row_s8, which cpu_w8a8.c's fused entry point shares); torch took 5 passes (0.95 ms at
+ * 2048 x 576). */
 void quantize_rows_s8(const float *x, int64_t x_stride, int8_t *q, float *scales, int64_t n, int64_t k,
                       int num_threads)
 {
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k >= PAR_MIN)
-    for (int64_t i = 0; i < n; i++) {
-        const float *xr = x + i * x_stride;
-        int8_t *qr = q + i * k;
-        float amax = 0.f;
-        int64_t j = 0;
-#if defined(PAGEDQ_AVX512)
-        __m512 vmax = _mm512_setzero_ps();
-        for (; j < k; j += 16)
-            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes16(k - j), xr + j)));
-        amax = _mm512_reduce_max_ps(vmax);
-#else
-        for (; j < k; j++) amax = fmaxf(amax, fabsf(xr[j]));
-#endif
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        scales[i] = amax / 127.f;
-        j = 0;
-#if defined(PAGEDQ_AVX512)
-        const __m512 vinv = _mm512_set1_ps(inv);
-        for (; j < k; j += 16) {
-            const __mmask16 m = lanes16(k - j);
-            const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + j), vinv));
-            _mm_mask_storeu_epi8(qr + j, m, _mm512_cvtsepi32_epi8(v));
-        }
-#elif defined(PAGEDQ_AVX2)
-        const __m256 vinv = _mm256_set1_ps(inv);
-        for (; j + 8 <= k; j += 8) {
-            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + j), vinv));
-            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-            _mm_storel_epi64((__m128i *)(qr + j), _mm_packs_epi16(w, w));
-        }
-#endif
-        for (; j < k; j++) qr[j] = (int8_t)lrintf(xr[j] * inv);
-    }
+    for (int64_t i = 0; i < n; i++) scales[i] = quantize_row_s8(x + i * x_stride, q + i * k, k);
 }
 
 /* The lanes' best values `vals` and their first indices `idx` (width lanes) -> the row's maximum and the

@@ -179,4 +179,42 @@ static inline void add_rms_norm_row(const float *x, const float *r, const float 
     for (int64_t j = 0; j < h; j++) o[j] = w[j] * (ro[j] * inv);
 }
 
+/* Symmetric int8 of one row of k floats: returns its scale amax / 127 and writes q[j] = round-half-even(x[j] *
+ * (127 / amax)), the dynamic per-token activation quantisation of a W8A8 linear (pagedq_kernels/w8a8_linear; its
+ * torch reference is op for op the same: one fp32 multiply by the reciprocal, so both round identically). A zero
+ * row gets scale 0 and zeros. |x * 127/amax| <= 127 up to one rounding, so the saturating pack never clips. One
+ * read of the row (its max), then a second from L1. */
+static inline float quantize_row_s8(const float *xr, int8_t *qr, int64_t k)
+{
+    float amax = 0.f;
+    int64_t j = 0;
+#if defined(PAGEDQ_AVX512)
+    __m512 vmax = _mm512_setzero_ps();
+    for (; j < k; j += 16)
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes16(k - j), xr + j)));
+    amax = _mm512_reduce_max_ps(vmax);
+#else
+    for (; j < k; j++) amax = fmaxf(amax, fabsf(xr[j]));
+#endif
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    j = 0;
+#if defined(PAGEDQ_AVX512)
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; j < k; j += 16) {
+        const __mmask16 m = lanes16(k - j);
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + j), vinv));
+        _mm_mask_storeu_epi8(qr + j, m, _mm512_cvtsepi32_epi8(v));
+    }
+#elif defined(PAGEDQ_AVX2)
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (; j + 8 <= k; j += 8) {
+        const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + j), vinv));
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64((__m128i *)(qr + j), _mm_packs_epi16(w, w));
+    }
+#endif
+    for (; j < k; j++) qr[j] = (int8_t)lrintf(xr[j] * inv);
+    return amax / 127.f;
+}
+
 #endif /* PAGEDQ_SIMD_MATH_H */

@@ -163,8 +163,9 @@ def _bind_bf16(function: str) -> Callable[[ctypes.CDLL], None]:
             int8_screen.restype = i32
             lib.bf16_dp_use_fma.argtypes = [i32]
             lib.bf16_dp_use_fma.restype = i32
-            # int8 weights widened (pagedq_kernels/int8_linear): gemm_int8_amx's arguments, the scales after w
-            lib.gemm_int8_dp.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32]
+            # int8 weights widened (pagedq_kernels/int8_linear): gemm_int8_amx's arguments, scales, offsets and the
+            # group after w
+            lib.gemm_int8_dp.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i32, i32]
             lib.gemm_int8_dp.restype = i32
 
     return bind

@@ -252,10 +252,17 @@ def amx_supported(weight: Int8Weight) -> bool:
     return weight.offsets is None and weight.group_size == weight.in_features and weight.in_features % AMX_K == 0
 
 
+def dp_supported(weight: Int8Weight) -> bool:
+    """Whether ``weight`` fits the AVX512-bf16 kernel's int8 path (``csrc/cpu_bf16_dp.c`` gemm_int8_dp): what
+    :func:`amx_supported` takes, and group-wise weights (GGUF's) whose groups are multiples of a tile row's 32."""
+    return weight.in_features % AMX_K == 0 and weight.group_size % AMX_K == 0
+
+
 def _pack_amx(weight: Int8Weight, out_features: int, glu: bool) -> PackedInt8:
     """The weight in AMX tile order: per block of 32 columns and chunk of 32 k, two B tiles of 16 rows of
     k-pairs, each row the pairs' 16 first elements then their 16 second ones (``csrc/cpu_int8_amx.c``
-    widens a row into the tile's [16 columns][2] bf16 without a cross-lane shuffle)."""
+    widens a row into the tile's [16 columns][2] bf16 without a cross-lane shuffle). Scales (and offsets) per
+    block and group: [blocks, K / group, 32] (a per-channel weight: one group)."""
     n, k = weight.values.shape
     rows = cpu_linear.amx_block_rows(out_features, glu).clamp(max=n)
     padded = torch.cat((weight.values, torch.zeros(1, k, dtype=torch.int8)))
@@ -264,9 +271,15 @@ def _pack_amx(weight: Int8Weight, out_features: int, glu: bool) -> PackedInt8:
     tiles = picked.view(-1, 2, 16, k // AMX_K, AMX_K // 2, 2).permute(0, 3, 1, 4, 5, 2)
     values = host_memory.empty((picked.shape[0] // AMX_BLOCK, k, AMX_BLOCK), torch.int8)
     values.view(tiles.shape).copy_(tiles)
-    scales_src = torch.cat((weight.scales[:, 0], torch.ones(1)))
-    scales = scales_src.index_select(0, rows).view(-1, AMX_BLOCK).contiguous()
-    return PackedInt8(values, scales, None, k, out_features, k, glu, amx=True)
+    groups = weight.scales.shape[1]
+
+    def per_block(table: torch.Tensor, pad: float) -> torch.Tensor:
+        source = torch.cat((table, torch.full((1, groups), pad)))  # the padding row: scale 1, offset 0
+        return source.index_select(0, rows).view(-1, AMX_BLOCK, groups).transpose(1, 2).contiguous()
+
+    scales = per_block(weight.scales, 1.0)
+    offsets = None if weight.offsets is None else per_block(weight.offsets, 0.0)
+    return PackedInt8(values, scales, offsets, weight.group_size, out_features, k, glu, amx=True)
 
 
 def pack(weight: Int8Weight, glu: bool = False, matmul_dtype: torch.dtype | None = None) -> PackedInt8 | None:
@@ -284,9 +297,9 @@ def pack(weight: Int8Weight, glu: bool = False, matmul_dtype: torch.dtype | None
     if glu and n % 2:
         return None
     out_features = n // 2 if glu else n
-    if matmul_dtype == torch.bfloat16 and amx_supported(weight):
-        if amx_available():
-            return _pack_amx(weight, out_features, glu)
+    if matmul_dtype == torch.bfloat16 and amx_supported(weight) and amx_available():
+        return _pack_amx(weight, out_features, glu)
+    if matmul_dtype == torch.bfloat16 and dp_supported(weight) and not amx_available():
         dp_kernels = None if os.environ.get("PAGEDQ_DISABLE_INT8_KERNEL") else cpu_linear.dp_library()
         if dp_kernels is not None:
             return dataclasses.replace(_pack_amx(weight, out_features, glu), dp_kernels=dp_kernels)
@@ -338,7 +351,9 @@ def linear_call(
         tiles = (x.data_ptr(), x.stride(0), x_bf16.data_ptr(), m, values, scales, bias_ptr, out.data_ptr())
         args = (*tiles, out.stride(0), n, k, int(packed.glu), threads)
         if packed.dp_kernels is not None:
-            return kernel_call.KernelCall(packed.dp_kernels.gemm_int8_dp, args, "int8 AVX512-bf16 linear")
+            offsets = packed.offsets.data_ptr() if packed.offsets is not None else None
+            grouped = (*tiles[:6], offsets, packed.group_size, *args[6:])
+            return kernel_call.KernelCall(packed.dp_kernels.gemm_int8_dp, grouped, "int8 AVX512-bf16 linear")
         amx = _amx_lib()
         assert amx is not None, "AMX-packed int8 weight without its kernel"
         return kernel_call.KernelCall(amx.gemm_int8_amx, args, "int8 AMX linear")

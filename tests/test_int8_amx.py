@@ -98,6 +98,37 @@ def test_tiles_gated_match_reference(kernel: str, inter: int, k: int) -> None:
         int8_linear.linear(torch.randn(2, k), packed, torch.zeros(inter))
 
 
+@pytest.mark.parametrize(
+    ("n", "k", "group", "offsets"), [(40, 64, 32, True), (200, 96, 32, False), (33, 576, 64, True)]
+)
+def test_group_wise_weights_are_the_bf16_model_of_their_dequantisation(
+    kernel: str, n: int, k: int, group: int, offsets: bool
+) -> None:
+    """A GGUF-like group-wise weight (Q4_1: codes 0-15, a scale and an offset per group of 32) under a bf16 model on
+    the dot-product kernel: each weight dequantised as ``Int8Weight.dequantize`` does it, rounded to bf16, so the
+    product is the bf16 kernel's on ``dequantize()`` bit for bit; gated too. AMX keeps such weights off its
+    tiles (the fp32 kernel)."""
+    g = torch.Generator().manual_seed(n + k + group)
+    weight = int8_linear.Int8Weight(
+        torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8),
+        torch.rand(n, k // group, generator=g) * 0.01 + 1e-3,
+        -torch.rand(n, k // group, generator=g) * 0.08 if offsets else None,
+        group,
+    )
+    if kernel == "amx":
+        assert not _on_tiles(weight, torch.bfloat16)
+        return
+    packed = _packed(kernel, weight)
+    dense = cpu_linear.pack(weight.dequantize(), "dpbf16", dtype=torch.bfloat16)
+    gated = _packed(kernel, int8_linear.Int8Weight.concat([weight, weight.rows(torch.arange(n).flip(0))]), glu=True)
+    dense_gated = cpu_linear.pack_gated(torch.cat([weight.dequantize(), weight.dequantize().flip(0)]), torch.bfloat16)
+    assert dense is not None and dense_gated is not None
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=g)
+        assert torch.equal(int8_linear.linear(x, packed, None), cpu_linear.linear(x, dense, None))
+        assert torch.equal(int8_linear.linear(x, gated, None), cpu_linear.linear(x, dense_gated, None))
+
+
 def test_tiles_only_where_the_matmul_is_bf16_and_the_weight_per_channel(
     kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -105,7 +136,9 @@ def test_tiles_only_where_the_matmul_is_bf16_and_the_weight_per_channel(
     assert _on_tiles(per_channel, torch.bfloat16)
     assert not _on_tiles(per_channel) and not _on_tiles(per_channel, torch.float32)  # fp32: the exact kernel
     group_wise = int8_linear.Int8Weight(per_channel.values, per_channel.scales.repeat(1, 2), None, 32)  # GGUF-like
-    assert not _on_tiles(group_wise, torch.bfloat16)
+    assert _on_tiles(group_wise, torch.bfloat16) == (kernel == "dpbf16")  # dequantised to bf16 there
+    sixteen = int8_linear.Int8Weight(per_channel.values, per_channel.scales.repeat(1, 4), None, 16)  # a K-quant's
+    assert not _on_tiles(sixteen, torch.bfloat16)
     assert not _on_tiles(_weight(48, 48, seed=2), torch.bfloat16)  # K not a multiple of a tile row's 32
     monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512")  # the operator's cap below bf16 keeps both off
     assert not int8_linear.amx_available() and cpu_linear.dp_library() is None

@@ -366,13 +366,51 @@ static inline void dp_tile_rows(int rows, const uint16_t *x, const float *xw, in
 #undef DP_CASE
 }
 
-/* An int8 weight in cpu_int8_amx.c's packing (per column block K x 32 int8, 32 fp32 scales), multiplied here:
- * each block widened into `wide` (this thread's K x 32 bf16) once per MB-row pass, then the tiles read it. */
+/* An int8 weight in cpu_int8_amx.c's packing (per column block K x 32 int8), multiplied here: each block widened
+ * into `wide` (this thread's K x 32 bf16) once per MB-row pass, then the tiles read it. Per-channel (group == k,
+ * no offsets): scales [blocks][32], q widened exactly and the scale applied to the sums (dp_tile). Group-wise
+ * (GGUF's formats: a group a multiple of 32, k / group groups): scales and offsets [blocks][k / group][32], each
+ * weight dequantised as Int8Weight.dequantize() does it (scale * q, then + offset, each rounded to fp32) and
+ * rounded to bf16 (widen_block_dequantised): a bf16 weight, what the bf16 model of the dequantised checkpoint
+ * multiplies. */
 typedef struct {
     const int8_t *values;
     const float *scales;
+    const float *offsets; /* NULL: none */
+    int64_t group;
     uint16_t *wide;
 } dp_int8;
+
+/* A column block's group-wise int8 weight (K x 32, the AMX int8 packing: per 32-deep chunk two tiles of 16 rows,
+ * each row the 16 columns' first k of the pair, then their second) dequantised and rounded to bf16 into the
+ * B-tile order, each 32-bit lane one column's k-pair. The fp32 dequantisation is mul then add with explicit
+ * rounding (the _round_ forms: no contraction into an FMA, which would round once instead of twice); the bf16
+ * rounding is to nearest even (VCVTNEPS2BF16). */
+static void widen_block_dequantised(const int8_t *src, const float *scales, const float *offsets, int64_t group,
+                                    uint16_t *dst, int64_t k)
+{
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int64_t c = 0; c < k / 32; c++) {
+        const int64_t g = c * 32 / group;
+        for (int t = 0; t < 2; t++) {
+            const __m512 s = _mm512_loadu_ps(scales + g * 32 + t * 16);
+            const __m512 o = offsets ? _mm512_loadu_ps(offsets + g * 32 + t * 16) : _mm512_setzero_ps();
+            for (int p = 0; p < 16; p++) {
+                const int64_t row = (c * 2 + t) * 16 + p;
+                const int8_t *q = src + row * 32;
+                __m512 first = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), s, rn);
+                __m512 second = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), s, rn);
+                if (offsets) {
+                    first = _mm512_add_round_ps(first, o, rn);
+                    second = _mm512_add_round_ps(second, o, rn);
+                }
+                const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(first));
+                const __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(second)), 16);
+                _mm512_store_si512((__m512i *)(dst + row * 32), _mm512_or_si512(lo, hi));
+            }
+        }
+    }
+}
 
 /* The column blocks of this thread's static share, every MB-row pass of x over them (inside the caller's
  * parallel region, after round_rows): stored into y, or taken by the thread's running argmax `am`. The static
@@ -398,8 +436,14 @@ static void dp_blocks(const uint16_t *x, float *xw, int64_t m, const uint16_t *w
             const int64_t col = b * width;
             const int ncols = (int)(n - col < width ? n - col : width);
             const uint16_t *panel = q8 ? q8->wide : w + b * block_elems;
-            if (q8) widen_block(q8->values + b * block_elems, q8->wide, block_elems);
-            const float *scale = q8 ? q8->scales + b * 32 : NULL;
+            const int per_channel = q8 && q8->group == k && !q8->offsets;
+            if (per_channel)
+                widen_block(q8->values + b * block_elems, q8->wide, block_elems);
+            else if (q8)
+                widen_block_dequantised(q8->values + b * block_elems, q8->scales + b * (k / q8->group) * 32,
+                                        q8->offsets ? q8->offsets + b * (k / q8->group) * 32 : NULL, q8->group,
+                                        q8->wide, k);
+            const float *scale = per_channel ? q8->scales + b * 32 : NULL;
             const float *bp = bias && !glu ? bias + col : NULL;
             int64_t r0 = m0;
             for (int64_t t = tiles; t > 0; t--) { /* the rows left spread evenly over the tiles left */
@@ -431,17 +475,21 @@ int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const 
     return 0;
 }
 
-/* gemm_bf16_dp for a symmetric per-channel int8 weight in cpu_int8_amx.c's packing (values int8 per column block of
- * K x 32, scales fp32 [blocks][32]; the same arguments as gemm_int8_amx): where AMX does not run, the int8 weight of
- * a model that multiplies in bf16 (quantization="int8" under dtype bf16 or auto) on these dot products. Each column
- * block is widened to bf16 exactly (widen_block, amx_tile.h: every int8 is a bf16) into a thread's K x 32 buffer
- * once per MB-row pass, the tiles read it as they read a bf16 weight, and the per-column scale multiplies the fp32
- * sums before bias or SiLU-and-mul: y = scale * sum_k bf16(x) q, what cpu_int8_amx.c computes on the tiles. It
- * replaced the fp32 kernel there (cpu_int8_gemm.c: q widened to fp32, x kept fp32), whose FMAs ran compass below
- * the fp32 model's speed on a Zen 5. Returns 0, or -1 if a buffer could not be had. */
+/* gemm_bf16_dp for an int8 weight in cpu_int8_amx.c's packing (values int8 per column block of K x 32; dp_int8
+ * above for the scales, offsets and group): where AMX does not run, the int8 weight of a model that multiplies in
+ * bf16 (quantization="int8", or a GGUF, under dtype bf16 or auto) on these dot products. Each column block is
+ * widened into a thread's K x 32 bf16 buffer once per MB-row pass and the tiles read it as they read a bf16 weight.
+ * Per-channel: exactly (widen_block, amx_tile.h: every int8 is a bf16), the scale multiplying the fp32 sums before
+ * bias or SiLU-and-mul: y = scale * sum_k bf16(x) q, what cpu_int8_amx.c computes on the tiles. Group-wise: the
+ * dequantised weight rounded to bf16 (widen_block_dequantised). It replaced the fp32 kernel there (cpu_int8_gemm.c:
+ * q widened to fp32, x kept fp32), whose FMAs ran compass below the fp32 model's speed on a Zen 5: int8 404-420 ->
+ * 684 tok/s (bf16 675 in that run), the Q4_1 GGUF 418-460 -> see the README's run 52. Returns 0, or -1 if a buffer
+ * could not be had, -3 for a group that is not a multiple of 32 dividing k. */
 int gemm_int8_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const int8_t *values, const float *scales,
-                 const float *bias, float *y, int64_t ldy, int64_t n, int64_t k, int glu, int num_threads)
+                 const float *offsets, int64_t group, const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
+                 int glu, int num_threads)
 {
+    if (group <= 0 || group % 32 || k % group) return -3;
     const int64_t blocks = (n + (glu ? 16 : 32) - 1) / (glu ? 16 : 32);
     float *xw = fma_rows(m, k);
     int failed = 0;
@@ -455,7 +503,7 @@ int gemm_int8_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const 
         }
         #pragma omp barrier
         if (!failed) {
-            const dp_int8 q8 = {values, scales, wide};
+            const dp_int8 q8 = {values, scales, offsets, group, wide};
             dp_blocks(x, xw, m, NULL, &q8, bias, y, ldy, n, k, glu, NULL, NULL);
         }
         free(wide);
@@ -994,10 +1042,11 @@ int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const 
 }
 
 int gemm_int8_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const int8_t *values, const float *scales,
-                 const float *bias, float *y, int64_t ldy, int64_t n, int64_t k, int glu, int num_threads)
+                 const float *offsets, int64_t group, const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
+                 int glu, int num_threads)
 {
-    (void)x_f32, (void)ldx, (void)x, (void)m, (void)values, (void)scales, (void)bias, (void)y, (void)ldy, (void)n;
-    (void)k, (void)glu, (void)num_threads;
+    (void)x_f32, (void)ldx, (void)x, (void)m, (void)values, (void)scales, (void)offsets, (void)group, (void)bias;
+    (void)y, (void)ldy, (void)n, (void)k, (void)glu, (void)num_threads;
     return -2;
 }
 

@@ -34,8 +34,9 @@ Two kernels multiply (:data:`Kind`), picked per weight at load by :func:`pack`:
   serves where AMX runs (its int8 tiles, measured above) or the VNNI kernel does not, once a start-up trial
   found it exact and fast.
 
-A gated MLP's gate_up leaves the per-token scale to the SiLU-and-mul that reads the product anyway
-(:func:`matmul_unscaled` + ``silu_and_mul_cpu(row_scale=)``), on either kernel.
+A gated MLP's gate_up: on the VNNI kernel, re-laid by :func:`gated` for its SiLU-and-mul epilogue; on oneDNN a
+plain product whose per-token scale the SiLU-and-mul that reads it applies (:func:`matmul_unscaled` +
+``silu_and_mul_cpu(row_scale=)``).
 
 Only symmetric per-channel weights qualify (a GGUF's 32-wide groups would need a rescale per group inside
 the integer sum); :func:`pack` returns None for anything else and the caller keeps the weight-only kernel.

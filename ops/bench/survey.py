@@ -4,7 +4,8 @@ pagedq runs on whatever CPU a server has, and each kind needs its own measuremen
 clear 1.3x vLLM's CPU build on one CPU and miss it on the next. This runs `pagedq bench` once per row of
 the matrix the README records for each CPU (compass and `mixed` n=128, fp32 and bf16 where the probe ran
 an instruction set with bf16 products, drafts off and on; the acceptance command with hf-static; the
-contended run), each in its own process as a user would type it, and writes ``survey.md``: the CPU as
+contended run; the quantised variants, int8, W8A8 and the GGUF, beside fp32 and the default dtype), each in its
+own process as a user would type it, and writes ``survey.md``: the CPU as
 ``lscpu`` names it, the commit, and a table of the figures, ratios and targets from each row's JSON. Each
 row's full report stays beside it (``<row>.log``, ``<row>.json``). A row that fails is reported as failed
 and the survey goes on. About 21 minutes on a 2-vCPU AMD EPYC Zen 4 (README run 37), most of it the
@@ -41,6 +42,7 @@ class SurveyRow:
 
 _VS_VLLM = ("--systems", "pagedq,vllm-cpu")
 _NO_DRAFTS = ("--num-speculative-tokens", "0")
+_QUANTISED = "pagedq,pagedq-fp32,pagedq-int8,pagedq-w8a8,pagedq-gguf"
 ROWS = (
     SurveyRow("compass-fp32", (*_VS_VLLM, "--workloads", "compass", "--dtype", "float32", *_NO_DRAFTS)),
     SurveyRow("compass-bf16", (*_VS_VLLM, "--workloads", "compass", "--dtype", "bfloat16", *_NO_DRAFTS), bf16=True),
@@ -52,6 +54,8 @@ ROWS = (
     SurveyRow("compass-bf16-drafts", (*_VS_VLLM, "--workloads", "compass", "--dtype", "bfloat16"), bf16=True),
     SurveyRow("acceptance", ("--systems", "pagedq,vllm-cpu,hf-static", "--workloads", "mixed")),
     SurveyRow("contended", ("--systems", "pagedq", "--workloads", "contended"), repeats=False),
+    # issue 19's quantised variants side by side at the default dtype: which int8 kernels run on this CPU
+    SurveyRow("quantised", ("--systems", _QUANTISED, "--workloads", "compass")),
 )
 
 

@@ -10,7 +10,7 @@ call's arguments (:mod:`pagedq_kernels.kernel_call`) and then only calls.
 
 The calls are the module forward's own, in its order, on the same operands: the floats are the same, bit for
 bit (``tests/test_cpu_plan.py``). Where any piece of a model or of a step is something only the module forward
-runs (a W8A8 or oneDNN linear, Qwen3's per-head norms, tensor parallelism, a torch attention path, hooks
+runs (W8A8 or any linear on oneDNN, Qwen3's per-head norms, tensor parallelism, a torch attention path, hooks
 that must see module calls: a model not yet packed has no plan), :meth:`LlamaCpuPlan.forward` answers None
 and the module forward runs instead. ``PAGEDQ_DISABLE_CPU_PLAN=1`` switches it off (for A/B runs).
 """

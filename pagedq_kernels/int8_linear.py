@@ -152,12 +152,13 @@ def linear_reference(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | N
 class PackedInt8:
     """An :class:`Int8Weight` in the C kernel's panels (opaque to torch); ``glu``: a merged gate/up weight
     whose product is ``silu(gate) * up``, ``out_features`` wide. ``amx``: in the AMX kernel's tile order
-    (``values`` int8 [blocks, K, 32], ``scales`` float32 [blocks, 32]; see ``csrc/cpu_int8_amx.c``), x rounded to
-    bf16; multiplied on AMX tiles, or, where ``dp_kernels`` is set (AMX does not run), on that library's
-    AVX512-bf16 dot products (``csrc/cpu_bf16_dp.c`` gemm_int8_dp, the same sums)."""
+    (``values`` int8 [blocks, K, 32], ``scales`` and ``offsets`` float32 [blocks, K // group_size, 32]; see
+    ``csrc/cpu_int8_amx.c``), x rounded to bf16; multiplied on AMX tiles, or, where ``dp_kernels`` is set (AMX
+    does not run), on that library's AVX512-bf16 dot products (``csrc/cpu_bf16_dp.c`` gemm_int8_dp, the same
+    sums; group-wise weights there too, dequantised to bf16)."""
 
-    values: torch.Tensor  # int8 [panels, K, 16]
-    scales: torch.Tensor  # float32 [panels, K // group_size, 16]
+    values: torch.Tensor  # int8 [panels, K, 16] (amx: [blocks, K, 32])
+    scales: torch.Tensor  # float32 [panels, K // group_size, 16] (amx: [blocks, K // group_size, 32])
     offsets: torch.Tensor | None
     group_size: int
     out_features: int
@@ -348,15 +349,15 @@ def linear_call(
     values, scales = packed.values.data_ptr(), packed.scales.data_ptr()
     if packed.amx:
         assert x_bf16 is not None and x_bf16.numel() >= cpu_linear.bf16_rows("amx", m) * k, "bf16 buffer too small"
-        tiles = (x.data_ptr(), x.stride(0), x_bf16.data_ptr(), m, values, scales, bias_ptr, out.data_ptr())
-        args = (*tiles, out.stride(0), n, k, int(packed.glu), threads)
-        if packed.dp_kernels is not None:
+        rows = (x.data_ptr(), x.stride(0), x_bf16.data_ptr(), m, values, scales)
+        into = (bias_ptr, out.data_ptr(), out.stride(0), n, k, int(packed.glu), threads)
+        if packed.dp_kernels is not None:  # gemm_int8_amx's arguments with the offsets and the group after scales
             offsets = packed.offsets.data_ptr() if packed.offsets is not None else None
-            grouped = (*tiles[:6], offsets, packed.group_size, *args[6:])
+            grouped = (*rows, offsets, packed.group_size, *into)
             return kernel_call.KernelCall(packed.dp_kernels.gemm_int8_dp, grouped, "int8 AVX512-bf16 linear")
         amx = _amx_lib()
         assert amx is not None, "AMX-packed int8 weight without its kernel"
-        return kernel_call.KernelCall(amx.gemm_int8_amx, args, "int8 AMX linear")
+        return kernel_call.KernelCall(amx.gemm_int8_amx, (*rows, *into), "int8 AMX linear")
     lib = c_build.load("cpu_int8_gemm", _bind)
     assert lib is not None, "int8-packed weight without its kernel"
     offsets = packed.offsets.data_ptr() if packed.offsets is not None else None

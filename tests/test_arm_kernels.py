@@ -17,7 +17,7 @@ import torch
 from engine.attention_metadata import AttentionMetadata
 from pagedq_kernels import c_build
 from pagedq_kernels.paged_attention import paged_attention_torch
-from tests.test_cpu_attention import make_batch
+from tests.test_cpu_attention import make_batch, reference_args
 
 CROSS_CC = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
@@ -84,15 +84,8 @@ def batch(
     over it (the caches widened): metadata, q, k_cache, v_cache, reference."""
     meta, q, _, _, k_cache, v_cache = make_batch(seq_lens, q_lens, heads, kv_heads, head_dim, BLOCK)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
-    args = (
-        meta.query_start_loc,
-        meta.seq_lens,
-        meta.block_tables,
-        head_dim**-0.5,
-        meta.max_query_len,
-        meta.max_seq_len,
-    )
-    return meta, q, k_cache, v_cache, paged_attention_torch(q, k_cache.float(), v_cache.float(), *args)
+    reference = paged_attention_torch(q, k_cache.float(), v_cache.float(), *reference_args(meta, head_dim**-0.5))
+    return meta, q, k_cache, v_cache, reference
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 20)])

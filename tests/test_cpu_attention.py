@@ -26,6 +26,13 @@ def random_batch(
     return make_batch(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size)
 
 
+def reference_args(
+    meta: AttentionMetadata, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, int, int]:
+    """``paged_attention_torch``'s arguments after q and the caches, from a step's metadata."""
+    return (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len, meta.max_seq_len)
+
+
 def make_batch(
     seq_lens: list[int],
     q_lens: list[int],
@@ -98,17 +105,7 @@ def test_matches_reference(
         backend = TorchAttention()
         backend.prepare(meta)
         out = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
-        ref = paged_attention_torch(
-            q,
-            k_cache,
-            v_cache,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_tables,
-            head_dim**-0.5,
-            meta.max_query_len,
-            meta.max_seq_len,
-        )
+        ref = paged_attention_torch(q, k_cache, v_cache, *reference_args(meta, head_dim**-0.5))
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -149,7 +146,7 @@ def test_decode_task_shapes_agree(
             outs.append(out)
     finally:
         torch.set_num_threads(threads)
-    args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len, meta.max_seq_len)
+    args = reference_args(meta, scale)
     ref = paged_attention_torch(q, k_cache.float(), v_cache.float(), *args)
     torch.testing.assert_close(outs[0], ref, atol=2e-5, rtol=1e-4)
     assert torch.equal(outs[0], outs[1])
@@ -165,7 +162,7 @@ def test_prefill_kernel_long_chunks() -> None:
     backend = TorchAttention()
     backend.prepare(meta)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
-    args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125, meta.max_query_len, meta.max_seq_len)
+    args = reference_args(meta, 0.125)
     ref = paged_attention_torch(q, k_cache, v_cache, *args)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
@@ -204,7 +201,7 @@ def test_prefill_rows_do_not_depend_on_their_chunk(
             lens = torch.tensor([pos + 1], dtype=torch.int32)
             cpu_attention.paged_decode_attention(q, k_cache, v_cache, out, torch.tensor([pos]), lens, tables, scale)
             assert torch.equal(out[pos], whole[pos]), pos
-    args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len, meta.max_seq_len)
+    args = reference_args(meta, scale)
     ref = paged_attention_torch(q, k_cache.float(), v_cache.float(), *args)
     torch.testing.assert_close(whole, ref, atol=2e-5, rtol=1e-4)
 
@@ -248,7 +245,7 @@ def test_decode_cascade_over_shared_prefix(num_heads: int, num_kv_heads: int, he
                 q, k_cache, v_cache, out, rows, meta.seq_lens, tables, scale, cascade=cascade
             )
             outs.append(out)
-        args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len, meta.max_seq_len)
+        args = reference_args(meta, scale)
         ref = paged_attention_torch(q, k_cache, v_cache, *args)
         torch.testing.assert_close(outs[0], ref, atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(outs[1], ref, atol=2e-5, rtol=1e-4)
@@ -265,7 +262,7 @@ def test_backend_cascade_next_to_prefills() -> None:
     backend = TorchAttention()
     backend.prepare(meta)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
-    args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125, meta.max_query_len, meta.max_seq_len)
+    args = reference_args(meta, 0.125)
     torch.testing.assert_close(out, paged_attention_torch(q, k_cache, v_cache, *args), atol=2e-5, rtol=1e-4)
 
 
@@ -571,7 +568,7 @@ def test_dp_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(7)
     q_lens = [1, 1, 3, 1, 9, 1]
     meta, q, k_cache, v_cache = bf16_cache_batch([77, 5, 130, 16, 41, 200], q_lens, 9, 3, 64, 16)
-    args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125, meta.max_query_len, meta.max_seq_len)
+    args = reference_args(meta, 0.125)
     ref32 = paged_attention_torch(q, k_cache.float(), v_cache.float(), *args)
     dp = decode(meta, q, k_cache, v_cache, multi_query=True)
     monkeypatch.setenv(cpu_attention.DISABLE_DP_ENV, "1")
@@ -629,7 +626,7 @@ def test_prefill_dp_matches_reference(
     k_cache, v_cache = k32.bfloat16(), v32.bfloat16()
     scale = head_dim**-0.5
     out = _prefill(q, k_cache, v_cache, meta, q_lens, scale)
-    args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len, meta.max_seq_len)
+    args = reference_args(meta, scale)
     ref = paged_attention_torch(q.double(), k_cache.double(), v_cache.double(), *args).float()
     torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
     # the dot-product path ran: the fp32 path's result (switched off) is within fp32 rounding of the reference

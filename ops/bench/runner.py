@@ -199,6 +199,17 @@ def _loadavg() -> str:
         return "?"
 
 
+def _decoder_shapes(mc: Any) -> dict[str, tuple[int, int]]:
+    """The decoder's projections as (in_features, out_features): what the matmul peaks are measured over."""
+    h = mc.hidden_size
+    return {
+        "qkv_proj": (h, mc.q_size + 2 * mc.kv_size),
+        "o_proj": (mc.q_size, h),
+        "gate_up_proj": (h, 2 * mc.intermediate_size),
+        "down_proj": (mc.intermediate_size, h),
+    }
+
+
 def measure_matmul_peak(mc: Any, device: str, dtype: torch.dtype, tokens: int = 512) -> dict[str, Any]:
     """Best matmul throughput over the model's own projection shapes at a prefill-sized M.
 
@@ -210,33 +221,10 @@ def measure_matmul_peak(mc: Any, device: str, dtype: torch.dtype, tokens: int = 
     import torch
     import torch.nn.functional as F
 
-    h = mc.hidden_size
-    shapes = {
-        "qkv_proj": (h, mc.q_size + 2 * mc.kv_size),
-        "o_proj": (mc.q_size, h),
-        "gate_up_proj": (h, 2 * mc.intermediate_size),
-        "down_proj": (mc.intermediate_size, h),
-        "lm_head": (h, mc.vocab_size),
-    }
+    shapes = {**_decoder_shapes(mc), "lm_head": (mc.hidden_size, mc.vocab_size)}
     from pagedq_kernels import cpu_linear
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-
-    def best_seconds(fn: Any) -> float:
-        for _ in range(2):
-            fn()
-        sync()
-        reps = 1
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            sync()
-            el = (time.perf_counter() - t0) / reps
-            best = min(best, el)
-            reps = max(1, min(50, int(0.1 / max(el, 1e-6))))
-        return best
 
     per_shape: dict[str, float] = {}
     per_shape_packed: dict[str, dict[str, float]] = {}
@@ -245,11 +233,11 @@ def measure_matmul_peak(mc: Any, device: str, dtype: torch.dtype, tokens: int = 
             x = torch.randn(tokens, k, dtype=dtype, device=device)
             w = torch.randn(n, k, dtype=dtype, device=device)
             flop = 2.0 * tokens * k * n
-            per_shape[name] = flop / best_seconds(lambda: F.linear(x, w)) / 1e9  # noqa: B023
+            per_shape[name] = flop / _best_seconds(lambda: F.linear(x, w), sync) / 1e9  # noqa: B023
             for kind in cpu_linear.available_kinds(dtype) if device == "cpu" else []:
                 packed = cpu_linear.pack(w, kind)
                 if packed is not None:
-                    seconds = best_seconds(lambda: cpu_linear.linear(x, packed, None))  # noqa: B023
+                    seconds = _best_seconds(lambda: cpu_linear.linear(x, packed, None), sync)  # noqa: B023
                     per_shape_packed.setdefault(kind, {})[name] = flop / seconds / 1e9
     peak = max([*per_shape.values(), *(v for d in per_shape_packed.values() for v in d.values())])
     out: dict[str, Any] = {
@@ -262,6 +250,25 @@ def measure_matmul_peak(mc: Any, device: str, dtype: torch.dtype, tokens: int = 
     return out
 
 
+def _best_seconds(fn: Any, sync: Any = lambda: None) -> float:
+    """Seconds per call of ``fn``, the best of 3 timed rounds after 2 warm-up calls, each round as many calls as
+    fill ~0.1 s (up to 50); ``sync`` waits for the device's queued work."""
+    for _ in range(2):
+        fn()
+    sync()
+    reps = 1
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        el = (time.perf_counter() - t0) / reps
+        best = min(best, el)
+        reps = max(1, min(50, int(0.1 / max(el, 1e-6))))
+    return best
+
+
 def measure_w8a8_peak(mc: Any, tokens: int = 512) -> float | None:
     """Best int8 x int8 throughput (GOP/s) over the decoder's projection shapes through the W8A8 kernel that
     ``pagedq-w8a8`` runs here (``pagedq_kernels/w8a8_linear``; its input quantised per call, as in the model), or
@@ -270,16 +277,14 @@ def measure_w8a8_peak(mc: Any, tokens: int = 512) -> float | None:
 
     from pagedq_kernels import int8_linear, w8a8_linear
 
-    h = mc.hidden_size
-    shapes = [(h, mc.q_size + 2 * mc.kv_size), (mc.q_size, h), (h, 2 * mc.intermediate_size), (mc.intermediate_size, h)]
     best = 0.0
     with torch.inference_mode():
-        for k, n in shapes:
+        for k, n in _decoder_shapes(mc).values():
             packed = w8a8_linear.pack(int8_linear.quantize_per_channel(torch.randn(n, k)))
             if packed is None:
                 return None
             x = torch.randn(tokens, k)
-            seconds = min(_timed(lambda: w8a8_linear.linear(x, packed, None)) for _ in range(3))  # noqa: B023
+            seconds = _best_seconds(lambda: w8a8_linear.linear(x, packed, None))  # noqa: B023
             best = max(best, 2.0 * tokens * k * n / seconds / 1e9)
     return round(best, 2)
 
@@ -288,16 +293,6 @@ def _peak_for(system: str, peak: dict[str, Any]) -> float:
     """The peak a system's useful-FLOP share is taken against (GFLOP/s): the W8A8 int8 peak for
     ``pagedq-w8a8`` where it was measured, else the float matmul peak of the run's dtype."""
     return float(peak.get("w8a8_gop_s", peak["gflop_s"]) if system == "pagedq-w8a8" else peak["gflop_s"])
-
-
-def _timed(fn: Any) -> float:
-    """Seconds per call of ``fn``, over as many calls as fill ~0.1 s after a warm-up call."""
-    fn()
-    start, calls = time.perf_counter(), 0
-    while (elapsed := time.perf_counter() - start) < 0.1 or calls < 2:
-        fn()
-        calls += 1
-    return elapsed / calls
 
 
 def _make_workloads(

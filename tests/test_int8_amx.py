@@ -35,7 +35,9 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     return str(request.param)
 
 
-ROWS = (1, 5, 16, 17, 33, 300)  # one tile row, partial 16-row tiles, one and two 32-row blocks, several
+# one tile row, partial 16-row tiles (AMX), one and two 32-row blocks, several; on the dot products both sides of
+# where widening moves from registers to the buffer (cpu_bf16_dp.c): 24 | 25 rows group-wise, 128 | 129 per channel
+ROWS = (1, 5, 16, 17, 24, 25, 33, 128, 129, 300)
 
 
 def _weight(n: int, k: int, seed: int) -> int8_linear.Int8Weight:
@@ -99,7 +101,8 @@ def test_tiles_gated_match_reference(kernel: str, inter: int, k: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("n", "k", "group", "offsets"), [(40, 64, 32, True), (200, 96, 32, False), (33, 576, 64, True)]
+    ("n", "k", "group", "offsets"),
+    [(40, 64, 32, True), (200, 96, 32, False), (33, 576, 64, True), (40, 64, 64, True)],  # last: one group with offsets
 )
 def test_group_wise_weights_are_the_bf16_model_of_their_dequantisation(
     kernel: str, n: int, k: int, group: int, offsets: bool

@@ -9,8 +9,9 @@ rounds, because on a shared machine one round can land far either way.
 
 ``--linears`` times the bf16 matmuls instead (no ISA variants: the packed kinds of ``pagedq_kernels/cpu_linear``
 side by side, pagedq's AMX or AVX512-bf16 kernel against oneDNN, and beside them the W8A8 kernels that run here,
-``pagedq_kernels/w8a8_linear``, on the decoder's projections; ``--linear-dtype float32``: the C panels) in
-GFLOP/s (W8A8: integer GOP/s) over SmolLM2's projections and lm_head.
+``pagedq_kernels/w8a8_linear``, and the weight-only int8 kernels a bf16 model's ``quantization="int8"`` (``int8``)
+and GGUF (``q4_1``: Q4_1's layout) weights take; ``--linear-dtype float32``: the C panels) in GFLOP/s (W8A8:
+integer GOP/s) over SmolLM2's projections and lm_head.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ LINEAR_SHAPES = {
     "down 1536->576": (INTER, HIDDEN, False),
     "lm_head 576->49152": (HIDDEN, VOCAB, False),
 }
-LINEAR_ROWS = (8, 36, 64, 256, 2048)
+LINEAR_ROWS = (1, 4, 8, 12, 36, 64, 256, 2048)
 
 
 def _paged_cache(
@@ -174,6 +175,32 @@ def w8a8_case(kind: w8a8_linear.Kind, k: int, n: int, glu: bool, rows: int) -> C
     return lambda: w8a8_linear.linear(x, weights[next(layer) % len(weights)], None)
 
 
+def int8_case(k: int, n: int, glu: bool, rows: int, group: int) -> Callable[[], object] | None:
+    """:func:`linear_case` for a weight-only int8 weight under a bf16 model, as ``int8_linear.pack`` places it
+    (AMX tiles, or the AVX512-bf16 kernel's widening): ``group`` == k per-channel (``quantization="int8"``),
+    else GGUF-like groups with offsets (Q4_1's layout: 4-bit codes, a scale and a minimum per 32). None where the
+    kernel does not take it, and for the lm_head (kept in the activation dtype)."""
+    if n == VOCAB:
+        return None
+    g = torch.Generator().manual_seed(n * k + group)
+    weights = []
+    for _ in range(LAYERS):
+        if group == k:
+            weights.append(int8_linear.quantize_per_channel(torch.randn(n, k, generator=g) * k**-0.5))
+            continue
+        values = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+        scales = torch.rand(n, k // group, generator=g) * 0.01
+        offsets = -8 * scales
+        weights.append(int8_linear.Int8Weight(values, scales, offsets, group))
+    packed = [int8_linear.pack(w, glu=glu, matmul_dtype=torch.bfloat16) for w in weights]
+    ready = [p for p in packed if p is not None and p.amx]
+    if len(ready) != len(packed):
+        return None
+    x = torch.randn(rows, k, generator=g)
+    layer = iter(range(1 << 62))
+    return lambda: int8_linear.linear(x, ready[next(layer) % len(ready)], None)
+
+
 def time_linears(rounds: int, only: str, dtype: torch.dtype) -> None:
     """GFLOP/s of each linear kind for ``dtype`` weights (fastest of ``rounds`` interleaved rounds) per shape
     and row count: bf16's AMX or dpbf16 / oneDNN kinds, or fp32's C panels and oneDNN. dpbf16 twice, with its
@@ -191,6 +218,9 @@ def time_linears(rounds: int, only: str, dtype: torch.dtype) -> None:
             labels[kind] = (kind, None)
     int8_kinds = w8a8_linear.available_kinds() if dtype == torch.bfloat16 else []
     labels |= {f"w8a8/{int8_kind}": (f"w8a8/{int8_kind}", None) for int8_kind in int8_kinds}
+    # weight-only int8 (label: group, 0 = per channel) where a bf16 kernel takes it
+    weight_only = {"int8": 0, "q4_1": 32} if dtype == torch.bfloat16 else {}
+    labels |= {label: (label, None) for label in weight_only}
     best: dict[tuple[str, str, int], float] = {}
     for name, (k, n, glu) in LINEAR_SHAPES.items():
         if only not in name:
@@ -200,6 +230,8 @@ def time_linears(rounds: int, only: str, dtype: torch.dtype) -> None:
         }
         for int8_kind in int8_kinds:
             made |= {(f"w8a8/{int8_kind}", rows): w8a8_case(int8_kind, k, n, glu, rows) for rows in LINEAR_ROWS}
+        for label, group in weight_only.items():
+            made |= {(label, rows): int8_case(k, n, glu, rows, group or k) for rows in LINEAR_ROWS}
         for _ in range(rounds):
             for label, (made_as, on_fma) in labels.items():
                 for rows in LINEAR_ROWS:

@@ -86,6 +86,14 @@
 #ifndef DP_PF
 #define DP_PF 4096 /* weight elements to prefetch ahead: 8 KB, four K chunks (measured above) */
 #endif
+/* gemm_int8_dp widens an int8 weight in registers, tile by tile (dp_tile with a dp_q8_block), up to these rows,
+ * and into a per-thread buffer read by every row tile above them (measured at gemm_int8_dp). */
+#ifndef FUSED_INT8_ROWS
+#define FUSED_INT8_ROWS 128 /* per channel: four uops per 32 weights */
+#endif
+#ifndef FUSED_GROUPED_ROWS
+#define FUSED_GROUPED_ROWS 24 /* group-wise: three more (scale, offset, rounding to bf16) */
+#endif
 #ifndef DP_PF_HINT
 #define DP_PF_HINT _MM_HINT_T1 /* into L2 (measured above) */
 #endif
@@ -221,12 +229,47 @@ static inline __attribute__((always_inline)) void kpair_weights(const uint16_t *
     *w1 = _mm512_loadu_si512((const void *)(chunk + 512 + p * 32));
 }
 
+/* An int8 column block read in registers (fused_int8, gemm_int8_dp at one row tile): the block's values in
+ * cpu_int8_amx.c's packing and, group-wise, its scales and offsets ([k / group][32]); NULL in dp_tile for a bf16
+ * weight. */
+typedef struct {
+    const int8_t *values;
+    const float *scales;  /* group-wise only (per-channel scales go to the epilogue) */
+    const float *offsets; /* NULL: none */
+    int64_t group;        /* == k without offsets: per channel, widened exactly */
+} dp_q8_block;
+
+/* One packed int8 row (16 columns' first k of a pair, then their second) as VDPBF16PS's weight operand: lane j
+ * = (first_j, second_j) in bf16. Per channel exactly (widen_block's sequence); group-wise scale * q (+ offset),
+ * each rounded to fp32, then rounded to nearest-even bf16: widen_block_dequantised's floats, whose two
+ * conversions and three shuffles become one vcvtne2ps2bf16 and one word permute here. */
+static inline __attribute__((always_inline)) __m512i widen_row(const int8_t *q, int grouped, __m512 s, __m512 o,
+                                                               int offsets)
+{
+    const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+    if (!grouped) /* 0xCA: high ? second : first >> 16, bit by bit (exact: |q| <= 128 fits bf16) */
+        return _mm512_ternarylogic_epi32(_mm512_set1_epi32((int)0xFFFF0000u), _mm512_castps_si512(second),
+                                         _mm512_srli_epi32(_mm512_castps_si512(first), 16), 0xCA);
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m512 a = _mm512_mul_round_ps(first, s, rn), b = _mm512_mul_round_ps(second, s, rn);
+    if (offsets) {
+        a = _mm512_add_round_ps(a, o, rn);
+        b = _mm512_add_round_ps(b, o, rn);
+    }
+    /* cvtne2ps: a's 16 bf16 in words 0-15, b's in 16-31; the permute interleaves them as pairs */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
 /* rows x 32 outputs of one column block: acc = x rows (bf16, stride k) @ the block's weight, times the block's 32
  * per-column scales where given (an int8 weight widened: gemm_int8_dp), then + bias, or with glu silu(columns
  * 0-15) * columns 16-31 (16 outputs), ncols of them valid. With `am` (column `col`, first row `row0`), nothing is
  * stored: the rows' running argmax takes the block's ncols values instead. */
 static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16_t *x, const float *xw, int64_t k,
-                                                          const uint16_t *panel, const float *scale,
+                                                          const uint16_t *panel, const dp_q8_block *q8,
+                                                          const float *scale,
                                                           const float *bias, float *y, int64_t ldy, int ncols, int glu,
                                                           dp_argmax *am, dp_screen *sc, int64_t row0, int64_t col)
 {
@@ -247,7 +290,7 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
         c##r##a = _mm512_dpbf16_ps(c##r##a, xb, w0);                      \
         c##r##b = _mm512_dpbf16_ps(c##r##b, xb, w1);                      \
     }
-    if (!xw) {
+    if (!xw && !q8) {
         for (int64_t kc = 0; kc < k; kc += 32) {
             const uint16_t *chunk = panel + kc * 32;
             for (int p = 0; p < 16; p++) {
@@ -255,6 +298,32 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
                 __m512i raw0, raw1;
                 kpair_weights(chunk, p, &raw0, &raw1);
                 const __m512bh w0 = (__m512bh)raw0, w1 = (__m512bh)raw1;
+                ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
+            }
+        }
+    }
+    /* An int8 block widened in registers, k-pair by k-pair (fused_int8): the same operands as the widened
+       buffer's, at half the bytes streamed and without the buffer's store and reload. The prefetch runs the
+       same chunks ahead (a chunk is 1 KB of int8: one line per two k-pairs). */
+    if (!xw && q8) {
+        const int offsets = q8->offsets != NULL, grouped = q8->group != k || offsets; /* dp_blocks' per_channel */
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, o0 = s0, o1 = s0;
+        for (int64_t kc = 0; kc < k; kc += 32) {
+            const int8_t *chunk = q8->values + kc * 32;
+            if (grouped && kc % q8->group == 0) {
+                const int64_t g = kc / q8->group;
+                s0 = _mm512_loadu_ps(q8->scales + g * 32), s1 = _mm512_loadu_ps(q8->scales + g * 32 + 16);
+                if (offsets)
+                    o0 = _mm512_loadu_ps(q8->offsets + g * 32), o1 = _mm512_loadu_ps(q8->offsets + g * 32 + 16);
+            }
+            for (int p = 0; p < 16; p++) {
+                const int64_t kp = kc / 2 + p;
+                if (DP_PF && !(p & 1)) {
+                    _mm_prefetch((const char *)(chunk + DP_PF + p * 32), DP_PF_HINT);
+                    _mm_prefetch((const char *)(chunk + DP_PF + 512 + p * 32), DP_PF_HINT);
+                }
+                const __m512bh w0 = (__m512bh)widen_row(chunk + p * 32, grouped, s0, o0, offsets);
+                const __m512bh w1 = (__m512bh)widen_row(chunk + 512 + p * 32, grouped, s1, o1, offsets);
                 ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
             }
         }
@@ -354,14 +423,14 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
 
 /* dp_tile, one inlined copy per row count: constant counts keep every accumulator in a register. */
 static inline void dp_tile_rows(int rows, const uint16_t *x, const float *xw, int64_t k, const uint16_t *panel,
-                                const float *scale, const float *bias, float *y, int64_t ldy, int ncols, int glu,
+                                const dp_q8_block *q8, const float *scale, const float *bias, float *y, int64_t ldy, int ncols, int glu,
                                 dp_argmax *am, dp_screen *sc, int64_t row0, int64_t col)
 {
-#define DP_CASE(n) case n: dp_tile(n, x, xw, k, panel, scale, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
+#define DP_CASE(n) case n: dp_tile(n, x, xw, k, panel, q8, scale, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
     switch (rows) {
     DP_CASE(12) DP_CASE(11) DP_CASE(10) DP_CASE(9) DP_CASE(8) DP_CASE(7)
     DP_CASE(6) DP_CASE(5) DP_CASE(4) DP_CASE(3) DP_CASE(2)
-    default: dp_tile(1, x, xw, k, panel, scale, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
+    default: dp_tile(1, x, xw, k, panel, q8, scale, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
     }
 #undef DP_CASE
 }
@@ -435,20 +504,24 @@ static void dp_blocks(const uint16_t *x, float *xw, int64_t m, const uint16_t *w
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t col = b * width;
             const int ncols = (int)(n - col < width ? n - col : width);
-            const uint16_t *panel = q8 ? q8->wide : w + b * block_elems;
             const int per_channel = q8 && q8->group == k && !q8->offsets;
-            if (per_channel)
-                widen_block(q8->values + b * block_elems, q8->wide, block_elems);
+            const float *block_scales = q8 ? q8->scales + b * (k / q8->group) * 32 : NULL;
+            const float *block_offsets = q8 && q8->offsets ? q8->offsets + b * (k / q8->group) * 32 : NULL;
+            const dp_q8_block fused = {q8 ? q8->values + b * block_elems : NULL, block_scales, block_offsets,
+                                       q8 ? q8->group : 0};
+            const uint16_t *panel = q8 ? q8->wide : w + b * block_elems;
+            if (q8 && !q8->wide) /* fused_int8: read in registers by the one row tile */
+                panel = NULL;
+            else if (per_channel)
+                widen_block(fused.values, q8->wide, block_elems);
             else if (q8)
-                widen_block_dequantised(q8->values + b * block_elems, q8->scales + b * (k / q8->group) * 32,
-                                        q8->offsets ? q8->offsets + b * (k / q8->group) * 32 : NULL, q8->group,
-                                        q8->wide, k);
-            const float *scale = per_channel ? q8->scales + b * 32 : NULL;
+                widen_block_dequantised(fused.values, block_scales, block_offsets, q8->group, q8->wide, k);
+            const float *scale = per_channel ? block_scales : NULL;
             const float *bp = bias && !glu ? bias + col : NULL;
             int64_t r0 = m0;
             for (int64_t t = tiles; t > 0; t--) { /* the rows left spread evenly over the tiles left */
                 const int rows = (int)((m1 - r0 + t - 1) / t);
-                dp_tile_rows(rows, x + r0 * k, xw ? xw + r0 * k : NULL, k, panel, scale, bp,
+                dp_tile_rows(rows, x + r0 * k, xw ? xw + r0 * k : NULL, k, panel, panel ? NULL : &fused, scale, bp,
                              am || sc ? NULL : y + r0 * ldy + col, ldy, ncols, glu, am, sc, r0, col);
                 r0 += rows;
             }
@@ -477,8 +550,23 @@ int gemm_bf16_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const 
 
 /* gemm_bf16_dp for an int8 weight in cpu_int8_amx.c's packing (values int8 per column block of K x 32; dp_int8
  * above for the scales, offsets and group): where AMX does not run, the int8 weight of a model that multiplies in
- * bf16 (quantization="int8", or a GGUF, under dtype bf16 or auto) on these dot products. Each column block is
- * widened into a thread's K x 32 bf16 buffer once per MB-row pass and the tiles read it as they read a bf16 weight.
+ * bf16 (quantization="int8", or a GGUF, under dtype bf16 or auto) on these dot products. Up to FUSED_INT8_ROWS
+ * rows (FUSED_GROUPED_ROWS for group-wise weights) each row tile widens the block's int8 in registers (widen_row),
+ * k-pair by k-pair; above them each column block is widened into a thread's K x 32 bf16 buffer once per MB-row pass
+ * and the tiles read it as they read a bf16 weight. The same operands either way (bit for bit: tests/test_int8_amx.py
+ * crosses the boundary). Measured (2-vCPU KVM AMD EPYC Zen 5, family 26 model 2; 2 threads, 30 cold copies of each
+ * weight, builds with the thresholds at 0 and at infinity interleaved in one process, best of 3, us per call,
+ * buffer -> registers, through int8_linear.linear with the packed weight's dp_kernels swapped per build):
+ *                      M:      1           8          24          64         128         256
+ *   qkv  per channel    25.5 -> 18.4  28.8 -> 22.0  61.1 -> 41.7  116.8 -> 98.9  201 -> 187  371 -> 421
+ *   qkv  Q4_1-like      38.7 -> 21.6  36.8 -> 30.4  80.0 -> 70.5  134.8 -> 168   227 -> 329  407 -> 635
+ *   gate_up per channel 92.4 -> 45.5  119  -> 55.7  324  -> 238   366   -> 309   674 -> 607  1242 -> 1388
+ *   gate_up Q4_1-like   133  -> 51.5  146  -> 78.2  239  -> 223   432   -> 566   708 -> 1064 1290 -> 2002
+ *   down per channel    38.6 -> 24.3  52.9 -> 33.5  100  -> 65.6  193   -> 168   330 -> 311  588 -> 669
+ *   down Q4_1-like      65.4 -> 29.6  59.5 -> 46.8  117  -> 106   209   -> 284   361 -> 482  588 -> 974
+ * (M = 36: Q4_1-like already 5-10 % slower in registers). At decode sizes the buffer's store and reload, its
+ * allocation per call and the per-block widening pass cost more than the widening itself; once many row tiles
+ * share a block the buffer's one widening wins, sooner for group-wise weights, whose widening is dearer.
  * Per-channel: exactly (widen_block, amx_tile.h: every int8 is a bf16), the scale multiplying the fp32 sums before
  * bias or SiLU-and-mul: y = scale * sum_k bf16(x) q, what cpu_int8_amx.c computes on the tiles. Group-wise: the
  * dequantised weight rounded to bf16 (widen_block_dequantised). It replaced the fp32 kernel there (cpu_int8_gemm.c:
@@ -492,12 +580,14 @@ int gemm_int8_dp(const float *x_f32, int64_t ldx, uint16_t *x, int64_t m, const 
     if (group <= 0 || group % 32 || k % group) return -3;
     const int64_t blocks = (n + (glu ? 16 : 32) - 1) / (glu ? 16 : 32);
     float *xw = fma_rows(m, k);
+    const int grouped = group != k || offsets != NULL;
+    const int fused = !xw && m <= (grouped ? FUSED_GROUPED_ROWS : FUSED_INT8_ROWS); /* registers, no buffer */
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) if (blocks > 1)
     {
-        uint16_t *wide = (uint16_t *)aligned_alloc(64, (size_t)(k * 32) * sizeof(uint16_t));
+        uint16_t *wide = fused ? NULL : (uint16_t *)aligned_alloc(64, (size_t)(k * 32) * sizeof(uint16_t));
         round_rows(x_f32, ldx, x, m, m, k); /* ends in a barrier: every row ready */
-        if (!wide) {
+        if (!wide && !fused) {
             #pragma omp atomic write
             failed = 1;
         }

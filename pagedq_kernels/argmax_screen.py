@@ -146,7 +146,11 @@ def _requested_kind(kind: Kind | None) -> Kind | None:
 
 def _default_kind(in_features: int) -> Kind:
     """int8 where it packs and this CPU's bf16 products run on its FMAs (where it was measured to win, above);
-    bf16 where VDPBF16PS runs at full rate (Zen 4/5: not yet measured against int8 there)."""
+    bf16 where VDPBF16PS runs at full rate. There the two screens tie: 2-vCPU AMD EPYC Zen 5 (family 26 model 2),
+    2 threads, SmolLM2's head evicted before each call, 384 real decode rows, best of 7 interleaved, ms int8 / bf16
+    screen / fp32 panels: 1 row 1.11 / 1.06 / 2.27, 8: 1.34 / 1.24 / 2.64, 36: 3.20 / 3.21 / 5.32, 64: 4.88 / 5.19
+    / 10.03; a bf16 model's own head (the dpbf16 argmax over its bf16 weight, no screen) 1.14 / 1.17 / 2.99 / 4.88,
+    so an int8 screen would not pay for a bf16 head there either."""
     return "int8" if _int8_packs(in_features) and cpu_isa.current().bf16_products_on_fma else "bf16"
 
 

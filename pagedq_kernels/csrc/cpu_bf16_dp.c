@@ -241,8 +241,9 @@ typedef struct {
 
 /* One packed int8 row (16 columns' first k of a pair, then their second) as VDPBF16PS's weight operand: lane j
  * = (first_j, second_j) in bf16. Per channel exactly (widen_block's sequence); group-wise scale * q (+ offset),
- * each rounded to fp32, then rounded to nearest-even bf16: widen_block_dequantised's floats, whose two
- * conversions and three shuffles become one vcvtne2ps2bf16 and one word permute here. */
+ * each rounded to fp32 (the _round_ forms: no contraction into an FMA, which would round once instead of twice),
+ * then rounded to nearest-even bf16 (one vcvtne2ps2bf16 and a word permute that pairs its two halves): what
+ * Int8Weight.dequantize() gives, rounded to bf16. Also widen_block_dequantised's row, for the buffer. */
 static inline __attribute__((always_inline)) __m512i widen_row(const int8_t *q, int grouped, __m512 s, __m512 o,
                                                                int offsets)
 {
@@ -452,13 +453,10 @@ typedef struct {
 
 /* A column block's group-wise int8 weight (K x 32, the AMX int8 packing: per 32-deep chunk two tiles of 16 rows,
  * each row the 16 columns' first k of the pair, then their second) dequantised and rounded to bf16 into the
- * B-tile order, each 32-bit lane one column's k-pair. The fp32 dequantisation is mul then add with explicit
- * rounding (the _round_ forms: no contraction into an FMA, which would round once instead of twice); the bf16
- * rounding is to nearest even (VCVTNEPS2BF16). */
+ * B-tile order, each 32-bit lane one column's k-pair: widen_row, row by row, with the group's scales and offsets. */
 static void widen_block_dequantised(const int8_t *src, const float *scales, const float *offsets, int64_t group,
                                     uint16_t *dst, int64_t k)
 {
-    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     for (int64_t c = 0; c < k / 32; c++) {
         const int64_t g = c * 32 / group;
         for (int t = 0; t < 2; t++) {
@@ -466,16 +464,7 @@ static void widen_block_dequantised(const int8_t *src, const float *scales, cons
             const __m512 o = offsets ? _mm512_loadu_ps(offsets + g * 32 + t * 16) : _mm512_setzero_ps();
             for (int p = 0; p < 16; p++) {
                 const int64_t row = (c * 2 + t) * 16 + p;
-                const int8_t *q = src + row * 32;
-                __m512 first = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), s, rn);
-                __m512 second = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), s, rn);
-                if (offsets) {
-                    first = _mm512_add_round_ps(first, o, rn);
-                    second = _mm512_add_round_ps(second, o, rn);
-                }
-                const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(first));
-                const __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(second)), 16);
-                _mm512_store_si512((__m512i *)(dst + row * 32), _mm512_or_si512(lo, hi));
+                _mm512_store_si512((__m512i *)(dst + row * 32), widen_row(src + row * 32, 1, s, o, offsets != NULL));
             }
         }
     }

@@ -250,14 +250,21 @@ def test_quantisation_ratios_and_targets() -> None:
         "pagedq-w8a8/pagedq-fp32": 1.9,
         "pagedq-w8a8/pagedq": 0.95,
     }
-    report: dict[str, Any] = {"meta": {"dtype": "bfloat16"}, "workloads": {"compass": {"ratios": ratios}}}
+    amx_meta = {"dtype": "bfloat16", "cpu_isa": {"probed": ["avx2", "avx512", "avx512_bf16", "amx"]}}
+    report: dict[str, Any] = {"meta": amx_meta, "workloads": {"compass": {"ratios": ratios}}}
+    int8_over_bf16 = "pagedq-int8 faster than bf16 pagedq where AMX runs (compass)"
     rows = {t["target"]: t for t in rep.targets(report)}
     assert rows["pagedq-int8 >= 1.5x pagedq-fp32 (compass, output tok/s)"]["met"] is True
-    assert rows["pagedq-int8 faster than bf16 pagedq (compass)"]["met"] is True
+    assert rows[int8_over_bf16]["met"] is True
+    assert rows["pagedq-w8a8 faster than bf16 pagedq (compass)"]["met"] is False
+    report["meta"]["cpu_isa"]["probed"].remove("amx")  # bf16 on dot products: int8 is not held to it there
+    rows = {t["target"]: t for t in rep.targets(report)}
+    assert rows[int8_over_bf16]["value"] is None
     assert rows["pagedq-w8a8 faster than bf16 pagedq (compass)"]["met"] is False
     report["meta"]["dtype"] = "float32"  # no bf16 run to beat
     rows = {t["target"]: t for t in rep.targets(report)}
-    assert rows["pagedq-int8 faster than bf16 pagedq (compass)"]["value"] is None
+    assert rows[int8_over_bf16]["value"] is None
+    assert rows["pagedq-w8a8 faster than bf16 pagedq (compass)"]["value"] is None
 
 
 def test_pagedq_variants_override_the_bench_flags() -> None:

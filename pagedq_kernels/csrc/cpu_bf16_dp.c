@@ -89,10 +89,10 @@
 /* gemm_int8_dp widens an int8 weight in registers, tile by tile (dp_tile with a dp_q8_block), up to these rows,
  * and into a per-thread buffer read by every row tile above them (measured at gemm_int8_dp). */
 #ifndef FUSED_INT8_ROWS
-#define FUSED_INT8_ROWS 128 /* per channel: four uops per 32 weights */
+#define FUSED_INT8_ROWS 128 /* per channel: six vector ops per 32 weights (widen_row) */
 #endif
 #ifndef FUSED_GROUPED_ROWS
-#define FUSED_GROUPED_ROWS 24 /* group-wise: three more (scale, offset, rounding to bf16) */
+#define FUSED_GROUPED_ROWS 24 /* group-wise: six more (scale, offset, rounding to bf16, pairing) */
 #endif
 #ifndef DP_PF_HINT
 #define DP_PF_HINT _MM_HINT_T1 /* into L2 (measured above) */
@@ -229,9 +229,9 @@ static inline __attribute__((always_inline)) void kpair_weights(const uint16_t *
     *w1 = _mm512_loadu_si512((const void *)(chunk + 512 + p * 32));
 }
 
-/* An int8 column block read in registers (fused_int8, gemm_int8_dp at one row tile): the block's values in
- * cpu_int8_amx.c's packing and, group-wise, its scales and offsets ([k / group][32]); NULL in dp_tile for a bf16
- * weight. */
+/* An int8 column block that dp_tile widens in registers (gemm_int8_dp up to FUSED_INT8_ROWS or FUSED_GROUPED_ROWS
+ * rows): the block's values in cpu_int8_amx.c's packing and, group-wise, its scales and offsets ([k / group][32]);
+ * NULL in dp_tile for a bf16 weight, or a widened buffer. */
 typedef struct {
     const int8_t *values;
     const float *scales;  /* group-wise only (per-channel scales go to the epilogue) */
@@ -303,7 +303,7 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
             }
         }
     }
-    /* An int8 block widened in registers, k-pair by k-pair (fused_int8): the same operands as the widened
+    /* An int8 block widened in registers, k-pair by k-pair (dp_q8_block): the same operands as the widened
        buffer's, at half the bytes streamed and without the buffer's store and reload. The prefetch runs the
        same chunks ahead (a chunk is 1 KB of int8: one line per two k-pairs). */
     if (!xw && q8) {
@@ -424,8 +424,8 @@ static inline __attribute__((always_inline)) void dp_tile(int rows, const uint16
 
 /* dp_tile, one inlined copy per row count: constant counts keep every accumulator in a register. */
 static inline void dp_tile_rows(int rows, const uint16_t *x, const float *xw, int64_t k, const uint16_t *panel,
-                                const dp_q8_block *q8, const float *scale, const float *bias, float *y, int64_t ldy, int ncols, int glu,
-                                dp_argmax *am, dp_screen *sc, int64_t row0, int64_t col)
+                                const dp_q8_block *q8, const float *scale, const float *bias, float *y, int64_t ldy,
+                                int ncols, int glu, dp_argmax *am, dp_screen *sc, int64_t row0, int64_t col)
 {
 #define DP_CASE(n) case n: dp_tile(n, x, xw, k, panel, q8, scale, bias, y, ldy, ncols, glu, am, sc, row0, col); break;
     switch (rows) {
@@ -499,7 +499,7 @@ static void dp_blocks(const uint16_t *x, float *xw, int64_t m, const uint16_t *w
             const dp_q8_block fused = {q8 ? q8->values + b * block_elems : NULL, block_scales, block_offsets,
                                        q8 ? q8->group : 0};
             const uint16_t *panel = q8 ? q8->wide : w + b * block_elems;
-            if (q8 && !q8->wide) /* fused_int8: read in registers by the one row tile */
+            if (q8 && !q8->wide) /* widened in registers by each row tile (gemm_int8_dp's FUSED_ limits) */
                 panel = NULL;
             else if (per_channel)
                 widen_block(fused.values, q8->wide, block_elems);

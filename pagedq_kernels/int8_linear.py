@@ -301,7 +301,7 @@ def pack(weight: Int8Weight, glu: bool = False, matmul_dtype: torch.dtype | None
     if matmul_dtype == torch.bfloat16 and amx_supported(weight) and amx_available():
         return _pack_amx(weight, out_features, glu)
     if matmul_dtype == torch.bfloat16 and dp_supported(weight) and not amx_available():
-        dp_kernels = None if os.environ.get("PAGEDQ_DISABLE_INT8_KERNEL") else cpu_linear.dp_library()
+        dp_kernels = cpu_linear.dp_library()  # PAGEDQ_DISABLE_INT8_KERNEL: kernel_available() refused above
         if dp_kernels is not None:
             return dataclasses.replace(_pack_amx(weight, out_features, glu), dp_kernels=dp_kernels)
     # A merged gate/up has 2 * out_features rows: the padding index of _panel_rows is >= n, clamped to n.

@@ -55,7 +55,7 @@ from typing import Literal
 
 import torch
 
-from pagedq_kernels import c_build, cpu_isa, cpu_ops, kernel_call
+from pagedq_kernels import c_build, cpu_isa, cpu_linear, cpu_ops, kernel_call
 from pagedq_kernels.int8_linear import Int8Weight
 
 Kind = Literal["vnni", "onednn"]
@@ -295,17 +295,11 @@ def linear(x: torch.Tensor, packed: PackedW8A8, bias: torch.Tensor | None) -> to
     """``x @ W.T + bias`` through int8 (a :func:`gated` weight: ``silu(gate) * up``, no bias): fp32 in, fp32 out,
     ``x`` with any leading dimensions."""
     if packed.kind == "vnni":  # quantised, multiplied and scaled in one call
-        k = packed.in_features
-        if x.shape[-1] != k:
-            raise ValueError(f"w8a8 linear: input has {x.shape[-1]} features, the weight expects {k}")
-        rows = x.reshape(-1, k)
-        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-            rows = rows.float().contiguous()
-        out = torch.empty((rows.shape[0], packed.out_features))
+        n, k = packed.out_features, packed.in_features
+        rows, out, b = cpu_linear.panel_operands(x, n, k, bias, packed.glu, "w8a8 linear")
         if rows.shape[0]:
-            b = None if bias is None else bias.detach().float().contiguous()
             kernel_call.run((linear_call(packed, rows, out, b, None, torch.get_num_threads()),))
-        return out.view(*x.shape[:-1], packed.out_features)
+        return out.view(*x.shape[:-1], n)
     out, xs = matmul_unscaled(x, packed)
     out.mul_(xs.unsqueeze(1))
     if bias is not None:

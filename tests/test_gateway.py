@@ -392,7 +392,11 @@ def test_client_disconnect_mid_stream_cancels_the_job(fleet: Fleet) -> None:
     assert len(event.choices[0].token_ids) < 600
 
 
-def test_client_gone_before_a_non_streamed_answer_cancels_the_job(fleet: Fleet) -> None:
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_client_gone_before_a_non_streamed_answer_cancels_the_job(fleet: Fleet, logprobs: int | None) -> None:
+    # With logprobs the job streams an event per step to the gateway (it needs each token's), so its reply
+    # stream never falls silent: the gateway must look at the client while events flow, not only in a lull.
+    user = f"client-gone-{logprobs}"
     impatient = openai.OpenAI(base_url=fleet.gateway.url + "/v1", api_key=API_KEY, max_retries=0, timeout=1.0)
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(
@@ -402,14 +406,15 @@ def test_client_gone_before_a_non_streamed_answer_cancels_the_job(fleet: Fleet) 
             temperature=1.0,
             seed=5,
             extra_body={"ignore_eos": True},
-            user="client-gone",
+            user=user,
+            logprobs=logprobs,
         )
 
     # The client hung up after a second; the gateway noticed and cancelled the job (found by its user).
     def ended() -> list[Any]:
         keys = fleet.ctx.redis.scan_iter(fleet.ctx.keys.result("cmpl-*"))
         events = [fleet.ctx.result(k.split("{", 1)[1].rsplit("}", 1)[0]) for k in keys]  # <ns>:{<id>}:result
-        return [e for e in events if e is not None and e.metadata == {"user": "client-gone"}]
+        return [e for e in events if e is not None and e.metadata == {"user": user}]
 
     (event,) = wait_for(ended, 30, what="the abandoned job's end")
     if isinstance(event, ErrorEvent):  # cancelled before its first token (a very slow start)

@@ -538,12 +538,15 @@ class AsyncPagedqClient(_Base):
         on_idle: Callable[[], Awaitable[None]] | None = None,
     ) -> AsyncIterator[Event]:  # fmt: skip
         """As :meth:`PagedqClient.events`. ``on_idle`` is awaited after every read that found nothing new
-        (at most ``block_ms`` apart while the job is silent): a server following many jobs at once checks
-        there what the reply stream cannot say (the job still not picked up, its HTTP client gone) and
-        raises to stop following."""
+        (at most ``block_ms`` apart while the job is silent), and at least every ``block_ms`` while events flow:
+        a server following many jobs at once checks there what the reply stream cannot say (the job still not
+        picked up, its HTTP client gone) and raises to stop following. Not only on silence: a job that sends
+        an event every step (logprobs stream per token) would otherwise never be checked, and a client gone
+        from it would leave it running to its last token."""
         key = self.reply_key(job_id, reply_to)
         deadline = _deadline(timeout)
         last = "0"
+        checked = time.monotonic()  # when on_idle last ran
         outage = _Outage(self.reconnect_s)
         expired = False
         while True:  # as PagedqClient.events
@@ -555,7 +558,8 @@ class AsyncPagedqClient(_Base):
                 expired = True  # one last read without BLOCK: a job already over is no timeout (timeout=0)
             try:
                 events, new_last = _events(await self.redis.xread({key: last}, count=1000, block=block), job_id)
-                if new_last is None and on_idle is not None:
+                if on_idle is not None and (new_last is None or time.monotonic() - checked >= self.block_ms / 1000):
+                    checked = time.monotonic()
                     await on_idle()
                 last = new_last or last
                 unconfirmed = False

@@ -36,6 +36,7 @@ _COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "run_status",
     ),
     "dead": ("list or replay dead letters", "ops.queue_commands", "add_dead_arguments", "run_dead"),
+    "cancel": ("cancel jobs by id, queued or running", "ops.queue_commands", "add_cancel_arguments", "run_cancel"),
     "bench": ("benchmark pagedq against its peers, side by side", "ops.bench", "add_arguments", "run"),
     "serve": (
         "the OpenAI-compatible HTTP gateway over the queue, and the fleet dashboard",

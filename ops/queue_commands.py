@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisClusterException
 
 from ops.arg_types import int_at_least, seconds
-from schemas.jobs import DeadLetter, FinalEvent, describe_validation_error, salvage_reply_target
+from schemas.jobs import JOB_ID_PATTERN, DeadLetter, FinalEvent, describe_validation_error, salvage_reply_target
 from schemas.keys import GROUP, JOB_FIELD, OWNER_FIELD, Keys, entry_ref, split_entry_ref
 from worker import redis_url
 from worker.redis_url import is_cluster_client
@@ -292,6 +292,35 @@ def run_submit(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGINT, previous)
         client.close()
+
+
+def add_cancel_arguments(parser: argparse.ArgumentParser) -> None:
+    add_connection_arguments(parser)
+    parser.add_argument("job_ids", nargs="+", metavar="JOB_ID", help="ids of the jobs to cancel")
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    """Cancel jobs by id, as :meth:`worker.client.PagedqClient.cancel` does (the v2 flag, then the notice): a
+    queued job ends with error ``cancelled`` when a worker reads it, a running one with its partial text. A
+    job that already ended is left as it is; the flag expires with its TTL either way."""
+    from worker.client import PagedqClient
+
+    try:
+        settings = settings_from_args(args)
+        url = resolve_redis_url(settings)
+    except SettingsError as exc:
+        return _fail("cancel", str(exc), 2)
+    bad = [job_id for job_id in args.job_ids if not re.fullmatch(JOB_ID_PATTERN, job_id)]
+    if bad:
+        return _fail("cancel", f"not a job id: {', '.join(map(repr, bad))} (1-128 of A-Z a-z 0-9 . _ : -)", 2)
+    try:
+        client = PagedqClient(connect(url), namespace=settings.namespace, queue=settings.queue)
+        for job_id in args.job_ids:
+            client.cancel(job_id)
+            print(f"cancelled {job_id}")
+    except REDIS_ERRORS as exc:
+        return _fail("cancel", f"Redis at {mask_url(url)} failed: {exc}")
+    return 0
 
 
 def _print_summary(final: FinalEvent) -> None:
@@ -1069,13 +1098,14 @@ def _dead_replay(r: redis.Redis, keys: Keys, args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """A stand-alone parser with the three commands (``ops/cli.py`` mounts the same functions)."""
+    """A stand-alone parser with the four commands (``ops/cli.py`` mounts the same functions)."""
     parser = argparse.ArgumentParser(prog="pagedq")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, add, run in (
         ("submit", add_submit_arguments, run_submit),
         ("status", add_status_arguments, run_status),
         ("dead", add_dead_arguments, run_dead),
+        ("cancel", add_cancel_arguments, run_cancel),
     ):
         p = sub.add_parser(name)
         add(p)

@@ -372,9 +372,29 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+class DuplicateMember(ValueError):
+    """A JSON object names one member twice: valid JSON, but which value was meant cannot be known."""
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose member names are unique. JSON allows a name twice; Python's ``json`` then keeps the
+    last value without a word, so ``{"id": "b3", ..., "id": "b4"}`` would run as b4 while its producer waits
+    on b3. Which one was meant cannot be known: the job is refused."""
+    members: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in members:
+            raise DuplicateMember(f"member {key!r} appears twice in one object")
+        members[key] = value
+    return members
+
+
 def loads_strict(raw: str | bytes) -> Any:
-    """``json.loads`` that refuses NaN and Infinity, which Python accepts but JSON does not have."""
-    return json.loads(raw, parse_constant=_reject_constant)
+    """``json.loads`` that refuses NaN and Infinity, which Python accepts but JSON does not have, and a
+    member name given twice in one object (:func:`_unique_members`). A leading byte order mark is skipped,
+    as RFC 8259 lets a reader do (Windows tools write one; ``json`` refuses it in a ``str``)."""
+    if isinstance(raw, str):
+        raw = raw.removeprefix("\ufeff")
+    return json.loads(raw, parse_constant=_reject_constant, object_pairs_hook=_unique_members)
 
 
 _INT_DIGITS = re.compile(r"integer string conversion: value has (\d+) digits")
@@ -407,6 +427,8 @@ def parse_job(raw: str | bytes, max_bytes: int) -> JobRequest:
         raise InvalidJob(f"job is not valid UTF-8: {exc.reason} at byte {exc.start}") from exc
     try:
         data = loads_strict(text)
+    except DuplicateMember as exc:
+        raise InvalidJob(f"job JSON is ambiguous: {exc}") from exc
     except ValueError as exc:
         raise InvalidJob(f"job is not valid JSON: {long_integer_problem(exc) or exc}") from exc
     except RecursionError as exc:
@@ -442,7 +464,7 @@ def salvage_reply_target(raw: str | bytes, max_bytes: int) -> tuple[str, str | N
     data_bytes = _utf8(raw)
     if len(data_bytes) > max(8 * max_bytes, SALVAGE_MAX_BYTES):  # an oversized job is still answered, within reason
         return None
-    members = _salvage_members(data_bytes.decode("utf-8", "replace"))
+    members = _salvage_members(data_bytes.decode("utf-8", "replace").removeprefix("\ufeff"))
     if members is None:
         return None
     job_id = members.get("id")
@@ -458,8 +480,22 @@ _SALVAGED = ("id", "reply_to")
 # one costs a float() instead of tripping Python's int-string limit (ValueError). Neither field salvage
 # reads is a number. It is the second try only: a Python call per integer makes it ~4x slower than json's
 # defaults on a payload of token ids.
-_DEFAULT = json.JSONDecoder()
-_LENIENT = json.JSONDecoder(parse_int=float)
+_AMBIGUOUS = object()
+"""A salvaged member given twice with different values: neither can be trusted (``_valid`` refuses it)."""
+
+
+def _salvage_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object as ``json`` builds it, but a salvaged member given twice with different values is
+    :data:`_AMBIGUOUS` (the strict loader refuses the job for it; its error must not go to either id)."""
+    members: dict[str, Any] = {}
+    for key, value in pairs:
+        ambiguous = key in _SALVAGED and key in members and members[key] != value
+        members[key] = _AMBIGUOUS if ambiguous or members.get(key) is _AMBIGUOUS else value
+    return members
+
+
+_DEFAULT = json.JSONDecoder(object_pairs_hook=_salvage_pairs)
+_LENIENT = json.JSONDecoder(parse_int=float, object_pairs_hook=_salvage_pairs)
 _WHITESPACE = re.compile(r"[ \t\n\r]*")  # json's
 _NESTED_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]+|[\]}]+|[^"\[\]{}]+', re.DOTALL)
 """A token of a value the scanner skips: a whole string (brackets in it do not count), a run of openers,
@@ -527,8 +563,8 @@ def _scan_top_level(text: str) -> dict[str, Any] | None:
                 if end is None:
                     return None
                 i, steps = end
-            if key in _SALVAGED:
-                found[key] = value  # the last of duplicate members wins, as in json
+            if key in _SALVAGED:  # given twice with different values: neither is trusted (as _salvage_pairs)
+                found[key] = _AMBIGUOUS if key in found and found[key] != value else value
             i = _skip_ws(text, i)
             sep = text[i : i + 1]
             i = _skip_ws(text, i + 1)

@@ -514,6 +514,26 @@ def test_ctrl_c_in_submit_cancels_the_job(ctx: Ctx) -> None:
     assert ctx.redis.exists(ctx.keys.cancel("ctrl-c"))
 
 
+@DEBIAN
+def test_cancel_by_id_ends_a_queued_job_before_it_runs(
+    ctx: Ctx, engine: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``pagedq cancel`` sets the job's v2 flag and sends the notice (the README's snippet had the v1 key, which
+    no worker reads, so a queued job ran anyway): the worker that reads it ends it with error cancelled."""
+    ctx.client.submit("never run", id="cancel-me", max_tokens=8)
+    assert queue_commands.main(cli(ctx, "cancel", "cancel-me")) == 0
+    assert capsys.readouterr().out.splitlines() == ["cancelled cancel-me"]
+    with inprocess_worker(ctx, engine):
+        event = wait_for(lambda: ctx.result("cancel-me"), timeout=60, what="the cancelled job's end")
+    assert isinstance(event, ErrorEvent) and event.code == "cancelled", event
+    assert not [e for e in ctx.events("cancel-me") if e.type == "token"]
+    # An id no job can have is refused before Redis is touched.
+    assert queue_commands.main(cli(ctx, "cancel", "has space")) == 2
+    assert "not a job id: 'has space'" in capsys.readouterr().err
+    readme = (REPO / "README.md").read_text()
+    assert "SET pagedq:{a1}:cancel 1 EX 86400" in readme and "SET pagedq:cancel:a1" not in readme
+
+
 def test_priority_is_described_as_what_it_does(capsys: pytest.CaptureFixture[str]) -> None:
     """``submit --help`` said "higher is served first" (and README "higher first, for admission and
     scheduling"), while workers read the stream first in, first out and priority only orders the jobs one

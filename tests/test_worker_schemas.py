@@ -105,6 +105,9 @@ def test_full_job_round_trips() -> None:
         ('{"id": "a", "prompt": "x", "stop": ""}', "stop"),
         ('{"id": "a", "prompt": "x", "min_tokens": 9, "max_tokens": 3}', "min_tokens"),
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        # JSON lets a name appear twice and json keeps the last: the job would run under the other id.
+        ('{"id": "a", "prompt": "x", "id": "b"}', "ambiguous: member 'id' appears twice"),
+        ('{"id": "a", "prompt": "x", "metadata": {"k": 1, "k": 2}}', "member 'k' appears twice"),
     ],
 )
 def test_malformed_jobs_are_rejected_with_a_clear_message(payload: str, message: str) -> None:
@@ -112,6 +115,14 @@ def test_malformed_jobs_are_rejected_with_a_clear_message(payload: str, message:
         parse_job(payload, LIMIT).sampling_params()
     assert message in err.value.message
     assert err.value.code == "invalid_request"
+
+
+def test_a_byte_order_mark_before_the_job_is_skipped() -> None:
+    """RFC 8259 lets a reader ignore a leading BOM, which Windows tools write; json refuses it in a str."""
+    assert parse_job('\ufeff{"id": "bom1", "prompt": "x"}', LIMIT).id == "bom1"
+    assert salvage_reply_target('\ufeff{"id": "bom2", "prompt": 5}', LIMIT) == ("bom2", None)
+    with pytest.raises(InvalidJob, match="prompt"):
+        parse_job('\ufeff{"id": "bom2", "prompt": 5}', LIMIT)
 
 
 def test_size_limit_and_invalid_utf8() -> None:
@@ -173,10 +184,14 @@ def test_refusal_of_a_long_integer_says_what_is_wrong() -> None:
 @pytest.mark.parametrize(
     ("payload", "expected"),
     [
-        # The last of duplicate members wins, as in json, on every path.
-        ('{"id": "a", "x": NaN, "id": "b"}', ("b", None)),
-        ('{"id": "a", "x": ' + _nested(5000) + ', "id": "b"}', ("b", None)),
+        # An id given twice with different values is trusted on no path: parse_job refuses such a job, and its
+        # error must not go to one producer's id chosen by order; given twice alike, it is that id.
+        ('{"id": "a", "x": NaN, "id": "b"}', None),
+        ('{"id": "a", "x": ' + _nested(5000) + ', "id": "b"}', None),
         ('{"id": "a", "x": ' + _nested(5000) + ', "id": 5}', None),
+        ('{"id": "a", "x": NaN, "id": "a", "reply_to": "r:1"}', ("a", "r:1")),
+        ('{"id": "a", "x": ' + _nested(5000) + ', "id": "a"}', ("a", None)),
+        ('{"id": "a", "reply_to": "r:1", "x": NaN, "reply_to": "r:2"}', ("a", None)),
         # Only a top-level id counts, never one inside a nested value or a string.
         ('{"x": ' + _nested(5000, '{"id": "inner"}') + "}", None),
         ('{"x": ' + _nested(5000, '"\\"id\\": \\"inner\\""') + "}", None),
@@ -195,6 +210,9 @@ def test_refusal_of_a_long_integer_says_what_is_wrong() -> None:
         "duplicate-lenient",
         "duplicate-deep",
         "duplicate-deep-invalid",
+        "duplicate-alike-lenient",
+        "duplicate-alike-deep",
+        "duplicate-reply-to",
         "id-in-nested-object",
         "id-in-string",
         "number-id",

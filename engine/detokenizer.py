@@ -80,6 +80,13 @@ class IncrementalDetokenizer:
             self._text_cache = "".join(self._parts)
         return self._text_cache
 
+    @property
+    def decoded_length(self) -> int:
+        """Characters decoded so far, released or held back for a stop string: where the text of the next
+        token starts in the sample's text (a token that ends in a partial character has its text start here
+        too, though the character comes out with a later token)."""
+        return self._released + len(self._pending)
+
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Take newly generated tokens; return the text that can be released now (maybe "")."""
         if self.stopped or not new_token_ids:

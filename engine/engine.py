@@ -607,6 +607,7 @@ class Engine:
         seq.new_token_ids.append(token)
         if seq.logprobs is not None and lp is not None:
             seq.logprobs.append(lp)
+            seq.new_text_offsets.append(seq.detokenizer.decoded_length)
         params = seq.params
         n_out = seq.num_output_tokens
         # A token that ends the output (EOS, a stop token, or the EOS that completes a grammar) stays in
@@ -643,11 +644,14 @@ class Engine:
             ended_by_error = req.error is not None and seq.finish_reason == "error"
             if not seq.new_token_ids and not seq.new_text and not ended_by_error:
                 continue
-            logprobs = None
+            logprobs = offsets = None
             if seq.logprobs is not None:
                 logprobs = seq.logprobs[seq.new_logprobs_from :]
                 seq.new_logprobs_from = len(seq.logprobs)
-            outputs.append(CompletionDelta(seq.index, seq.new_text, seq.new_token_ids, seq.finish_reason, logprobs))
+                offsets, seq.new_text_offsets = seq.new_text_offsets, []
+            outputs.append(
+                CompletionDelta(seq.index, seq.new_text, seq.new_token_ids, seq.finish_reason, logprobs, offsets)
+            )
             seq.new_text = ""
             seq.new_token_ids = []
         finished = req.finished

@@ -61,6 +61,9 @@ class CompletionDelta:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # With logprobs: where each token's text starts in the sample's text, held-back text included (a stop
+    # string holds text back, so ``text`` is not these tokens' text); one per token, as ``logprobs``.
+    text_offsets: list[int] | None = None
 
 
 @dataclass

@@ -61,6 +61,9 @@ class Sequence:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     new_logprobs_from: int = 0
+    # With logprobs: where each of new_token_ids' text starts in the sample's text (held-back text included):
+    # a stop string holds text back, so a step's text is not its tokens' text.
+    new_text_offsets: list[int] = field(default_factory=list)
 
     @property
     def seq_id(self) -> tuple[str, int]:

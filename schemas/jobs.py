@@ -13,7 +13,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StringConstraints, TypeAdapter, model_validator
 
 from schemas.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
 
@@ -641,6 +641,12 @@ class TokenEvent(_Event):
     # after protocol v2's first workers: a reader must not count on it (an older worker sends logprobs in
     # the final event only), and an older reader ignores it.
     logprobs: list[Logprob] | None = None
+    # With logprobs, where each of these tokens' text starts in the choice's text, counting text the worker
+    # still holds back for a stop string: with one, an event's ``text`` is not its tokens' text (it lags by
+    # up to the longest stop string's length), and these place each token's logprob against the text (the
+    # gateway's ``text_offset`` and the chunk a token's logprob goes out with). Added after ``logprobs``;
+    # absent from older workers.
+    text_offsets: list[NonNegativeInt] | None = None
 
 
 class TopLogprob(BaseModel):

@@ -433,3 +433,31 @@ def test_logit_bias_forces_and_bans_tokens(llm: LLM) -> None:
     with pytest.raises(ValueError, match="logit_bias: token ids out of the vocabulary"):
         llm.engine.add_request("too-far", prompt, SamplingParams(logit_bias={vocab: 1.0}))
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("stop", [[], ["zzzzzzzzzz"]])
+def test_each_token_delta_says_where_its_text_starts(llm: LLM, stop: list[str]) -> None:
+    """With logprobs, a step's delta places each of its tokens in the sample's text (text_offsets), which a
+    stop string makes lag behind its tokens (text that could begin it is held back): the places must not
+    move with it. Each is the length of the text the tokens before it decode to, less a character they have
+    only begun (byte-level BPE: its text starts where it will be complete)."""
+    engine: Engine = llm.engine
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0, stop=stop)
+    engine.add_request("offsets", [5, 6, 7, 8], params)
+    ids: list[int] = []
+    offsets: list[int] = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            for out in delta.outputs:
+                assert out.text_offsets is not None and len(out.text_offsets) == len(out.token_ids)
+                ids += out.token_ids
+                offsets += out.text_offsets
+    assert len(ids) == 12
+
+    def begun(count: int) -> int:
+        text = engine.tokenizer.decode(ids[:count], skip_special_tokens=True)
+        assert isinstance(text, str)
+        return len(text.rstrip("\ufffd"))
+
+    assert offsets == [begun(i) for i in range(len(ids))]
+    assert_no_leak(llm)

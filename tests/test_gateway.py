@@ -806,7 +806,8 @@ def test_streamed_logprobs_come_with_their_tokens(fleet: Fleet) -> None:
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in expected]
     assert carriers > 1  # spread over the chunks, not all in the last one
 
-    # Completions: text_offset places each token where the text of the engine step that produced it starts.
+    # Completions: text_offset places each token where its worker says its text starts, within the text of the
+    # engine step that produced it.
     ckw: dict[str, Any] = {
         "model": fleet.model,
         "prompt": "1, 2, 3,",
@@ -822,9 +823,30 @@ def test_streamed_logprobs_come_with_their_tokens(fleet: Fleet) -> None:
     assert "".join(e.text for e in steps) == out.choices[0].text
     offsets, at = [], 0
     for e in steps:
-        offsets += [at] * len(e.token_ids)
+        assert e.text_offsets is not None and all(at <= o <= at + len(e.text) for o in e.text_offsets), e
+        offsets += e.text_offsets
         at += len(e.text)
-    assert lp.text_offset == offsets
+    assert lp.text_offset == offsets == sorted(offsets)
+
+    # A stop string holds back the text that could begin it, never the tokens: the offsets stay where the
+    # tokens' text starts (they were each step's released text, all 0 until the held text came out), and a
+    # streamed chunk carries the logprobs of the tokens whose text starts in it, not of those still held.
+    unmatched = fleet.client.completions.create(**ckw, stop="zzzzzzzzzz")
+    assert unmatched.choices[0].text == out.choices[0].text
+    assert unmatched.choices[0].logprobs is not None and unmatched.choices[0].logprobs.text_offset == offsets
+    ckw_chat = {**kw, "stop": ["zzzzzzzzzz"], "max_tokens": 8}
+    whole_stop = fleet.client.chat.completions.create(**ckw_chat)
+    streamed_stop: list[Any] = []
+    chunks = list(fleet.client.chat.completions.create(stream=True, **ckw_chat))
+    for c in chunks[:-1]:
+        for choice in c.choices:
+            entries = choice.logprobs.content if choice.logprobs and choice.logprobs.content else []
+            assert choice.delta.content or not entries, c  # no logprobs of tokens whose text is still held
+            streamed_stop += entries
+    streamed_stop += [e for ch in chunks[-1].choices if ch.logprobs for e in ch.logprobs.content or ()]
+    assert whole_stop.choices[0].logprobs is not None
+    expected_stop = whole_stop.choices[0].logprobs.content or []
+    assert [(e.token, e.logprob) for e in streamed_stop] == [(e.token, e.logprob) for e in expected_stop]
     text = ""
     for c in fleet.client.completions.create(stream=True, **ckw):
         for choice in c.choices:
@@ -947,6 +969,49 @@ def test_live_logprobs_follow_a_redelivery_and_fall_back_to_the_final_event() ->
     cut = [(c["choices"][0]["text"], c["choices"][0]["logprobs"]["tokens"]) for c in chunks]
     assert cut == [("ab", ["token_id:1", "token_id:2"]), ("c", ["token_id:3"]), ("d", ["token_id:4"])]
     assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[0, 0], [2], [3]]
+
+
+def test_live_logprobs_wait_for_the_text_a_stop_string_holds_back() -> None:
+    """Tokens "a", "b", "c" under a 3-character stop string: the worker releases "a" only with the third token.
+    Each token's logprob goes out with the chunk its text starts in, the rest with the final event, one
+    piece; completions' text_offset is where each token's text starts, the text's end for a stop string's."""
+    from ops.gateway.openai_api import LiveLogprobs, Steps, _offsets, logprob_chunks, parse_request
+    from schemas.jobs import Logprob, TokenEvent
+
+    def lp(token_id: int) -> Logprob:
+        return Logprob(token_id=token_id, logprob=-token_id / 10)
+
+    def token(text: str, ids: list[int], offsets: list[int]) -> TokenEvent:
+        logprobs = [lp(t) for t in ids]
+        return TokenEvent(id="j", attempt=1, index=0, text=text, token_ids=ids, logprobs=logprobs, text_offsets=offsets)
+
+    def final(text: str, ids: list[int]) -> FinalEvent:
+        choice = Choice(index=0, text=text, token_ids=ids, finish_reason="stop", logprobs=[lp(t) for t in ids])
+        usage, timings = Usage(prompt_tokens=1, completion_tokens=len(ids)), Timings(queued_s=0, total_s=1)
+        return FinalEvent(id="j", attempt=1, choices=[choice], usage=usage, timings=timings, worker="w")
+
+    body = {"model": "m", "prompt": "p", "logprobs": 0, "stream": True, "stop": "xyz"}
+    req = parse_request("completion", body, default_max_tokens=8, timeout_s=60)
+    state, steps = LiveLogprobs(), Steps()
+    fed = []
+    for event in (token("", [1], [0]), token("", [2], [1]), token("a", [3], [2]), token("b", [4], [3])):
+        steps.add(event)
+        fed.append(state.feed(event))
+    assert fed == [None, None, ("a", [lp(1)], 0), ("b", [lp(2)], 1)]
+    state.started = True
+    # The job stopped at "xyz", which token 5 began: the text is "abc"; tokens 3 and 4 start in "c" and past it.
+    ending = final("abc", [1, 2, 3, 4, 5])
+    (last,) = logprob_chunks(req, ending, steps, {0: state})
+    (choice,) = last["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("c", "stop")
+    assert choice["logprobs"]["tokens"] == ["token_id:3", "token_id:4", "token_id:5"]
+    steps.add(TokenEvent(id="j", attempt=1, index=0, text="c", token_ids=[5], logprobs=[lp(5)], text_offsets=[4]))
+    assert _offsets(steps, ending) == {0: [0, 1, 2, 3, 3]}
+    # From a worker that does not place its tokens: each step's text start, as before.
+    old = Steps()
+    for event in (token("", [1], [0]), token("a", [2], [1])):
+        old.add(event.model_copy(update={"text_offsets": None}))
+    assert _offsets(old, final("ab", [1, 2, 3])) == {0: [0, 0, 1]}
 
 
 def test_job_endings_without_an_openai_finish_reason_are_errors() -> None:

@@ -27,6 +27,7 @@ class ChoiceState:
     pending_text: list[str] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[Logprob] = field(default_factory=list)
+    pending_text_offsets: list[int] = field(default_factory=list)  # with logprobs: one per pending token
 
     def add(self, out: CompletionDelta) -> None:
         self.text.append(out.text)
@@ -38,6 +39,7 @@ class ChoiceState:
             logprob = Logprob(token_id=lp.token_id, logprob=lp.logprob, top=top)
             self.logprobs.append(logprob)
             self.pending_logprobs.append(logprob)
+        self.pending_text_offsets.extend(out.text_offsets or ())
         if out.finish_reason:
             self.finish_reason = out.finish_reason
 

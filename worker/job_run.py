@@ -177,11 +177,13 @@ class JobRun:
                     text=text,
                     token_ids=choice.pending_ids,
                     logprobs=choice.pending_logprobs if with_logprobs else None,
+                    text_offsets=choice.pending_text_offsets if with_logprobs else None,
                 )
             )
             choice.pending_text = []
             choice.pending_ids = []
             choice.pending_logprobs = []
+            choice.pending_text_offsets = []
         return events
 
     def has_pending_tokens(self) -> bool:

@@ -16,6 +16,7 @@ the gateway's, passes first.
 
 from __future__ import annotations
 
+import bisect
 import re
 import secrets
 import time
@@ -504,9 +505,28 @@ class Steps:
     streamed as it came (:class:`LiveLogprobs`: an older worker sends logprobs in the final event only)."""
 
     by_attempt: dict[int, list[tuple[int, str, int]]] = field(default_factory=dict)  # (index, text, tokens)
+    # (index, where each token's text starts, or None from a worker that does not say: TokenEvent.text_offsets)
+    offsets_by_attempt: dict[int, list[tuple[int, list[int] | None]]] = field(default_factory=dict)
 
     def add(self, event: TokenEvent) -> None:
         self.by_attempt.setdefault(event.attempt, []).append((event.index, event.text, len(event.token_ids)))
+        self.offsets_by_attempt.setdefault(event.attempt, []).append((event.index, token_offsets(event)))
+
+    def text_offsets(self, final: FinalEvent) -> dict[int, list[int]]:
+        """Per choice whose every token came in an event that placed it (TokenEvent.text_offsets), where each
+        token's text starts in the choice's text (past its end for tokens of a stop string cut off: its end)."""
+        found: dict[int, list[int]] = {}
+        placed = {c.index for c in final.choices}
+        for index, offsets in self.offsets_by_attempt.get(final.attempt, []):
+            if offsets is None:
+                placed.discard(index)
+            else:
+                found.setdefault(index, []).extend(offsets)
+        return {
+            c.index: [min(at, len(c.text)) for at in found.get(c.index, [])]
+            for c in final.choices
+            if c.index in placed and len(found.get(c.index, [])) == len(c.token_ids)
+        }
 
     def split(self, final: FinalEvent) -> list[Piece]:
         """The final's choices cut at the steps of its attempt, in the order they came: (index, text, its
@@ -538,8 +558,9 @@ class Steps:
 
 def logprobs_body(kind: Kind, logprobs: list[Logprob] | None, text_offset: list[int] | None = None) -> Any:
     """``logprobs`` of a choice or chunk. ``text_offset`` (completions): where each token's text starts in
-    the choice's text; without a tokenizer that is where the text of the engine step that produced it
-    starts (tokens of one step, accepted drafts, share it)."""
+    the choice's text, as its worker placed it (:meth:`Steps.text_offsets`); streamed, a chunk's start; from
+    an older worker, where the text of the engine step that produced it starts (the gateway has no
+    tokenizer)."""
     if logprobs is None:
         return None
     if kind == "chat":
@@ -564,12 +585,20 @@ def logprobs_body(kind: Kind, logprobs: list[Logprob] | None, text_offset: list[
     }
 
 
+def token_offsets(event: TokenEvent) -> list[int] | None:
+    """Where each of ``event``'s tokens' text starts in its choice's text, when its worker said so for every
+    token (:attr:`TokenEvent.text_offsets`), else None."""
+    offsets = event.text_offsets
+    return offsets if offsets is not None and len(offsets) == len(event.token_ids) else None
+
+
 def _offsets(steps: Steps, final: FinalEvent) -> dict[int, list[int]]:
-    """Per choice, the ``text_offset`` of each of its tokens (see :func:`logprobs_body`)."""
+    """Per choice, the ``text_offset`` of each of its tokens (see :func:`logprobs_body`): where its worker
+    placed it, else at the start of the text of the step that produced it."""
     out: dict[int, list[int]] = {c.index: [] for c in final.choices}
     for index, _text, lps, at in steps.split(final):
         out[index] += [at] * len(lps or ())
-    return out
+    return out | steps.text_offsets(final)
 
 
 def completion_body(req: Request, final: FinalEvent, steps: Steps | None = None) -> dict[str, Any]:
@@ -658,16 +687,20 @@ def _continued(sent: Output, now: Output, checked: int) -> Output:
 class LiveLogprobs:
     """One choice of a streamed request that asked for logprobs, followed as its token events come (workers
     send each event's logprobs with it, :attr:`schemas.jobs.TokenEvent.logprobs`): each event's text goes
-    out at once with the logprobs of its tokens. Across a redelivery as the plain stream
-    (:class:`worker.client.StreamState`): the highest attempt is followed, stays silent while it repeats
-    what was sent, continues past it, and :class:`Diverged` when it differs. An attempt with an event
-    without logprobs (an older worker) is not streamed past it: the rest comes with the final event."""
+    out at once with the logprobs of the tokens whose text has begun (:attr:`TokenEvent.text_offsets`: text
+    held back for a stop string comes after its tokens; from a worker without them, the event's tokens).
+    Across a redelivery as the plain stream (:class:`worker.client.StreamState`): the highest attempt is
+    followed, stays silent while it repeats what was sent, continues past it, and :class:`Diverged` when it
+    differs. An attempt with an event without logprobs (an older worker) is not streamed past it: the rest
+    comes with the final event."""
 
     attempt: int = 0
     live: bool = True  # every event of this attempt so far came with its tokens' logprobs
     text: str = ""  # the current attempt's text, token ids and logprobs so far
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
+    # where each token's text starts (TokenEvent.text_offsets); None once an event of the attempt did not say
+    offsets: list[int] | None = field(default_factory=list)
     sent_text: str = ""  # what was streamed: the text, and the ids of the tokens whose logprobs were sent
     sent_ids: list[int] = field(default_factory=list)
     started: bool = False  # a chunk of this choice was sent
@@ -679,6 +712,7 @@ class LiveLogprobs:
             return None  # a stale delivery that was taken over still talking
         if event.attempt > self.attempt:
             self.attempt, self.live, self.text, self.token_ids, self.logprobs = event.attempt, True, "", [], []
+            self.offsets = []
         if not self.live:
             return None
         if event.logprobs is None or len(event.logprobs) != len(event.token_ids):
@@ -689,8 +723,13 @@ class LiveLogprobs:
         self.text += event.text
         self.token_ids += event.token_ids
         self.logprobs += event.logprobs
+        offsets = token_offsets(event)
+        self.offsets = None if offsets is None or self.offsets is None else self.offsets + offsets
+        # A token's logprob goes out with the chunk its text starts in: text held back for a stop string comes
+        # in later events than its tokens (offsets never decrease, so the tokens whose text has begun lead).
+        begun = len(self.token_ids) if self.offsets is None else bisect.bisect_left(self.offsets, len(self.text))
         new_text = _continued(self.sent_text, self.text, checked_text)
-        new_ids = _continued(self.sent_ids, self.token_ids, checked_ids)
+        new_ids = _continued(self.sent_ids, self.token_ids[:begun], min(checked_ids, begun))
         self.sent_text += new_text
         self.sent_ids += new_ids
         if not new_text and not new_ids:
@@ -703,6 +742,12 @@ class LiveLogprobs:
         if not choice.text.startswith(self.sent_text) or choice.token_ids[: len(self.sent_ids)] != self.sent_ids:
             raise Diverged
         at, used = len(self.sent_text), len(self.sent_ids)
+        if self.live and self.offsets is not None and choice.logprobs is not None:
+            # Its worker placed every token: what was not streamed is the text's rest and the tokens whose text
+            # starts there (or that have none), one piece; cut at the steps it would pair a stop string's
+            # held-back text with later tokens. The pieces before it are left empty (their count is kept).
+            empty: list[Piece] = [(index, "", [], at) for index, *_ in pieces[:-1]]
+            return [*empty, (pieces[-1][0], choice.text[at:], choice.logprobs[used:], at)]
         out: list[Piece] = []
         tokens = 0  # tokens of the choice before the piece
         for index, text, lps, offset in pieces:

@@ -1263,6 +1263,12 @@ def test_request_mapping_messages_name_the_field_and_the_rule() -> None:
     assert refused(stop=["a", None]) == ("stop", "stop[1]: must be a string, got null")
     assert refused(min_tokens=9, max_tokens=5) == ("min_tokens", "min_tokens: must be at most max_tokens (5), got 9")
     assert refused(min_tokens=9, max_completion_tokens=5)[1].endswith("max_completion_tokens (5), got 9")
+    # Without a max_tokens of the client's, the gateway's default (32 here) is no limit a client set: it
+    # makes room for min_tokens (vLLM accepts min_tokens alone too) and still caps nothing below it.
+    assert parse(min_tokens=300)["max_tokens"] == 300 and parse(min_tokens=5)["max_tokens"] == 32
+    # A rule over the whole job names the field its message starts with.
+    big = {f"k{i}": "v" * 300 for i in range(16)}  # within OpenAI's 16 keys of 512 characters, over 4096 bytes
+    assert refused(metadata=big)[0] == "metadata"
     assert refused(stream=True, stream_options={"continuous_usage_stats": True})[0] == "stream_options"
     assert refused(messages=[{"role": "user", "content": 5}])[0] == "messages[0].content"
     # null is "not given", wherever it is; an empty stop string is ignored alone as in a list

@@ -317,7 +317,10 @@ def parse_request(
     fields["timeout_s"] = timeout_s
     low, high = fields.get("min_tokens"), fields["max_tokens"]
     if type(low) is int and type(high) is int and low > high:  # the engine's rule, in the request's names
-        raise bad_request(f"min_tokens: must be at most {names['max_tokens']} ({high}), got {low}", "min_tokens")
+        if not fields.get("strict_max_tokens"):  # the gateway's default cap, not the client's: room for min_tokens
+            fields["max_tokens"] = low
+        else:
+            raise bad_request(f"min_tokens: must be at most {names['max_tokens']} ({high}), got {low}", "min_tokens")
     constraints = [f for f in ("response_format", "guided_regex", "guided_choice") if f in fields]
     if fields.get("response_format") == {"type": "text"}:
         constraints.remove("response_format")
@@ -385,8 +388,10 @@ def _validation_error(exc: ValidationError, names: dict[str, str]) -> ApiError:
     err = exc.errors()[0]
     loc = list(err.get("loc", ()))
     message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-    if not loc:
-        return bad_request(message)
+    if not loc:  # a rule over the whole job; its message starts with the field it judged ("metadata is ...")
+        first = message.split(" ", 1)[0].rstrip(":")
+        known = first in JobRequest.model_fields or first in _REQUEST_NAMES
+        return bad_request(message, names.get(first) or _REQUEST_NAMES.get(first, first) if known else None)
     head = str(loc[0])
     param = names.get(head) or _REQUEST_NAMES.get(head, head)
     path = param + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])

@@ -398,3 +398,32 @@ def test_embedded_redis_persists_across_restart_and_is_reused(tmp_path: Path) ->
         r.close()
     finally:
         server.stop(force=True)
+
+
+def test_an_outage_logs_each_new_reason_once(redis_server: RedisServer) -> None:  # noqa: F811
+    """The worker logged the first failure of an outage and then nothing until Redis came back: a server
+    back up that refused its (changed) password looked like the same outage. Each new reason is logged once."""
+    import structlog
+    from structlog.testing import capture_logs
+
+    from worker.redis_link import RedisLink
+
+    client = redis_server.client()
+    link = RedisLink(client, Keys(unique_namespace(), "default"), backoff_max_s=0.1, log=structlog.get_logger())
+    closed = redis.ConnectionError("Connection closed by server.")
+    refused = redis.AuthenticationError("invalid username-password pair or user is disabled.")
+    with capture_logs() as logs:
+        for failure in (closed, closed, refused, refused, closed):
+            with link.phase():
+                raise failure
+        with link.phase():
+            client.ping()
+    seen = [(entry["event"], entry.get("error")) for entry in logs]
+    assert seen == [
+        ("redis.connection_lost", str(closed)),
+        ("redis.still_down", str(refused)),
+        ("redis.still_down", str(closed)),
+        ("redis.reconnected", None),
+    ]
+    assert link.down_since is None and link.reconnects == 1
+    client.close()

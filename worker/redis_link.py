@@ -142,6 +142,7 @@ class RedisLink:
         self.log = log
         self.backoff = Backoff(0.1, backoff_max_s)
         self.down_since: float | None = None
+        self.down_error = ""  # why the last try failed, while down: a new reason is logged, a repeat is not
         self.retry_at = 0.0
         self.clock_offset = 0.0
         self.reconnects = 0
@@ -173,6 +174,12 @@ class RedisLink:
             if self.down_since is None:
                 self.down_since = now
                 self.log.warning("redis.connection_lost", error=str(exc))
+            elif str(exc) != self.down_error:
+                # Each retry failing alike stays quiet (a log line per backoff step would flood a long outage),
+                # but a new reason is news: a server back up that now refuses this worker's password or ACL
+                # user was silent behind the first "Connection closed by server" until it came back.
+                self.log.warning("redis.still_down", error=str(exc), down_s=round(now - self.down_since, 3))
+            self.down_error = str(exc)
             self.retry_at = now + self.backoff.next_delay()
             return
         except redis.ResponseError as exc:

@@ -484,13 +484,18 @@ _AMBIGUOUS = object()
 """A salvaged member given twice with different values: neither can be trusted (``_valid`` refuses it)."""
 
 
+def _salvaged_value(members: dict[str, Any], key: str, value: Any) -> Any:
+    """What ``members[key]`` becomes when ``key`` comes (again) with ``value``: the value, but
+    :data:`_AMBIGUOUS` for a salvaged member given twice with different values (the strict loader refuses the
+    job for it; its error must not go to either id). Once ambiguous it stays so: _AMBIGUOUS equals no value."""
+    return _AMBIGUOUS if key in _SALVAGED and key in members and members[key] != value else value
+
+
 def _salvage_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """An object as ``json`` builds it, but a salvaged member given twice with different values is
-    :data:`_AMBIGUOUS` (the strict loader refuses the job for it; its error must not go to either id)."""
+    """An object as ``json`` builds it, salvaged members by :func:`_salvaged_value`."""
     members: dict[str, Any] = {}
     for key, value in pairs:
-        ambiguous = key in _SALVAGED and key in members and members[key] != value
-        members[key] = _AMBIGUOUS if ambiguous or members.get(key) is _AMBIGUOUS else value
+        members[key] = _salvaged_value(members, key, value)
     return members
 
 
@@ -563,8 +568,8 @@ def _scan_top_level(text: str) -> dict[str, Any] | None:
                 if end is None:
                     return None
                 i, steps = end
-            if key in _SALVAGED:  # given twice with different values: neither is trusted (as _salvage_pairs)
-                found[key] = _AMBIGUOUS if key in found and found[key] != value else value
+            if key in _SALVAGED:
+                found[key] = _salvaged_value(found, key, value)
             i = _skip_ws(text, i)
             sep = text[i : i + 1]
             i = _skip_ws(text, i + 1)

@@ -391,7 +391,7 @@ def _validation_error(exc: ValidationError, names: dict[str, str]) -> ApiError:
     if not loc:  # a rule over the whole job; its message starts with the field it judged ("metadata is ...")
         first = message.split(" ", 1)[0].rstrip(":")
         known = first in JobRequest.model_fields or first in _REQUEST_NAMES
-        return bad_request(message, names.get(first) or _REQUEST_NAMES.get(first, first) if known else None)
+        return bad_request(message, (names.get(first) or _REQUEST_NAMES.get(first, first)) if known else None)
     head = str(loc[0])
     param = names.get(head) or _REQUEST_NAMES.get(head, head)
     path = param + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
@@ -509,20 +509,20 @@ class Steps:
     the final event's logprobs up again: into ``text_offset``, and per streamed chunk for what was not
     streamed as it came (:class:`LiveLogprobs`: an older worker sends logprobs in the final event only)."""
 
-    by_attempt: dict[int, list[tuple[int, str, int]]] = field(default_factory=dict)  # (index, text, tokens)
-    # (index, where each token's text starts, or None from a worker that does not say: TokenEvent.text_offsets)
-    offsets_by_attempt: dict[int, list[tuple[int, list[int] | None]]] = field(default_factory=dict)
+    # (index, text, tokens, where each token's text starts or None from a worker that does not say:
+    # TokenEvent.text_offsets)
+    by_attempt: dict[int, list[tuple[int, str, int, list[int] | None]]] = field(default_factory=dict)
 
     def add(self, event: TokenEvent) -> None:
-        self.by_attempt.setdefault(event.attempt, []).append((event.index, event.text, len(event.token_ids)))
-        self.offsets_by_attempt.setdefault(event.attempt, []).append((event.index, token_offsets(event)))
+        step = (event.index, event.text, len(event.token_ids), token_offsets(event))
+        self.by_attempt.setdefault(event.attempt, []).append(step)
 
     def text_offsets(self, final: FinalEvent) -> dict[int, list[int]]:
         """Per choice whose every token came in an event that placed it (TokenEvent.text_offsets), where each
         token's text starts in the choice's text (past its end for tokens of a stop string cut off: its end)."""
         found: dict[int, list[int]] = {}
         placed = {c.index for c in final.choices}
-        for index, offsets in self.offsets_by_attempt.get(final.attempt, []):
+        for index, _text, _count, offsets in self.by_attempt.get(final.attempt, []):
             if offsets is None:
                 placed.discard(index)
             else:
@@ -544,7 +544,7 @@ class Steps:
         used = dict.fromkeys(choices, 0)  # tokens
         broken: set[int] = set()
         out: list[Piece] = []
-        for index, text, count in self.by_attempt.get(final.attempt, []):
+        for index, text, count, _offsets in self.by_attempt.get(final.attempt, []):
             choice = choices.get(index)
             if choice is None or index in broken:
                 continue

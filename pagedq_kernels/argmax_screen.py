@@ -20,7 +20,8 @@ the caches before each call, best of 7 interleaved, ms screened / fp32 panels: 1
 13.8-18.8 / 11.5-12.1).
 
 The int8 screen (``gemm_int8_screen_argmax``; the default where it packs, ``in_features`` from 32 to 1024 (the
-kernel needs a multiple of 4, both screens here a multiple of 32), on CPUs whose bf16 products run on their FMAs) is
+kernel needs a multiple of 4, both screens here a multiple of 32), on CPUs whose bf16 products run on their FMAs
+and on AMD Zen 4 (:func:`_default_kind`)) is
 the same contract with its products on AVX512-VNNI, 4 bytes per 32-bit lane, and a quarter of the fp32 weight's
 bytes: x's rows in int8 per row, except the step's 32 channels of largest |x| (a hidden state's massive activations,
 and each row's own largest), which stay fp32 (the bound and its measurements are in the C source's comment). Same
@@ -47,6 +48,7 @@ KIND_ENV = "PAGEDQ_ARGMAX_SCREEN"
 Kind = Literal["int8", "bf16"]
 INT8_MAX_IN = 1024  # past it an int8 row's sum could leave fp32's exact integers (csrc: |S| < 2^24)
 INT8_OUTLIERS = 32  # the C kernel's NOUT: in_features must be at least this
+ZEN4_FAMILY = 25  # AMD's family number for Zen 3 and Zen 4 (Zen 3 has no AVX512-VNNI: no screen runs there)
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,13 +147,22 @@ def _requested_kind(kind: Kind | None) -> Kind | None:
 
 
 def _default_kind(in_features: int) -> Kind:
-    """int8 where it packs and this CPU's bf16 products run on its FMAs (where it was measured to win, above);
-    bf16 where VDPBF16PS runs at full rate. There the two screens tie: 2-vCPU AMD EPYC Zen 5 (family 26 model 2),
-    2 threads, SmolLM2's head evicted before each call, 384 real decode rows, best of 7 interleaved, ms int8 / bf16
-    screen / fp32 panels: 1 row 1.11 / 1.06 / 2.27, 8: 1.34 / 1.24 / 2.64, 36: 3.20 / 3.21 / 5.32, 64: 4.88 / 5.19
-    / 10.03; a bf16 model's own head (the dpbf16 argmax over its bf16 weight, no screen) 1.14 / 1.17 / 2.99 / 4.88,
+    """int8 where it packs and it was measured to win: where this CPU's bf16 products run on its FMAs (above), and
+    on AMD Zen 4 (family 25, AVX-512 on 256-bit units): 2-vCPU AMD EPYC family 25 model 17, 2 threads, SmolLM2's
+    head evicted before each call, 512 real decode rows, 7 rounds interleaved, ms int8 / bf16 screen / fp32 panels,
+    best (median): 1 row 1.49 (3.24) / 2.48 (3.11) / 4.00 (5.74), 8: 1.92 (3.62) / 2.46 (3.34) / 3.75 (5.23), 16:
+    2.42 (4.00) / 2.61 (3.89) / 5.41 (7.67), 36: 4.21 (4.79) / 5.38 (5.48) / 9.71 (9.80), 64: 6.95 (7.32) / 8.85
+    (9.32) / 17.09 (17.19); compass fp32 without drafts, two engines alternated in one process, 3 rounds: int8
+    34.91 s median against bf16 35.81. bf16 where VDPBF16PS runs at full rate on a wider core: there the two
+    screens tie: 2-vCPU AMD EPYC Zen 5 (family 26 model 2), the same method with 384 rows, ms int8 / bf16 screen
+    / fp32 panels: 1 row 1.11 / 1.06 / 2.27, 8: 1.34 / 1.24 / 2.64, 36: 3.20 / 3.21 / 5.32, 64: 4.88 / 5.19 /
+    10.03; a bf16 model's own head (the dpbf16 argmax over its bf16 weight, no screen) 1.14 / 1.17 / 2.99 / 4.88,
     so an int8 screen would not pay for a bf16 head there either."""
-    return "int8" if _int8_packs(in_features) and cpu_isa.current().bf16_products_on_fma else "bf16"
+    if not _int8_packs(in_features):
+        return "bf16"
+    model = cpu_isa.cpu_model()
+    zen4 = model is not None and model.vendor == "AuthenticAMD" and model.family == ZEN4_FAMILY
+    return "int8" if cpu_isa.current().bf16_products_on_fma or zen4 else "bf16"
 
 
 def _int8_packs(in_features: int) -> bool:

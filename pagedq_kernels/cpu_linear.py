@@ -103,19 +103,21 @@ def _bind(lib: ctypes.CDLL) -> None:
         lib.gemm_panels_triple_rows(max_rows)
 
 
-ZEN5_TRIPLE_MAX_ROWS = 0  # the pair tile at every size
+AMD_TRIPLE_MAX_ROWS = 0  # the pair tile at every size
 
 
 def triple_tile_max_rows() -> int | None:
     """Up to how many rows the fp32 panel kernel's avx512 build multiplies through its three-panel tile (``csrc/
     cpu_gemm.c`` triple_max_rows; the pair tile above), None for every size from 16. The floats are the same either
-    way; the speed is the core's: on an Intel Xeon (family 6 model 207) the triple won at every size from 16 rows,
-    on an AMD Zen 5 (family 26) the pair at 96 rows and more by 2-9 % and alike at decode sizes (both measured in
-    the C file), so there the pair serves every size. Zen 4 (family 25) and other cores keep the default,
-    unmeasured there."""
+    way; the speed is the core's: on an Intel Xeon (family 6 model 207) the triple won at every size from 16 rows;
+    on AMD the pair serves every size: on a Zen 5 (family 26) it won at 96 rows and more by 2-9 % and tied at
+    decode sizes (both measured in the C file), and on a Zen 4 (family 25 model 17, AVX-512 on 256-bit units) compass
+    fp32 without drafts, one engine, the settings interleaved over 3 rounds, ran 36.05 s median with pairs against
+    36.67 s with triples from 16 rows and 36.42 s with triples up to 63 rows. (AMD's AVX2-only cores run no
+    triple: it is the avx512 build's.) Other vendors keep the default."""
     model = cpu_isa.cpu_model()
-    if model is not None and model.vendor == "AuthenticAMD" and model.family >= 26:
-        return ZEN5_TRIPLE_MAX_ROWS
+    if model is not None and model.vendor == "AuthenticAMD":
+        return AMD_TRIPLE_MAX_ROWS
     return None
 
 

@@ -188,8 +188,8 @@ def test_hidden_states_with_massive_channels_are_screened_narrowly(threads: int)
 
 def test_the_int8_screen_refuses_shapes_it_cannot_pack_and_unknown_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
     """int8 needs in_features from 32 to 1024 (its sums exact in fp32): past it the default is the bf16 screen and
-    an explicit int8 is None; within it the default is int8 where this CPU's bf16 products run on its FMAs; a
-    misspelt kind is an error that names both."""
+    an explicit int8 is None; within it the default is int8 where this CPU's bf16 products run on its FMAs or it
+    is an AMD Zen 4; a misspelt kind is an error that names both."""
     g = torch.Generator().manual_seed(13)
     wide = torch.randn(64, 1056, generator=g)
     assert argmax_screen.build(wide, cpu_linear.pack(wide, "panels"), "int8") is None
@@ -198,7 +198,22 @@ def test_the_int8_screen_refuses_shapes_it_cannot_pack_and_unknown_kinds(monkeyp
     assert head is not None and head.kind == "bf16"
     narrow = wide[:, :1024].contiguous()
     head = argmax_screen.build(narrow, cpu_linear.pack(narrow, "panels"))
-    assert head is not None and head.kind == ("int8" if cpu_isa.current().bf16_products_on_fma else "bf16")
+    model = cpu_isa.cpu_model()
+    zen4 = model is not None and (model.vendor, model.family) == ("AuthenticAMD", argmax_screen.ZEN4_FAMILY)
+    assert head is not None and head.kind == ("int8" if cpu_isa.current().bf16_products_on_fma or zen4 else "bf16")
     monkeypatch.setenv(argmax_screen.KIND_ENV, "fp8")
     with pytest.raises(ValueError, match="int8 and bf16"):
         argmax_screen.build(wide, cpu_linear.pack(wide, "panels"))
+
+
+@pytest.mark.parametrize(("vendor", "family"), [("AuthenticAMD", 25), ("AuthenticAMD", 26), ("GenuineIntel", 6)])
+def test_the_default_screen_follows_the_core_it_was_measured_on(
+    vendor: str, family: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int8 by default on AMD Zen 4 (family 25) and wherever the bf16 products run on the FMAs, else bf16 (a tie on
+    Zen 5); past the int8 kernel's 1024 inputs bf16 on every core (argmax_screen._default_kind)."""
+    monkeypatch.setattr(cpu_isa, "cpu_model", lambda: cpu_isa.CpuModel(vendor, family, 17))
+    on_fma = cpu_isa.current().bf16_products_on_fma
+    expected = "int8" if on_fma or (vendor, family) == ("AuthenticAMD", 25) else "bf16"
+    assert argmax_screen._default_kind(576) == expected
+    assert argmax_screen._default_kind(2048) == "bf16"

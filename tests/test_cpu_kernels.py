@@ -117,12 +117,17 @@ def test_a_rows_panel_product_is_the_same_floats_in_any_batch(out: int, glu: boo
 
 @pytest.mark.parametrize(
     ("vendor", "family", "max_rows"),
-    [("AuthenticAMD", 26, cpu_linear.ZEN5_TRIPLE_MAX_ROWS), ("AuthenticAMD", 25, None), ("GenuineIntel", 6, None)],
+    [
+        ("AuthenticAMD", 26, cpu_linear.AMD_TRIPLE_MAX_ROWS),
+        ("AuthenticAMD", 25, cpu_linear.AMD_TRIPLE_MAX_ROWS),
+        ("GenuineIntel", 6, None),
+    ],
 )
 def test_the_tile_rule_follows_the_core_it_was_measured_on(
     vendor: str, family: int, max_rows: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The pair tile at every size only on a Zen 5, the one core it was measured faster on (csrc/cpu_gemm.c)."""
+    """The pair tile at every size on AMD, where it was measured faster (Zen 5 in csrc/cpu_gemm.c, Zen 4 in
+    cpu_linear.triple_tile_max_rows); Intel keeps the triple from 16 rows."""
     monkeypatch.setattr(cpu_isa, "cpu_model", lambda: cpu_isa.CpuModel(vendor, family, 2))
     assert cpu_linear.triple_tile_max_rows() == max_rows
 

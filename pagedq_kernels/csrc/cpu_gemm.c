@@ -96,7 +96,8 @@
  * 479 / 474 -> 479 / 484 (the 8-row tile wins where the rows split into 8s better than 12s). compass fp32 without
  * drafts, one engine, the settings interleaved, median wall: triples from 16 rows 20.61 s against pairs 19.54 s (4
  * rounds); triples up to 63 rows 20.06 s against pairs 19.21 s (6 rounds). So there pagedq_kernels/cpu_linear.py
- * sets 0 (pairs only); the floats are the same either way. */
+ * sets 0 (pairs only); the floats are the same either way. A Zen 4 (family 25 model 17) measured the same way too
+ * (cpu_linear.triple_tile_max_rows), so AMD's cores all take pairs. */
 static int64_t triple_max_rows = INT64_MAX;
 
 /* Sets the rows up to which the triple serves (max_rows >= 0; a negative value only asks) and returns the last. */

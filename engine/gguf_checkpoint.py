@@ -21,9 +21,10 @@ pagedq's modules by its llama.cpp name:
   tensor (:func:`read_config`).
 
 Anything else (the lattice IQ1/IQ2/IQ3 types, ternary or fp4 types, another architecture, a truncated or
-corrupt file) is a
-:class:`GGUFError` naming the file, the tensor and its type. The tokenizer and chat template come from the
-metadata through transformers' GGUF tokenizer support (:func:`load_tokenizer`).
+corrupt file, a file without the size metadata or the tensors of the model it describes:
+:mod:`engine.gguf_layout`) is a :class:`GGUFError` naming the file and the problem (the tensor and its type,
+the missing key). The tokenizer and chat template come from the metadata through transformers' GGUF tokenizer
+support (:func:`load_tokenizer`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from engine.checkpoint import (
     check_gguf,
     gguf_file,
 )
+from engine.gguf_layout import check_gguf_model, hf_name, read_sizes
 from engine.gguf_quants import FORMATS, to_int8_weight
 from engine.kernel_dispatch import get_ops
 from engine.layers import Linear
@@ -53,26 +55,6 @@ from pagedq_kernels.int8_linear import Int8Weight
 
 if TYPE_CHECKING:
     from engine.loader import Target
-
-# llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3
-    "attn_k_norm": "self_attn.k_norm",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 
 def _tensor_data(file: np.memmap, tensor: GGUFTensorInfo) -> np.ndarray:
@@ -102,20 +84,17 @@ def read_config(header: GGUFHeader, path: Path) -> ModelConfig:
     frequency, which is read here (a file loaded without it would run with the wrong rotary everywhere)."""
     arch = header.field("general.architecture")  # one of GGUF_ARCHITECTURES: read_gguf_header checked it
     tensors = {t.name: t for t in header.tensors}
-    hidden = int(header.field(f"{arch}.embedding_length"))
-    heads = int(header.field(f"{arch}.attention.head_count"))
-    n_tokens = header.array_length("tokenizer.ggml.tokens")
-    head_dim = header.field(f"{arch}.attention.key_length", header.field(f"{arch}.rope.dimension_count"))
+    sizes = read_sizes(header, path)  # a missing size is one GGUFError naming the keys, not int(None)'s TypeError
     raw: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
-        "hidden_size": hidden,
-        "num_hidden_layers": int(header.field(f"{arch}.block_count")),
-        "intermediate_size": int(header.field(f"{arch}.feed_forward_length")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(header.field(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(head_dim if head_dim is not None else hidden // heads),
-        "vocab_size": int(header.field(f"{arch}.vocab_size", n_tokens)),
+        "hidden_size": sizes.hidden,
+        "num_hidden_layers": sizes.layers,
+        "intermediate_size": sizes.intermediate,
+        "num_attention_heads": sizes.heads,
+        "num_key_value_heads": sizes.kv_heads,
+        "head_dim": sizes.head_dim,
+        "vocab_size": sizes.vocab,
         "max_position_embeddings": int(header.field(f"{arch}.context_length", 2048)),
         "rms_norm_eps": _float32_to_decimal(header.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": _float32_to_decimal(header.field(f"{arch}.rope.freq_base", 10000.0)),
@@ -151,8 +130,10 @@ def read_config(header: GGUFHeader, path: Path) -> ModelConfig:
 
 
 def read_gguf_config(path: Path) -> ModelConfig:
-    """:func:`read_config` of the file at ``path`` (its header only)."""
-    return read_config(check_gguf(path, require_tokenizer=False), path)
+    """:func:`read_config` of the file at ``path`` (its header only), once the header holds the whole model
+    (:func:`engine.gguf_layout.check_gguf_model`): the engine reads the config first, so a file missing
+    tensors is refused here, before a model is built, as the worker's model check refuses it."""
+    return read_config(check_gguf_model(path, require_tokenizer=False), path)
 
 
 def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
@@ -167,12 +148,12 @@ def load_gguf_model(
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model with its weights from the GGUF at ``path`` (quantised linears int8) and its config; the
     model's ``source_quantization`` names its predominant linear type (``gguf:Q4_1``)."""
-    header = check_gguf(path, require_tokenizer=False)
+    header = check_gguf_model(path, require_tokenizer=False)  # every tensor the model needs, in its shape
     config = read_config(header, path)
     file = np.memmap(path, dtype=np.uint8, mode="r")
     permuted = config.architecture == GGUF_ARCHITECTURES["llama"]  # llama.cpp's rotary row order (q, k)
     model = LlamaForCausalLM(config, get_ops(ops_name), dtype=dtype, device=device)
-    from engine.loader import CheckpointMismatchError, weight_targets
+    from engine.loader import weight_targets
 
     targets = weight_targets(model)
     items: dict[str, torch.Tensor | Int8Weight] = {}
@@ -180,7 +161,7 @@ def load_gguf_model(
     head_int8: Int8Weight | None = None
     unexpected: list[str] = []
     for tensor in header.tensors:
-        name = _hf_name(tensor.name)
+        name = hf_name(tensor.name)
         if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
             if not tensor.name.endswith("rope_freqs.weight"):
                 unexpected.append(tensor.name)
@@ -213,22 +194,15 @@ def load_gguf_model(
     if missing or unexpected:
         problems = [f"missing tensors: {', '.join(missing[:20])}"] if missing else []
         problems += [f"unexpected tensors: {', '.join(unexpected[:20])}"] if unexpected else []
-        raise CheckpointMismatchError(f"GGUF {path} does not match {config.architecture}: " + "; ".join(problems))
+        # check_gguf_model refused such a file already; kept as the loader's own guard, as a GGUFError (a
+        # ValueError the worker and the CLI report as an unusable model, in one line).
+        raise GGUFError(f"{path}: GGUF does not match {config.architecture}: " + "; ".join(problems))
     with torch.no_grad():
         _fill(model, config, items, targets, device, path)
     if device.type == "cpu":
         model.lm_head_int8 = head_int8
     model.source_quantization = f"gguf:{linear_types.most_common(1)[0][0]}" if linear_types else "gguf"
     return model.eval(), config
-
-
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
 
 
 def _fill(

@@ -90,6 +90,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from engine import Engine, EngineConfig, SamplingParams
+    from engine.checkpoint import GGUFError
+    from engine.loader import CheckpointMismatchError
+    from engine.model_config import UnsupportedModelError
     from schemas.jobs import describe_validation_error
 
     try:  # before the model loads: a bad value is a usage error, not a traceback after the wait
@@ -100,7 +103,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     model = _model_path(args.model, "generate")
     if model is None:
         return 2
-    engine = Engine(EngineConfig(model=model, dtype=args.dtype, device=args.device, quantization=args.quantization))
+    # The model check above reads headers only: a model that passes it can still fail to load (a GGUF rope
+    # scaling pagedq does not run, weights that do not match the config). One line, as the check's, not a traceback.
+    try:
+        engine = Engine(EngineConfig(model=model, dtype=args.dtype, device=args.device, quantization=args.quantization))
+    except (GGUFError, CheckpointMismatchError, UnsupportedModelError) as exc:
+        print(f"pagedq generate: {exc}", file=sys.stderr)
+        return 2
     prompts = args.prompt or DEMO_PROMPTS
     for i, text in enumerate(prompts):
         ids = engine.chat_prompt_ids([{"role": "user", "content": text}]) if args.chat else text

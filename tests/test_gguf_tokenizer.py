@@ -15,9 +15,8 @@ from transformers import AutoTokenizer
 
 from engine.default_model import DefaultModelUnavailable, find_default_gguf
 from engine.gguf_checkpoint import _auto_tokenizer, load_tokenizer
+from tests.tiny_gguf import BPE_MERGES, BPE_SPECIAL, byte_level_alphabet
 
-MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "a t", "Ġ c"]
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXTS = [
     "the cat in a hat",
     "  two leading spaces\n\ttab and newline",
@@ -27,21 +26,10 @@ TEXTS = [
 ]
 
 
-def _byte_alphabet() -> list[str]:
-    """GPT-2's byte-to-character table: the 256 base tokens of every byte-level BPE vocabulary."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars, extra = dict(zip(printable, printable, strict=True)), 0
-    for byte in range(256):
-        if byte not in chars:
-            chars[byte] = 256 + extra
-            extra += 1
-    return [chr(chars[byte]) for byte in range(256)]
-
-
 def _write(path: Path, arch: str) -> Path:
     """A GGUF holding a byte-level BPE tokenizer (as llama.cpp writes SmolLM2's and Qwen's) and one tensor."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tokens = [*_byte_alphabet(), *(m.replace(" ", "") for m in MERGES), *SPECIAL]
+    tokens = [*byte_level_alphabet(), *(m.replace(" ", "") for m in BPE_MERGES), *BPE_SPECIAL]
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_embedding_length(32)
@@ -50,8 +38,8 @@ def _write(path: Path, arch: str) -> Path:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
     writer.add_token_list(tokens)
-    writer.add_token_merges(MERGES)
-    writer.add_token_types([1] * (len(tokens) - len(SPECIAL)) + [3] * len(SPECIAL))
+    writer.add_token_merges(BPE_MERGES)
+    writer.add_token_types([1] * (len(tokens) - len(BPE_SPECIAL)) + [3] * len(BPE_SPECIAL))
     writer.add_bos_token_id(tokens.index("<|endoftext|>"))
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")

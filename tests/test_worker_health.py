@@ -36,6 +36,7 @@ from schemas.jobs import Choice, ErrorEvent, FinalEvent, FinishReason, JobReques
 from schemas.keys import JOB_FIELD, Keys
 from tests.ops_helpers import http_get, metric_samples, metric_sum
 from tests.redis_servers import DEBIAN_VARIANT_SLOW, RedisServer, free_port, fresh_redis_server, redis_server  # noqa: F401
+from tests.tiny_gguf import write_small_gguf
 from tests.worker_harness import Ctx, WorkerProcess, inprocess_worker, job_counts, logs_shown_on_failure, wait_for
 from worker.consumer import EngineLike
 from worker.health import PROBE_CACHE_S, HealthServer, RedisProbe
@@ -71,18 +72,29 @@ def ctx(redis_server: RedisServer) -> Iterator[Ctx]:  # noqa: F811
 
 
 @pytest.mark.parametrize("redis_server", DEBIAN_VARIANT_SLOW, indirect=True)
-def test_a_model_that_cannot_load_is_a_config_error_in_one_line(ctx: Ctx, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["incomplete-folder", "gguf-without-a-size", "gguf-the-engine-refuses"])
+def test_a_model_that_cannot_load_is_a_config_error_in_one_line(ctx: Ctx, tmp_path: Path, model: str) -> None:
     """``--model`` naming an incomplete folder: exit 78 with what is missing, before torch loads, not a
-    traceback from transformers (which blamed a missing sentencepiece for an absent tokenizer)."""
-    incomplete = tmp_path / "incomplete"
-    incomplete.mkdir()
-    (incomplete / "config.json").write_text("{}")
-    proc = WorkerProcess(ctx, incomplete, tmp_path, "no-model")
+    traceback from transformers (which blamed a missing sentencepiece for an absent tokenizer). The same for a
+    GGUF without a size its config needs (found by the model check: it was int(None)'s traceback and exit 1)
+    and for one the check passes and the engine refuses (rope scaling pagedq does not run: exit 1 too)."""
+    if model == "incomplete-folder":
+        path = tmp_path / "incomplete"
+        path.mkdir()
+        (path / "config.json").write_text("{}")
+        problems = ["no *.safetensors weights", "no tokenizer"]
+    elif model == "gguf-without-a-size":
+        path = write_small_gguf(tmp_path / "nosize.gguf", omit=("block_count",))
+        problems = [f"{path}: GGUF metadata is missing llama.block_count"]
+    else:
+        path = write_small_gguf(tmp_path / "yarn.gguf", metadata={"llama.rope.scaling.type": "yarn"})
+        problems = [f"{path}: rope scaling 'yarn' is not supported"]
+    proc = WorkerProcess(ctx, path, tmp_path, "no-model")
     with logs_shown_on_failure(proc.log, proc.close):
         assert proc.proc.wait(timeout=60) == 78
         lines = proc.log_lines()
         (line,) = [x for x in lines if x.get("event") == "worker.model_unavailable"]
-        assert "no *.safetensors weights" in line["error"] and "no tokenizer" in line["error"]
+        assert all(problem in line["error"] for problem in problems), line
         assert not any("exception" in x for x in lines)
 
 

@@ -171,3 +171,84 @@ def write_with_raw_tensors(writer: GGUFWriter, raw: dict[str, tuple[np.ndarray, 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-to-character table: the 256 base tokens of every byte-level BPE vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = dict(zip(printable, printable, strict=True)), 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = 256 + extra
+            extra += 1
+    return [chr(chars[byte]) for byte in range(256)]
+
+
+BPE_MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "a t", "Ġ c"]
+BPE_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SMALL_SIZES = {"embedding_length": 32, "block_count": 1, "feed_forward_length": 64, "attention.head_count": 2}
+"""The metadata sizes of :func:`write_small_gguf`'s model, by key after ``{arch}.``."""
+
+
+def small_gguf_tensors(arch: str, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of :func:`write_small_gguf`'s one-layer model, by llama.cpp name, with its Hugging Face
+    shape: Qwen2's q/k/v biases and Qwen3's q/k norms included."""
+    hidden, ffn, head_dim = SMALL_SIZES["embedding_length"], SMALL_SIZES["feed_forward_length"], 16
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        shapes[f"blk.0.{name}.weight"] = (hidden, hidden)
+    shapes |= {"blk.0.ffn_gate.weight": (ffn, hidden), "blk.0.ffn_up.weight": (ffn, hidden)}
+    shapes |= {"blk.0.ffn_down.weight": (hidden, ffn), "blk.0.attn_norm.weight": (hidden,)}
+    shapes["blk.0.ffn_norm.weight"] = (hidden,)
+    if arch == "qwen2":
+        shapes |= {f"blk.0.{name}.bias": (hidden,) for name in ("attn_q", "attn_k", "attn_v")}
+    if arch == "qwen3":
+        shapes |= {"blk.0.attn_q_norm.weight": (head_dim,), "blk.0.attn_k_norm.weight": (head_dim,)}
+    return shapes
+
+
+def write_small_gguf(
+    path: Path,
+    arch: str = "llama",
+    *,
+    tokenizer: bool = True,
+    omit: tuple[str, ...] = (),
+    metadata: dict[str, str | int] | None = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    raw: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
+) -> Path:
+    """A complete small model the engine loads (one layer, hidden 32, two heads, random F32 weights), with a
+    byte-level BPE tokenizer and a chat template (as llama.cpp writes SmolLM2's) unless ``tokenizer`` is
+    False. To make a bad file: ``omit`` leaves out metadata keys (after ``{arch}.``) or tensors by name,
+    ``metadata`` adds or replaces keys (full names), ``shapes`` writes tensors (new or in place of the
+    model's) in other shapes, ``raw`` writes tensors (likewise) as given blocks of a given type."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokens = [*byte_level_alphabet(), *(m.replace(" ", "") for m in BPE_MERGES), *BPE_SPECIAL]
+    writer = GGUFWriter(str(path), arch)
+    keys: dict[str, str | int] = {f"{arch}.{key}": value for key, value in SMALL_SIZES.items() if key not in omit}
+    for key, value in (keys | (metadata or {})).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_uint32(key, value)
+    if tokenizer:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_merges(BPE_MERGES)
+        writer.add_token_types([1] * (len(tokens) - len(BPE_SPECIAL)) + [3] * len(BPE_SPECIAL))
+        writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+        writer.add_eos_token_id(tokens.index("<|im_end|>"))
+        writer.add_chat_template(
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        )
+    elif "vocab_size" not in omit:
+        writer.add_vocab_size(len(tokens))
+    rng = np.random.default_rng(0)
+    tensors = small_gguf_tensors(arch, len(tokens)) | (shapes or {})
+    for name, shape in tensors.items():
+        if name not in omit and name not in (raw or {}):
+            data = np.ones(shape) if len(shape) == 1 else rng.normal(0, 0.02, shape)
+            writer.add_tensor(name, np.asarray(data, dtype=np.float32))
+    write_with_raw_tensors(writer, raw)
+    return path

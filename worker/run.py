@@ -123,6 +123,18 @@ def _model_problem(settings: Settings) -> str | None:
     return None
 
 
+def _is_model_error(exc: ValueError) -> bool:
+    """Whether the engine refused the model itself, after :func:`_model_problem` passed it (that check reads
+    headers only): a GGUF whose rope scaling pagedq does not run, weights that do not match the config, an
+    unsupported architecture. The same ``worker.model_unavailable`` line and exit 78 as the check's; it was
+    a traceback and exit 1, which a supervisor restarts forever. Other ValueErrors stay ``worker.failed``."""
+    from engine.checkpoint import GGUFError
+    from engine.loader import CheckpointMismatchError
+    from engine.model_config import UnsupportedModelError
+
+    return isinstance(exc, GGUFError | CheckpointMismatchError | UnsupportedModelError)
+
+
 class _StopWhileStarting(BaseException):
     """SIGTERM or SIGINT before the loop runs (the kernels build, the model loads): nothing is held yet."""
 
@@ -191,7 +203,13 @@ def run_worker(settings: Settings) -> int:
         if (problem := _device_problem(settings)) is not None:
             log.error("worker.device_unavailable", device=settings.device, error=problem)
             return EXIT_CONFIG
-        engine = build_engine(settings)
+        try:
+            engine = build_engine(settings)
+        except ValueError as exc:
+            if not _is_model_error(exc):
+                raise
+            log.error("worker.model_unavailable", model=settings.model, error=str(exc))
+            return EXIT_MODEL_UNAVAILABLE
         worker = Worker(settings, engine, url)
         if health is not None:
             worker.ledger.metrics = health.metrics

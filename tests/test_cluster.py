@@ -1,7 +1,8 @@
 """pagedq on a real Redis Cluster (3 masters + 3 replicas from Debian's ``redis-server``): the exactly-once
-SIGKILL scenario, a failover while jobs run, and a cancel notice reaching a worker whatever node it is on.
+SIGKILL scenario, a failover while jobs run, a cancel notice reaching a worker whatever node it is on, and
+the cluster's own terminal scripts on a reply stream of a job id submitted twice.
 
-Every test starts worker processes on a cluster of six servers, so the file is in the slow tier."""
+Almost every test starts worker processes on a cluster of six servers, so the file is in the slow tier."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from redis.crc import key_slot
 from schemas.jobs import FinalEvent
 from tests.redis_servers import ClusterServers, DebianServer, fresh_redis_cluster, redis_cluster  # noqa: F401
 from tests.test_worker_e2e import Workers, assert_exactly_once, sigkill_one_of_two_workers, stream_text_matches
+from tests.test_worker_redis import second_copy_ends_first
 from tests.worker_harness import Ctx, wait_for
+from worker.publisher import Publisher
+from worker.reclaimer import ensure_group
 
 pytestmark = pytest.mark.slow  # six redis-server processes and two worker processes per test (~20-40 s each)
 
@@ -42,6 +46,17 @@ def test_shard_streams_spread_over_the_masters(cluster_ctx: Ctx, redis_cluster: 
     assert len(slots) == SHARDS
     job_keys = {key_slot(k.encode()) for k in (cluster_ctx.keys.reply("a"), cluster_ctx.keys.result("a"))}
     assert len(job_keys) == 1 and job_keys == {key_slot(cluster_ctx.keys.cancel("a").encode())}
+
+
+def test_a_reply_stream_expires_when_another_copy_of_its_id_ended_the_job(cluster_ctx: Ctx) -> None:
+    """As on one server (tests/test_worker_redis.py), through the cluster's split terminal write: the result
+    half that finds the job ended still expires the reply stream its delivery owns (same slot)."""
+    ctx = cluster_ctx
+    ensure_group(ctx.redis, ctx.keys)
+    pub = Publisher(ctx.redis, ctx.keys, result_ttl_s=60, reply_ttl_s=30, reply_maxlen=1000)
+    assert pub.cluster
+    reply = second_copy_ends_first(ctx.redis, ctx.keys, pub)
+    assert 0 < ctx.redis.ttl(reply) <= 30
 
 
 def test_sigkill_on_a_cluster_loses_and_duplicates_nothing(cluster_ctx: Ctx, cluster_workers: Workers) -> None:

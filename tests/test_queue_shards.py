@@ -11,12 +11,13 @@ from collections.abc import Iterator
 import pytest
 
 from schemas.affinity import affinity_key, home_shards, shard_for_job, shard_owner
-from schemas.jobs import FinalEvent, JobRequest
+from schemas.jobs import DeadLetter, FinalEvent, JobRequest
 from schemas.keys import JOB_FIELD
 from tests.redis_servers import RedisServer, redis_server  # noqa: F401
 from tests.worker_harness import Ctx, inprocess_worker, job_counts, wait_for
 from worker.client import build_job
 from worker.consumer import EngineLike
+from worker.protocol_v1 import answer_v1_entries
 from worker.redis_url import parse_redis_url
 from worker.settings import mask_url
 
@@ -52,17 +53,39 @@ def test_a_v1_producer_gets_a_clear_error_not_a_hang(sharded: Ctx, engine: Engin
     """A producer still on protocol v1 (``<ns>:jobs:<queue>``, ``<ns>:reply:<id>``) is answered on its v1 reply
     stream and result key with an error that names v2; the entry is dead-lettered and deleted."""
     ctx = sharded
-    with inprocess_worker(ctx, engine):
+    with inprocess_worker(ctx, engine) as worker:
+        # A payload too deep for json ahead of the honest producer's job: it must not hold the answer back,
+        # nor cost the loop its ticks.
+        ctx.redis.xadd(ctx.keys.jobs_v1, {JOB_FIELD: "[" * 100_000})
         ctx.redis.xadd(ctx.keys.jobs_v1, {JOB_FIELD: json.dumps({"id": "old1", "prompt": "hi"})})
         ctx.redis.xadd(ctx.keys.jobs_v1, {JOB_FIELD: "garbage"})
         reply = ctx.redis.xread({ctx.keys.v1_reply("old1"): "0"}, block=20_000, count=1)
         wait_for(lambda: ctx.redis.xlen(ctx.keys.jobs_v1) == 0, what="the v1 entries answered")
+        assert worker.errors == 0
     (_, entries), *_ = reply
     event = json.loads(entries[0][1]["event"])
     assert event["type"] == "error" and event["code"] == "invalid_request" and "protocol v2" in event["message"]
     assert json.loads(ctx.redis.get(ctx.keys.v1_result("old1")))["id"] == "old1"
     letters = [fields for _, fields in ctx.redis.xrange(ctx.keys.dead_shard(0))]
-    assert sorted(f["code"] for f in letters) == ["protocol_v1", "protocol_v1"]
+    assert sorted(f["code"] for f in letters) == ["protocol_v1"] * 3
+
+
+def test_a_malformed_v1_entry_is_dead_lettered_and_the_next_one_answered(sharded: Ctx) -> None:
+    """An entry whose payload defeats ``json`` (nesting too deep: RecursionError) is dead-lettered and deleted
+    like any other, and the v1 producer queued after it still gets its error. It used to raise out of every
+    look, stay at the stream's head for ever, and hold back every later v1 entry."""
+    ctx = sharded
+    poison = ctx.redis.xadd(ctx.keys.jobs_v1, {JOB_FIELD: "[" * 100_000})
+    honest = ctx.redis.xadd(ctx.keys.jobs_v1, {JOB_FIELD: json.dumps({"id": "honest1", "prompt": "hi"})})
+    assert answer_v1_entries(ctx.redis, ctx.keys, "w1", result_ttl_s=60, reply_ttl_s=30) == 2
+    assert ctx.redis.xlen(ctx.keys.jobs_v1) == 0
+    assert json.loads(ctx.redis.get(ctx.keys.v1_result("honest1")))["code"] == "invalid_request"
+    assert 0 < ctx.redis.ttl(ctx.keys.v1_reply("honest1")) <= 30
+    letters = {f["entry_id"]: DeadLetter.from_fields(f) for _, f in ctx.redis.xrange(ctx.keys.dead_shard(0))}
+    assert set(letters) == {f"v1:{poison}", f"v1:{honest}"}
+    assert all(letter.code == "protocol_v1" for letter in letters.values())
+    assert letters[f"v1:{poison}"].job_id == "" and letters[f"v1:{poison}"].job_bytes == 100_000
+    assert letters[f"v1:{honest}"].job_id == "honest1"
 
 
 def test_affinity_keys_route_shared_prefixes_to_one_shard() -> None:

@@ -110,6 +110,62 @@ def test_terminal_with_dead_letter_and_foreign_reply_key(fx: Fixture) -> None:
     assert DeadLetter.from_fields(fields).attempts == 3 and fields["job_id"] == "j2"
 
 
+def second_copy_ends_first(client: Any, keys: Keys, pub: Publisher) -> str:
+    """A producer's retried submit (two entries, one id) run side by side by two workers, as they write it:
+    copy 1 streams a token (its entry owns the reply stream), copy 2 finds the stream is not its own and
+    ends the job first, copy 1 ends later. Returns the reply stream."""
+    job = {"id": "same", "prompt": "hi", "max_tokens": 4}
+    e1, e2 = (str(client.xadd(keys.jobs, {JOB_FIELD: json.dumps(job)})) for _ in range(2))
+    assert [d.entry_id for d in Reclaimer(client, keys, "w1", reclaim_idle_s=30).read_new(1, None)] == [e1]
+    assert [d.entry_id for d in Reclaimer(client, keys, "w2", reclaim_idle_s=30).read_new(1, None)] == [e2]
+    reply = keys.reply("same")
+    tokens = {}
+    for entry in (e1, e2):
+        tokens[entry] = Outbox()
+        tokens[entry].add_tokens(
+            reply, entry, "same", [TokenEvent(id="same", attempt=1, index=0, text="x", token_ids=[1]).to_json()]
+        )
+    assert pub.flush(tokens[e1]) == [] and pub.flush(tokens[e2]) == []
+    assert pub.terminal(Terminal(e2, "same", reply, _final("same", "xx", worker="w2").to_json())) is True
+    assert pub.terminal(Terminal(e1, "same", reply, _final("same", "xx").to_json())) is False
+    assert parse_event(client.get(keys.result("same"))).worker == "w2"  # type: ignore[union-attr]
+    assert client.xlen(reply) == 1  # copy 1's token, and no terminal event: copy 2 could not write there
+    assert sum(client.xpending(stream, GROUP)["pending"] for stream in keys.job_streams) == 0
+    return reply
+
+
+def test_a_reply_stream_expires_when_another_copy_of_its_id_ended_the_job(fx: Fixture) -> None:
+    """The copy that owns the reply stream finds the job ended by the other copy: its terminal write, which
+    only acks, still expires the stream ``reply_ttl_s`` later (it was never expired: leaked for good). A
+    stream the ending delivery does not own is never expired by it."""
+    reply = second_copy_ends_first(fx.redis, fx.keys, fx.pub)
+    assert 0 < fx.redis.ttl(reply) <= 30  # reply_ttl_s, not the longer safety TTL of its token event
+
+    foreign = f"{fx.ns}-foreign-stream"
+    fx.redis.xadd(foreign, {"made": "by someone else"})
+    entry = fx.add({"id": "same", "prompt": "hi", "reply_to": foreign})
+    Reclaimer(fx.redis, fx.keys, "w3", reclaim_idle_s=30).read_new(1, None)
+    assert fx.pub.terminal(Terminal(entry, "same", foreign, _final("same", "yy").to_json())) is False
+    assert fx.redis.ttl(foreign) == -1
+
+
+def test_a_reply_stream_no_terminal_write_reaches_still_expires(fx: Fixture) -> None:
+    """A terminal write degraded to leave the reply stream alone (``Sender._refused``), or one that never
+    comes (a worker gone for good): the stream its token events created expires ``result_ttl_s`` after
+    the first of them, and the degraded write neither shortens nor removes that."""
+    entry = fx.add({"id": "deg", "prompt": "x"})
+    Reclaimer(fx.redis, fx.keys, "w1", reclaim_idle_s=30).read_new(1, None)
+    outbox = Outbox()
+    token = TokenEvent(id="deg", attempt=1, index=0, text="a", token_ids=[1])
+    outbox.add_tokens(fx.keys.reply("deg"), entry, "deg", [token.to_json()])
+    assert fx.pub.flush(outbox) == []
+    assert 30 < fx.redis.ttl(fx.keys.reply("deg")) <= 60  # result_ttl_s: longer than a job's reply_ttl_s
+    degraded = Terminal(entry, "deg", fx.keys.reply("deg"), _final("deg", "a").to_json(), write_reply=False)
+    assert fx.pub.terminal(degraded) is True
+    assert 30 < fx.redis.ttl(fx.keys.reply("deg")) <= 60
+    assert [e.type for e in fx.reply_events("deg")] == ["token"]  # type: ignore[attr-defined]
+
+
 def test_dead_only_and_script_reload_after_flush(fx: Fixture) -> None:
     entry = fx.add({"no": "id"})
     Reclaimer(fx.redis, fx.keys, "w1", reclaim_idle_s=30).read_new(10, None)

@@ -10,20 +10,25 @@ v1 readers know), dead-letters it on shard 0 and deletes it. Several workers may
 
 Each step is a command of its own (the v1 keys do not share a slot), so a worker that dies between two
 steps leaves the rest to the next look: the answer is never lost, the dead letter at worst.
+
+Every entry read is deleted and dead-lettered, whatever its payload: the stream is read from its head, so an
+entry left behind would be found again on every look, and every v1 producer queued after it would wait for
+ever. The id is read as the v2 path reads an unusable job's (:func:`schemas.jobs.salvage_reply_target`:
+lenient, bounded in size and nesting); a payload that defeats even that is answered with no error event.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 from typing import Any
 
-from schemas.jobs import JOB_ID_PATTERN, DeadLetter, ErrorEvent
+from schemas.jobs import DeadLetter, ErrorEvent, salvage_reply_target
 from schemas.keys import JOB_FIELD, PROTOCOL_VERSION, Keys
 
 V1_BATCH = 100
 """Entries answered per look (a v1 producer flooding the old stream cannot stall a worker's loop)."""
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
+"""``max_payload_bytes``'s default (worker/settings.py), for callers that do not pass the setting."""
 
 
 def v1_message(keys: Keys) -> str:
@@ -35,14 +40,25 @@ def v1_message(keys: Keys) -> str:
     )
 
 
-def answer_v1_entries(client: Any, keys: Keys, worker: str, *, result_ttl_s: int, reply_ttl_s: int) -> int:
-    """Answer up to :data:`V1_BATCH` entries of the v1 stream; returns how many this call removed."""
+def answer_v1_entries(
+    client: Any,
+    keys: Keys,
+    worker: str,
+    *,
+    result_ttl_s: int,
+    reply_ttl_s: int,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> int:
+    """Answer up to :data:`V1_BATCH` entries of the v1 stream; returns how many this call removed.
+
+    ``max_payload_bytes`` (the worker's setting) only scales how large a payload's id is still read from,
+    as on the v2 path; the default is the setting's."""
     entries: Any = client.xrange(keys.jobs_v1, count=V1_BATCH)
     message = v1_message(keys)
     removed = 0
     for entry_id, fields in entries or []:
         raw = str((fields or {}).get(JOB_FIELD, ""))
-        job_id = _job_id(raw)
+        job_id = _job_id(raw, max_payload_bytes)
         if job_id:
             event = ErrorEvent(id=job_id, attempt=1, code="invalid_request", message=message, worker=worker)
             payload = event.to_json()
@@ -67,13 +83,13 @@ def answer_v1_entries(client: Any, keys: Keys, worker: str, *, result_ttl_s: int
     return removed
 
 
-def _job_id(raw: str) -> str | None:
+def _job_id(raw: str, max_payload_bytes: int) -> str | None:
     """The job's id when it is a usable one (v1 and v2 ids are the same), else None."""
     try:
-        data = json.loads(raw)
-    except ValueError:
+        target = salvage_reply_target(raw, max_payload_bytes)
+    except Exception:
+        # The salvage already copes with every payload we know of (deep nesting, huge numbers, bad UTF-8);
+        # this is for the one we do not. Reading a hostile payload runs no Redis command, so nothing caught
+        # here is an outage: the entry goes on to be deleted and dead-lettered, only without an answer.
         return None
-    job_id = data.get("id") if isinstance(data, dict) else None
-    if not isinstance(job_id, str) or not re.match(JOB_ID_PATTERN, job_id):
-        return None
-    return job_id
+    return target[0] if target else None

@@ -5,19 +5,26 @@ stream does not exist yet or was created for the same job stream entry (each rep
 in field ``entry``). So a job can never write into another job's stream, nor into another copy's of the same
 id, nor trim or expire a key pagedq did not create for it (:data:`OWNED_LUA`).
 
-Token events go through one small script per reply stream (the ownership check, then the appends), all of
-one engine step in one MULTI/EXEC round trip. Terminal events go through one Lua script that, atomically,
+Token events go through one small script per reply stream (the ownership check, the appends, then a
+safety TTL of ``result_ttl_s`` on a stream that has none: the stream is bounded even if no terminal event
+ever reaches it), all of one engine step in one MULTI/EXEC round trip. Terminal events go through one Lua
+script that, atomically,
 
 1. acks (and deletes) the job's stream entry,
 2. stops if ``<ns>:{<id>}:result`` already exists (another delivery of the job already ended it), after
-   the dead letter of an unusable payload that reused the id,
+   the dead letter of an unusable payload that reused the id, and after expiring the reply stream
+   ``reply_ttl_s`` later if this delivery owns it (a copy of the id that streamed tokens but lost the race
+   to end the job: nothing else would ever end its stream's life sooner than the safety TTL),
 3. stores the event at ``<ns>:{<id>}:result`` with a TTL,
 4. appends it to the reply stream if the job owns it, which then expires ``reply_ttl_s`` later,
 5. appends a dead-letter entry when asked (the dead-letter stream is capped with ``MAXLEN ~``).
 
 So a crash can never leave a job acked without its result, nor produce two results: whichever delivery of a
 job finishes first wins, later ones are acked silently. The script is idempotent, which makes it safe to
-retry after a lost reply.
+retry after a lost reply. Every reply stream a job owns thus ends with a TTL: ``reply_ttl_s`` after the
+job's (or its copy's) terminal write, at most ``result_ttl_s`` after its first token event otherwise (a
+terminal degraded to skip the reply stream, a worker gone for good, a cluster whose reply stream lies in
+another slot than the result key).
 
 One refused command never holds the others back: a transaction that Redis aborts as a whole (a command
 refused when queued, e.g. by an ACL) is resent one unit at a time (nothing of it was applied), and the units
@@ -66,15 +73,20 @@ end
 TOKENS_LUA = (
     OWNED_LUA
     + f"""
--- KEYS[1] reply stream; ARGV[1] job entry id, ARGV[2] reply MAXLEN, ARGV[3..] event JSONs.
--- Returns the number of events appended, or -1 when the stream is not this job entry's.
+-- KEYS[1] reply stream; ARGV[1] job entry id, ARGV[2] reply MAXLEN, ARGV[3] safety TTL (s), ARGV[4..] event
+-- JSONs. Returns the number of events appended, or -1 when the stream is not this job entry's.
 if not owned(KEYS[1], ARGV[1]) then
   return -1
 end
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', '{EVENT_FIELD}', ARGV[i], '{OWNER_FIELD}', ARGV[1])
 end
-return #ARGV - 2
+-- A stream this entry owns either was just created here or already got its TTL from here (or from the
+-- terminal write, whose shorter reply TTL must not be lengthened again): only one without a TTL gets one.
+if redis.call('TTL', KEYS[1]) == -1 then
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+end
+return #ARGV - 3
 """
 )
 
@@ -96,6 +108,12 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
   -- by whichever write acked its entry (a retried write finds it acked, and adds none).
   if n > 0 and acked == 1 then
     redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*', unpack(ARGV, 11, 10 + n))
+  end
+  -- Another copy of the id ended the job, but the reply stream may hold this copy's token events: it
+  -- expires as if this copy had ended the job (never a stream this entry does not own, and never when
+  -- the write was degraded to leave the reply stream alone).
+  if ARGV[8] == '1' and owned(KEYS[3], ARGV[3]) then
+    redis.call('EXPIRE', KEYS[3], ARGV[6])
   end
   return 0
 end
@@ -119,6 +137,11 @@ TERMINAL_RESULT_LUA = (
 -- owner), ARGV[2] event JSON, ARGV[3] result TTL (s), ARGV[4] reply TTL (s), ARGV[5] reply MAXLEN,
 -- ARGV[6] '1' to append to the reply stream. Returns 1 if it ended the job, 0 if a result existed.
 if redis.call('EXISTS', KEYS[1]) == 1 then
+  -- As in TERMINAL_LUA: this copy's own reply stream expires as if it had ended the job. (A reply stream in
+  -- another slot is left to the safety TTL its token events gave it.)
+  if #KEYS > 1 and ARGV[6] == '1' and owned(KEYS[2], ARGV[1]) then
+    redis.call('EXPIRE', KEYS[2], ARGV[4])
+  end
   return 0
 end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
@@ -371,9 +394,7 @@ class Publisher:
 
     def _queue_first(self, pipe: Any, unit: TokenWrite | Terminal) -> None:
         if isinstance(unit, TokenWrite):
-            self._run(
-                self._tokens, keys=[unit.reply_to], args=[unit.entry_id, self.reply_maxlen, *unit.payloads], client=pipe
-            )
+            self._run(self._tokens, keys=[unit.reply_to], args=self._token_args(unit), client=pipe)
             return
         result_key = self.keys.result(unit.job_id)
         same_slot = key_slot(unit.reply_to.encode()) == key_slot(result_key.encode())
@@ -438,9 +459,7 @@ class Publisher:
     def _queue(self, pipe: redis.client.Pipeline, unit: Unit) -> None:
         keys = self.keys
         if isinstance(unit, TokenWrite):
-            self._run(
-                self._tokens, keys=[unit.reply_to], args=[unit.entry_id, self.reply_maxlen, *unit.payloads], client=pipe
-            )
+            self._run(self._tokens, keys=[unit.reply_to], args=self._token_args(unit), client=pipe)
         elif isinstance(unit, Terminal):
             shard, entry_id = split_entry_ref(unit.entry_id)
             dead_fields = _flatten(unit.dead.to_fields()) if unit.dead is not None else []
@@ -473,6 +492,13 @@ class Publisher:
         else:
             shard, entry_id = split_entry_ref(unit)
             self._run(self._ack, keys=[keys.jobs_shard(shard)], args=[GROUP, entry_id], client=pipe)
+
+    def _token_args(self, unit: TokenWrite) -> list[Any]:
+        """TOKENS_LUA's arguments. The safety TTL is ``result_ttl_s``, not ``reply_ttl_s``: it runs from the
+        stream's first event, and a job may well stream for longer than ``reply_ttl_s`` (an hour by
+        default) before its terminal write shortens it to ``reply_ttl_s``; ``result_ttl_s`` (at least
+        ``reply_ttl_s``, a day by default) still bounds a stream no terminal write ever reaches."""
+        return [unit.entry_id, self.reply_maxlen, self.result_ttl_s, *unit.payloads]
 
     def terminal(self, t: Terminal) -> bool:
         """Write one terminal event now; True if it ended the job, False if a result already existed."""

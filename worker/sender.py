@@ -10,9 +10,10 @@ A write Redis *refuses* (as opposed to one it did not receive) is the fate of on
 
 * refused token events are dropped (the job's terminal event still carries its whole text);
 * a refused terminal write is retried :data:`REFUSALS_BEFORE_DEGRADING` times, then once more without the
-  reply stream (the result key and the dead letter are the record that matters), and if Redis refuses that
-  too, the entry is handed back so that a later delivery (attempt + 1, dead-lettered past
-  ``max_attempts``) answers it;
+  reply stream (the result key and the dead letter are the record that matters; the token events already
+  in the stream expire with the ``result_ttl_s`` safety TTL their first write gave it, since the degraded
+  write no longer touches the stream, not even to expire it), and if Redis refuses that too, the entry is
+  handed back so that a later delivery (attempt + 1, dead-lettered past ``max_attempts``) answers it;
 * a refused dead letter of an id-less entry is retried the same way, then the entry is handed back.
 
 While refusals go on, :attr:`Sender.refusing_since` says since when: the worker reports itself unhealthy

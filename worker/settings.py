@@ -142,7 +142,11 @@ class Settings(BaseSettings):
         86_400, gt=0, le=MAX_TTL_S, description="lifetime of <namespace>:result:<id>; at least reply_ttl_s"
     )
     reply_ttl_s: int = Field(
-        3_600, gt=0, le=MAX_TTL_S, description="lifetime of a reply stream after its terminal event"
+        3_600,
+        gt=0,
+        le=MAX_TTL_S,
+        description="lifetime of a reply stream after its terminal event (one that gets none lives "
+        "result_ttl_s after its first event)",
     )
     reply_maxlen: int = Field(10_000, gt=0, description="approximate cap (MAXLEN ~) of a reply stream")
     max_payload_bytes: int = Field(1 << 20, gt=0, le=512 << 20, description="largest accepted job JSON")

@@ -35,3 +35,15 @@ def seconds(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds, 0 or more, got {text!r}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    """A duration in seconds, finite and above 0: a deadline or an interval of 0 (or ``inf``) is no setting a
+    user means, and ``pagedq batch --timeout-s inf`` failed every line only after the model had loaded."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text!r}")
+    return value

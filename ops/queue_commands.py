@@ -40,6 +40,7 @@ from schemas.jobs import JOB_ID_PATTERN, DeadLetter, FinalEvent, describe_valida
 from schemas.keys import GROUP, JOB_FIELD, OWNER_FIELD, Keys, entry_ref, split_entry_ref
 from worker import redis_url
 from worker.redis_url import is_cluster_client
+from worker.registry import heartbeat_keys, index_members, live_heartbeats
 from worker.settings import Settings, SettingsError, load_settings, mask_url
 
 # ------------------------------------------------------------------------------------------ common
@@ -106,8 +107,9 @@ def _fail(prog: str, message: str, code: int = 1) -> int:
 
 
 def live_worker_names(r: redis.Redis, keys: Keys) -> set[str]:
-    """Names of the workers of ``keys.queue`` whose heartbeat has not expired (its TTL is 3 beats)."""
-    return {key.rsplit(":", 1)[-1] for key in r.scan_iter(match=keys.heartbeat_pattern, count=1000)}
+    """Names of the workers of ``keys.queue`` whose heartbeat has not expired (its TTL is 3 beats), from the
+    namespace's index of workers (:mod:`worker.registry`), not a SCAN of the whole keyspace."""
+    return {member.partition(":")[2] for member in live_heartbeats(r, keys.namespace, keys.queue)}
 
 
 def _ago(ms: float | None) -> str:
@@ -363,9 +365,7 @@ def queue_names(r: redis.Redis, namespace: str) -> list[str]:
             name, sep, shard = key[len(prefix) :].rpartition(":")  # <queue>:<k>}
             if sep and ":" not in name and shard.endswith("}") and shard[:-1].isdigit():
                 found.add(name)
-    prefix = f"{namespace}:worker:"
-    for key in r.scan_iter(match=prefix + "*", count=1000):
-        found.add(key[len(prefix) :].split(":", 1)[0])
+    found.update(member.partition(":")[0] for member in live_heartbeats(r, namespace))
     return sorted(found)
 
 
@@ -515,8 +515,8 @@ def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     status["consumers"] = list(consumers.values())
     status["shards"] = keys.shards
     status["shard_streams"] = list(shards.values())
-    workers = []
-    for key in sorted(r.scan_iter(match=keys.heartbeat_pattern, count=1000)):
+    workers: list[dict[str, Any]] = []
+    for key in heartbeat_keys(keys.namespace, index_members(r, keys.namespace), keys.queue):
         name = key.rsplit(":", 1)[-1]
         try:
             raw = r.get(key)
@@ -526,7 +526,7 @@ def queue_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             wrong.append(found)
             continue
         if raw is None:
-            continue  # expired between SCAN and GET
+            continue  # expired since the index listed it
         try:
             beat = json.loads(raw)
         except ValueError:

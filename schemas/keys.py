@@ -8,7 +8,9 @@ Protocol v2 differs from v1 in key names only, so that it runs on Redis Cluster:
   (``<ns>:{<id>}:reply``), so the script that writes a job's terminal event and result touches one slot;
 * a queue is ``queue_shards`` streams ``<ns>:jobs:{<queue>:<k>}``, each with its own dead-letter stream
   ``<ns>:dead:{<queue>:<k>}`` in the same slot (the tag), so an entry's ack and its one dead letter stay one
-  script; the shards of a queue spread over the cluster's nodes.
+  script; the shards of a queue spread over the cluster's nodes;
+* the live workers of a namespace are listed in one sorted set ``<ns>:workers`` (:func:`workers_index`), so
+  readers find them without a SCAN of the keyspace; each member's heartbeat key stays the truth.
 
 Inside a worker, a job entry is named by an *entry ref*: the stream entry id on shard 0 (so a one-shard queue
 reads exactly as before) and ``<entry id>@<k>`` on shard ``k`` (entry ids of different streams can collide).
@@ -56,6 +58,15 @@ def split_entry_ref(ref: str) -> tuple[int, str]:
     """``(shard, entry id)`` of an entry ref made by :func:`entry_ref`."""
     entry_id, _, shard = ref.partition("@")
     return (int(shard) if shard else 0), entry_id
+
+
+def workers_index(namespace: str) -> str:
+    """The sorted set listing the namespace's workers: member ``<queue>:<name>``, score the expiry (Unix time,
+    the worker's clock) of the heartbeat it wrote with it. No hash tag: nothing touches it together with
+    another key in one script (the heartbeat beside it is a pipeline, and heartbeat keys are untagged), as
+    with the namespace's other shared name, the cancel channel. Not under ``<ns>:worker:``: readers of the
+    previous version SCAN that prefix and GET every key found there, and a sorted set would fail their GET."""
+    return f"{check_name('namespace', namespace)}:workers"
 
 
 MAX_QUEUE_SHARDS = 1024
@@ -148,8 +159,18 @@ class Keys:
 
     @property
     def heartbeat_pattern(self) -> str:
-        """SCAN pattern matching the heartbeat keys of this queue's workers."""
+        """SCAN pattern matching the heartbeat keys of this queue's workers (what readers before the index
+        walked the keyspace with; tests and benchmarks still may)."""
         return f"{self.namespace}:worker:{self.queue}:*"
+
+    @property
+    def workers(self) -> str:
+        """The namespace's index of workers (:func:`workers_index`), shared by all its queues."""
+        return workers_index(self.namespace)
+
+    def worker_member(self, worker: str) -> str:
+        """A worker's member in :attr:`workers`: ``<queue>:<name>``, its heartbeat key without ``<ns>:worker:``."""
+        return f"{self.queue}:{worker}"
 
     def reply_target(self, job_id: str, reply_to: str | None, granted: Sequence[str] = ()) -> str | None:
         """The reply stream a job may write to, or None when its ``reply_to`` reaches outside its own keys.
@@ -157,8 +178,8 @@ class Keys:
         A job's writable keys are derived from its id: its own reply stream ``<ns>:{<id>}:reply`` (the
         default) and its result key. ``reply_to`` may name another stream only under a prefix the operator
         granted (setting ``reply_prefixes``), and never a key pagedq uses for something else: a jobs stream,
-        a result, a heartbeat, a dead-letter stream, a cancel flag, or another job's reply stream (any
-        ``<ns>:{...}`` key: the per-job keys of v2).
+        a result, a heartbeat, the workers index, a dead-letter stream, a cancel flag, or another job's reply
+        stream (any ``<ns>:{...}`` key: the per-job keys of v2).
         """
         own = self.reply(job_id)
         if reply_to is None or reply_to == own:
@@ -172,5 +193,5 @@ class Keys:
         return reply_to
 
 
-RESERVED_KINDS = frozenset({"jobs", "reply", "result", "cancel", "dead", "worker"})
+RESERVED_KINDS = frozenset({"jobs", "reply", "result", "cancel", "dead", "worker", "workers"})
 """The second segment of the namespace's own keys (``<ns>:<kind>:...``): no ``reply_to`` may name one."""

@@ -15,6 +15,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
+from redis.crc import key_slot
 
 from ops import batch
 from ops.batch import BatchLine, LineError, Progress, QueueBackend, parse_line, read_done, response_body
@@ -459,11 +461,12 @@ def test_a_windows_file_reads_like_any_other(tmp_path: Path) -> None:
 
 def test_read_done_cuts_a_torn_last_line(tmp_path: Path) -> None:
     path = tmp_path / "out.jsonl"
-    good = [json.dumps({"custom_id": "a"}), json.dumps({"custom_id": None, "error": {"line": 7}})]
+    unnamed = json.dumps({"custom_id": None, "error": {"line": 7, "line_sha256": "ab12"}})
+    good = [json.dumps({"custom_id": "a"}), unnamed, json.dumps({"custom_id": None, "error": {"line": 8}})]
     path.write_text("\n".join(good) + '\n{"custom_id": "b", "resp')
-    assert read_done(path) == ({"a"}, {7})
+    assert read_done(path) == ({"a"}, Counter({"ab12": 1}))  # by content; a bare line number keys nothing
     assert path.read_text() == "\n".join(good) + "\n"
-    assert read_done(tmp_path / "missing.jsonl") == (set(), set())
+    assert read_done(tmp_path / "missing.jsonl") == (set(), Counter())
 
 
 def test_duplicate_custom_ids_are_refused_up_front(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -858,6 +861,68 @@ def test_overwrite_cancels_on_a_cluster(redis_cluster: ClusterServers, tmp_path:
     finally:
         pubsub.close()
         ctx.close()
+
+
+@pytest.mark.slow  # a cluster of six redis-server processes
+def test_waiting_for_jobs_on_a_cluster(redis_cluster: ClusterServers) -> None:  # noqa: F811
+    """Each job's reply stream and result key have a slot of their own, and so has each worker's heartbeat:
+    the one blocking XREAD over the jobs' reply streams, and the one MGET over the heartbeats of the workers
+    that answered, were refused by the cluster client (``RedisClusterException``), so a batch on a cluster
+    ended in a traceback once two jobs were in flight. The wait blocks on the oldest job's slot, and wakes
+    when that job ends."""
+    ctx = Ctx(redis_cluster)
+    ids = [f"job-{i}" for i in range(3)]
+    workers = [f"w{i}" for i in range(3)]
+    assert len({key_slot(ctx.keys.reply(job_id).encode()) for job_id in ids}) == 3
+    assert len({key_slot(ctx.keys.heartbeat(name).encode()) for name in workers[1:]}) == 2
+
+    def end(job_id: str, worker: str) -> None:
+        """What a worker leaves when a job ends (its heartbeat naming its model, the result, the event)."""
+        event = ErrorEvent(id=job_id, attempt=1, code="cancelled", message="cancelled", worker=worker)
+        ctx.redis.set(ctx.keys.heartbeat(worker), json.dumps({"model": f"/models/m-{worker}"}), ex=300)
+        ctx.redis.set(ctx.keys.result(job_id), event.to_json(), ex=300)
+        ctx.redis.xadd(ctx.keys.reply(job_id), {"event": event.to_json()})
+
+    backend = QueueBackend(redis_cluster.url, ctx.settings(), None)
+    try:
+        assert backend.wait(ids, 0.2) == []
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(backend.wait, ids, 60.0)
+            end(ids[0], workers[0])
+            (first,) = waiting.result(timeout=30)  # woken by the oldest job's end, not by the 60 s timeout
+        assert first.id == ids[0] and backend.served_model(first) == "/models/m-w0"
+        for job_id, worker in zip(ids[1:], workers[1:], strict=True):
+            end(job_id, worker)
+        rest = backend.wait(ids[1:], 0.2)
+        assert sorted(e.id for e in rest) == ids[1:]
+        assert sorted(backend.served_model(e) for e in rest) == ["/models/m-w1", "/models/m-w2"]
+    finally:
+        backend.close()
+        ctx.redis.delete(*(ctx.keys.heartbeat(name) for name in workers))
+        ctx.close()
+
+
+@pytest.mark.slow  # a cluster of six redis-server processes
+def test_a_batch_on_a_cluster_answers_every_line(
+    redis_cluster: ClusterServers,  # noqa: F811
+    engine: Any,
+    tmp_path: Path,
+) -> None:
+    """``pagedq batch`` end to end on a cluster, a worker answering: it ended in a traceback (an XREAD across
+    slots) as soon as two of its jobs were in flight."""
+    ctx = Ctx(redis_cluster)
+    inp, out = three_lines(tmp_path), tmp_path / "out.jsonl"
+    try:
+        with inprocess_worker(ctx, engine) as worker:
+            proc = batch_process(ctx, inp, out, "--progress", "none")
+            stderr = finish(proc, timeout=120)
+    finally:
+        ctx.close()
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    written = records(out)
+    assert sorted(r["custom_id"] for r in written) == ["c0", "c1", "c2"]
+    assert all(r["response"]["body"]["model"] == worker.model_name for r in written), written
 
 
 def test_retry_errors_runs_failed_lines_again(lone_queue: Ctx, engine: Any, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ future. Once the stream is empty and nothing is pending, the test checks, and re
   consumer group, another namespace's queue and reply stream, streams under the granted prefix, reply
   streams and results of other jobs of the namespace) is byte-identical (``DUMP``) with its TTL unchanged,
   and the run created no key but the jobs' own (``<ns>:{<id>}:reply``, ``<ns>:{<id>}:result``), granted reply
-  streams, the dead-letter stream and heartbeats.
+  streams, the dead-letter stream, heartbeats and the live workers' index.
 
 Left open by the rules, and so checked only for what holds either way: whether a refused ``reply_to`` of
 an id that already has a result still leaves a dead letter (the idempotency rule acks such entries
@@ -381,7 +381,7 @@ def check_keys(c: Campaign, report: Report) -> None:
         ):
             targets.add(e.reply_to.encode("utf-8", "surrogatepass"))
     own = {f"{ns}:{{{i}}}:{kind}".encode("utf-8", "surrogatepass") for i in ids for kind in ("reply", "result")}
-    fixed = {c.ctx.keys.jobs.encode(), c.ctx.keys.dead.encode()}
+    fixed = {c.ctx.keys.jobs.encode(), c.ctx.keys.dead.encode(), c.ctx.keys.workers.encode()}
     heartbeat = f"{ns}:worker:default:".encode()
     for key in raw.scan_iter(count=1000):
         if key in before or key in own or key in targets or key in fixed or key.startswith(heartbeat):

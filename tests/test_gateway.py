@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -26,9 +27,11 @@ from typing import Any
 
 import openai
 import pytest
+from redis.crc import key_slot
+from redis.exceptions import RedisClusterException
 
 from schemas.jobs import Choice, DeadLetter, ErrorEvent, FinalEvent, Timings, Usage
-from tests.redis_servers import ClusterServers, RedisServer, free_port, make_server
+from tests.redis_servers import ClusterServers, RedisServer, free_port, make_server, redis_cluster  # noqa: F401
 from tests.worker_harness import REPO, Ctx, WorkerProcess, wait_for
 
 API_KEY = "sk-test-" + "k" * 24
@@ -1158,7 +1161,56 @@ def test_redis_down_is_503(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_an_unexpected_error_is_a_500_in_openai_shape(redis_srv: RedisServer) -> None:
+@pytest.mark.slow  # a cluster of six redis-server processes
+def test_a_fleet_on_a_cluster_is_seen_whole(redis_cluster: ClusterServers, tmp_path: Path) -> None:  # noqa: F811
+    """Heartbeat keys carry no hash tag, so on a cluster a fleet's heartbeats sit in different slots: the one
+    MGET over them was refused by the cluster client (``RedisClusterException``, which is no ``RedisError``),
+    and from the second live worker on /healthz, /v1/models and every request answered 500."""
+    from ops.gateway.fleet import live_workers
+    from worker.redis_url import connect_async
+    from worker.registry import queue_beat
+
+    ctx = Ctx(redis_cluster)
+    names = ["wa", "wb", "wc"]
+    keys = [ctx.keys.heartbeat(name) for name in names]
+    assert len({key_slot(key.encode()) for key in keys}) == 3
+    gateway = GatewayProcess(redis_cluster, ctx.ns, tmp_path, "cluster")  # healthy: no heartbeat yet
+    try:
+        for name in names:  # as a worker beats: its heartbeat key and its member in the namespace's index
+            beat = {"model": f"/models/tiny-{name}", "state": "ready", "started_at": time.time()}
+            pipe = ctx.redis.pipeline(transaction=False)
+            queue_beat(pipe, ctx.keys, name, json.dumps(beat), 300_000)
+            pipe.execute()
+
+        async def live() -> list[str]:
+            r = connect_async(redis_cluster.url, decode_responses=True)
+            try:
+                return sorted(w.name for w in await live_workers(r, ctx.ns))
+            finally:
+                await r.aclose()
+
+        assert asyncio.run(live()) == names
+
+        def all_seen() -> Answer | None:  # the router serves its last scan (none) for up to a second
+            answer = http(gateway, "GET", "/healthz")
+            return answer if answer.status != 200 or answer.body["live_workers"] == 3 else None
+
+        health = wait_for(all_seen, 30, 0.05, "the gateway's next scan of the heartbeats")
+        assert health.status == 200 and health.body == {"status": "ok", "redis": "ok", "live_workers": 3}, health
+        models = http(gateway, "GET", "/v1/models")
+        assert models.status == 200, models
+        assert [m["id"] for m in models.body["data"]] == [f"tiny-{name}" for name in names]
+    except BaseException:
+        print(gateway.log())
+        raise
+    finally:
+        gateway.close()
+        ctx.redis.delete(*keys, ctx.keys.workers)
+        ctx.close()
+
+
+def answer_to_a_raise(redis_srv: RedisServer, exc: Exception) -> Any:
+    """The gateway's answer to a request whose endpoint (one added for the test) raises ``exc``."""
     from starlette.testclient import TestClient
 
     from ops.gateway.app import create_app
@@ -1166,12 +1218,26 @@ def test_an_unexpected_error_is_a_500_in_openai_shape(redis_srv: RedisServer) ->
 
     app = create_app(load_gateway_settings(redis_url=redis_srv.url), redis_srv.url)
 
-    @app.get("/v1/bug")
-    async def bug() -> None:
-        raise RuntimeError("a bug, with the request's text in it")
+    @app.get("/v1/raises")
+    async def raises() -> None:
+        raise exc
 
     with TestClient(app, raise_server_exceptions=False) as client:
-        answer = client.get("/v1/bug")
+        return client.get("/v1/raises")
+
+
+def test_a_cluster_clients_error_is_a_503_like_any_redis_error(redis_srv: RedisServer) -> None:
+    """A cluster client's own failures (no node reachable, a command it refuses) are ``RedisClusterException``,
+    which is no ``RedisError``: they fell through to the generic 500 instead of the 503 (retry later) that a
+    Redis failure gets."""
+    answer = answer_to_a_raise(redis_srv, RedisClusterException("MGET - all keys must map to the same key slot"))
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "1", answer.text
+    assert answer.json()["error"]["code"] == "redis_unavailable"
+    assert "RedisClusterException" in answer.json()["error"]["message"]
+
+
+def test_an_unexpected_error_is_a_500_in_openai_shape(redis_srv: RedisServer) -> None:
+    answer = answer_to_a_raise(redis_srv, RuntimeError("a bug, with the request's text in it"))
     assert answer.status_code == 500 and answer.headers["content-type"] == "application/json"
     assert answer.json()["error"]["code"] == "internal" and "request's text" not in answer.text
 

@@ -604,7 +604,7 @@ def test_refused_writes_fail_their_own_job_and_a_lasting_refusal_is_unhealthy(
     job and wrote 120 MB of errors in 50 s. Now a refused unit fails alone: here the ACL refuses one job's
     result key only, its batch mates are answered, and the refused terminal is retried a bounded number of
     times, then handed back; a refusal that lasts stall_timeout_s makes the worker unhealthy."""
-    patterns = "~pagedq:jobs:* ~pagedq:dead:* ~pagedq:worker:* ~pagedq:cancel ~pagedq:{[^c]*"
+    patterns = "~pagedq:jobs:* ~pagedq:dead:* ~pagedq:worker:* ~pagedq:workers ~pagedq:cancel ~pagedq:{[^c]*"
     acl = f"{patterns} %R~pagedq:{{c* &pagedq:* +@all -@admin -@dangerous"  # keys of jobs "c..." read-only
     deadline = time.monotonic() + 120
     with acl_worker(fresh_redis_server, engine, acl, stall_timeout_s=1.0) as (ctx, worker):

@@ -7,6 +7,7 @@ worker is paused mid-generation and the terminal must already show the text prod
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import io
@@ -125,6 +126,72 @@ def test_status_shows_backlog_dead_letter_consumers_and_workers(
         assert worker.counts["error"] == 1
 
 
+def scan_calls(r: Any) -> int:
+    """SCAN commands the server has run since it started (``INFO commandstats``)."""
+    return int(r.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
+
+
+@DEBIAN
+def test_live_workers_are_found_through_the_index_without_a_scan(
+    redis_server: RedisServer,  # noqa: F811
+    engine: Any,
+) -> None:
+    """Every reader of the live workers (the worker's intake: homes and tidy, on its main loop; ``pagedq
+    status``; the gateway's router and dashboard) SCANned the whole keyspace: 0.54 s for 1M keys of a shared
+    Redis, no engine step meanwhile. Now they read the namespace's index ``<ns>:workers`` and GET its members'
+    heartbeats: with 50,000 unrelated keys on the server none issues a SCAN, and they list exactly the live
+    worker. The heartbeat key is the truth: an indexed worker whose heartbeat expired is not listed, and a
+    heartbeat no index lists (a worker of the version before the index) is not either (README). A member
+    expired long ago is pruned by the readers; a worker's clean stop removes its own member."""
+    from ops.gateway.fleet import Dashboard, live_workers
+    from worker.redis_url import connect_async
+
+    ctx = Ctx(redis_server, shards=2)
+    index = f"{ctx.ns}:workers"  # the wire names, spelled out: other clients read them (README)
+    other = f"{ctx.ns}-other"
+    pipe = ctx.redis.pipeline(transaction=False)
+    for i in range(50_000):
+        pipe.set(f"{other}:{i}", "x")
+    pipe.execute()
+    try:
+        beat = json.dumps({"model": "/models/old", "state": "ready"})
+        ctx.redis.set(ctx.keys.heartbeat("w-unindexed"), beat, ex=300)
+        ctx.redis.zadd(index, {"default:w-expired": time.time() + 0.05, "default:w-long-gone": time.time() - 120})
+        ctx.redis.set(ctx.keys.heartbeat("w-expired"), beat, px=50)
+        wait_for(lambda: not ctx.redis.exists(ctx.keys.heartbeat("w-expired")), what="the heartbeat to expire")
+
+        async def gateway_sees() -> list[str]:
+            r = connect_async(ctx.server.url, decode_responses=True)
+            try:
+                return sorted(w.name for w in await live_workers(r, ctx.ns))
+            finally:
+                await r.aclose()
+
+        with inprocess_worker(ctx, engine, name="w-live") as worker:
+            wait_for(lambda: ctx.redis.exists(ctx.keys.heartbeat("w-live")), what="the worker's heartbeat")
+            before = scan_calls(ctx.redis)
+            seen = (
+                worker.intake._live_workers(),
+                queue_commands.live_worker_names(ctx.redis, ctx.keys),
+                set(asyncio.run(gateway_sees())),
+                {key.partition(":")[2] for key in Dashboard(ctx.redis, ctx.ns, queue_shards=2)._beats()},
+            )
+            assert scan_calls(ctx.redis) - before == 0
+            assert seen == ({"w-live"},) * 4
+            status = queue_commands.queue_status(ctx.redis, ctx.keys)  # SCANs for shard streams, not workers
+            assert [w["name"] for w in status["workers"]] == ["w-live"]
+            assert ctx.redis.zscore(index, "default:w-live") is not None
+            assert ctx.redis.zscore(index, "default:w-long-gone") is None
+        assert ctx.redis.zscore(index, "default:w-live") is None
+        assert not ctx.redis.exists(ctx.keys.heartbeat("w-live"))
+    finally:
+        names = [f"{other}:{i}" for i in range(50_000)]
+        for start in range(0, len(names), 10_000):
+            ctx.redis.delete(*names[start : start + 10_000])
+        ctx.redis.delete(index, ctx.keys.heartbeat("w-unindexed"))
+        ctx.close()
+
+
 @DEBIAN
 def test_status_of_an_empty_namespace(ctx: Ctx, capsys: pytest.CaptureFixture[str]) -> None:
     assert queue_commands.main(cli(ctx, "status")) == 0
@@ -195,6 +262,7 @@ def test_status_reports_jobs_on_shards_beyond_queue_shards(
     ensure_group(ctx.redis, four)
     assert ctx.redis.xreadgroup(GROUP, "w4", {s3: ">"}, count=1)
     ctx.redis.set(four.heartbeat("w4"), json.dumps({"name": "w4", "state": "ready", "ts": time.time()}), ex=600)
+    ctx.redis.zadd(four.workers, {four.worker_member("w4"): time.time() + 600})  # listed, as workers list themselves
     letter = DeadLetter(job="{oops", reason="job is not valid JSON", code="invalid_request", attempts=1, worker="w4")
     ctx.redis.xadd(four.dead_shard(2), letter.to_fields())
     assert queue_commands.main(cli(ctx, "status", "--json")) == 0
@@ -593,6 +661,7 @@ def test_status_names_keys_of_the_wrong_type_and_reports_everything_else(
     ctx.redis.set(default.heartbeat("w-ok"), json.dumps({"name": "w-ok", "state": "ready", "ts": time.time()}), ex=600)
     ctx.redis.hset(default.heartbeat("w-hash"), mapping={"state": "ready"})
     ctx.redis.set(default.heartbeat("w-list"), "[1, 2]", ex=600)  # a string, valid JSON, but no heartbeat
+    ctx.redis.zadd(default.workers, {default.worker_member(n): time.time() + 600 for n in ("w-ok", "w-hash", "w-list")})
     payload = json.dumps({"id": "set-1", "prompt": "hi"})
     ctx.redis.set(broken.jobs, payload)  # SET where XADD was meant
     ctx.redis.rpush(broken.dead, "a", "b")

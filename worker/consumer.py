@@ -45,6 +45,7 @@ from worker.keeper import Keeper, OwnedEntries
 from worker.publisher import Outbox, Publisher
 from worker.reclaimer import Delivery, Reclaimer
 from worker.redis_link import REDIS_DOWN, RedisLink, redis_client_when_up
+from worker.registry import queue_leave
 from worker.sender import Sender
 from worker.settings import Settings
 from worker.status import LoopTimes, WorkerIdentity, engine_load, heartbeat_snapshot
@@ -269,7 +270,9 @@ class Worker:
             self._keeper = None
         if self._name_taken:  # never another live worker's heartbeat
             with contextlib.suppress(*REDIS_DOWN, redis.RedisError):
-                self.redis.delete(self.keys.heartbeat(self.name))
+                pipe = self.redis.pipeline(transaction=False)
+                queue_leave(pipe, self.keys, self.name)
+                pipe.execute()
         self.redis.close()
         self.log.info("worker.stopped", **{k: v for k, v in self._counters().items() if v})
 

@@ -22,6 +22,7 @@ from schemas.jobs import InvalidJob, JobRequest, parse_job, salvage_reply_target
 from schemas.keys import JOB_FIELD, Keys
 from worker.protocol_v1 import answer_v1_entries
 from worker.reclaimer import MULTI_SHARD_BLOCK_MS, Delivery, Reclaimer
+from worker.registry import live_heartbeats
 from worker.settings import Settings
 
 
@@ -184,7 +185,10 @@ class Intake:
         return got
 
     def _live_workers(self) -> set[str]:
-        return {k.rsplit(":", 1)[-1] for k in self.client.scan_iter(self.keys.heartbeat_pattern, count=1000)}
+        """Names of this queue's live workers, from the namespace's index (:mod:`worker.registry`): it runs on
+        the main loop, where a SCAN of a shared keyspace stalled every running job's tokens."""
+        members = live_heartbeats(self.client, self.keys.namespace, self.keys.queue)
+        return {member.partition(":")[2] for member in members}
 
     def _answer_v1(self) -> None:
         if not self.client.exists(self.keys.jobs_v1):
@@ -195,6 +199,7 @@ class Intake:
             self.reclaimer.consumer,
             result_ttl_s=self.settings.result_ttl_s,
             reply_ttl_s=self.settings.reply_ttl_s,
+            max_payload_bytes=self.settings.max_payload_bytes,
         )
         if answered:
             self.v1_answered += answered

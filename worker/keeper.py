@@ -22,6 +22,7 @@ from schemas.keys import Keys
 from worker.backoff import Backoff
 from worker.reclaimer import Reclaimer
 from worker.redis_link import REDIS_DOWN
+from worker.registry import queue_beat
 
 
 class OwnedEntries:
@@ -103,7 +104,9 @@ class Keeper(threading.Thread):
                     self.lost_entries.extend(taken)
                     self.vanished_entries.extend(vanished)
                     heartbeat = json.dumps(self.status())
-                    self.client.set(self.keys.heartbeat(self.worker_name), heartbeat, px=self.heartbeat_ttl_ms)
+                    pipe = self.client.pipeline(transaction=False)  # one round trip; a cluster's keys span slots
+                    queue_beat(pipe, self.keys, self.worker_name, heartbeat, self.heartbeat_ttl_ms)
+                    pipe.execute()
                     next_beat = now + self.period_s
                 msg = pubsub.get_message(timeout=max(0.0, min(0.2, next_beat - time.monotonic())))
                 while msg is not None:

@@ -23,14 +23,17 @@ Two ways to run the jobs, same output:
   share them; this process only submits and collects results;
 * ``--local``: an engine in this process (on an :class:`~worker.engine_thread.EngineThread`), no Redis.
 
-Rerunning the same command resumes: every custom_id already in OUTPUT or the errors file is skipped, so a
-run killed at any point ends, once rerun, with each custom_id exactly once; ``--overwrite`` starts afresh,
+Rerunning the same command resumes: every custom_id already in OUTPUT or the errors file is skipped (a line
+without a usable custom_id by the SHA-256 of its bytes, never by its line number), so a run killed at any
+point ends, once rerun, with each custom_id exactly once; ``--overwrite`` starts afresh,
 first cancelling the jobs an interrupted run left queued or running (queue mode: each run keeps the ids of its
 outstanding jobs in ``<ns>:batch-inflight:<hash of OUTPUT's path>``), which would otherwise run for nothing.
 
 Exit codes: 0 every line has an output line, 3 every line has an output or error line but some are errors
 (``--retry-errors`` runs them again), 1 Redis failed or stayed unreachable for 5 minutes
-(rerun to resume), 2 bad arguments or input (duplicates, unreadable file), 130 interrupted (rerun to resume).
+(rerun to resume), 2 bad arguments or input (duplicates, unreadable file, a pipe for a file), 74 OUTPUT or
+the errors file could not be written (a full disk: rerun to resume once there is room), 130 interrupted
+(rerun to resume).
 
 One concept per module, each with the design choices that apply to it:
 

@@ -28,6 +28,7 @@ from schemas.jobs import ErrorEvent, JobRequest
 from schemas.keys import JOB_FIELD, Keys
 from worker.client import CANCEL_TTL_S, stored_end
 from worker.redis_url import connect, is_cluster_client
+from worker.registry import live_heartbeats
 from worker.settings import Settings
 
 
@@ -100,8 +101,8 @@ def _stored_outcome(job_id: str, raw: str | bytes) -> TerminalEvent:
 
 
 class QueueBackend:
-    """Jobs through ``<ns>:jobs:<queue>``; results from ``<ns>:result:<id>`` (MGET), woken by a blocking
-    XREAD on the jobs' reply streams (jobs are sent with ``stream: false``, so these hold only the
+    """Jobs through ``<ns>:jobs:<queue>``; results from ``<ns>:result:<id>`` (pipelined GETs), woken by a
+    blocking XREAD on the jobs' reply streams (jobs are sent with ``stream: false``, so these hold only the
     terminal event).
 
     The served model of an answer is the model its worker's heartbeat names, read when its first answer
@@ -129,7 +130,9 @@ class QueueBackend:
         self._texts: dict[str, TokenText] = {}  # tokenizer source -> token texts (token_id_text if it failed)
 
     def live_workers(self) -> int:
-        return sum(1 for _ in self.client.scan_iter(match=self.keys.heartbeat_pattern, count=1000))
+        """The queue's live workers, through the namespace's index (worker/registry.py), not a SCAN of every
+        key in a Redis that other tenants share."""
+        return len(live_heartbeats(self.client, self.keys.namespace, self.keys.queue))
 
     def submit(self, jobs: list[JobRequest]) -> None:
         if not jobs:
@@ -215,17 +218,21 @@ class QueueBackend:
         self._submitted = count
         return True
 
-    def _results(self, ids: list[str]) -> list[TerminalEvent]:
-        out: list[TerminalEvent] = []
-        for start in range(0, len(ids), 500):
-            chunk = ids[start : start + 500]
-            pipe = self.client.pipeline(transaction=False)  # one GET per key: each job's keys have their own slot
-            for job_id in chunk:
-                pipe.get(self.keys.result(job_id))
-            for job_id, raw in zip(chunk, pipe.execute(), strict=True):
-                if raw is not None:
-                    out.append(_stored_outcome(job_id, raw))
+    def _get_all(self, keys: list[str]) -> list[Any]:
+        """GET of every key, 500 to a non-transactional pipeline. Not MGET: each job's keys have a slot of
+        their own, and so do the workers' heartbeats (no hash tag), and on a cluster one MGET across slots
+        is refused (``RedisClusterException``): the run ended in a traceback at its first answers."""
+        out: list[Any] = []
+        for start in range(0, len(keys), 500):
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys[start : start + 500]:
+                pipe.get(key)
+            out += pipe.execute()
         return out
+
+    def _results(self, ids: list[str]) -> list[TerminalEvent]:
+        raws = self._get_all([self.keys.result(job_id) for job_id in ids])
+        return [_stored_outcome(job_id, raw) for job_id, raw in zip(ids, raws, strict=True) if raw is not None]
 
     def wait(self, ids: Collection[str], timeout_s: float) -> list[TerminalEvent]:
         """Terminal events of some of ``ids`` (none after ``timeout_s``), their workers' models looked up,
@@ -249,20 +256,32 @@ class QueueBackend:
         found = self._results(wanted)
         if found or not wanted:
             return found
-        streams: dict[Any, Any] = {self.keys.reply(i): "0" for i in wanted[:1000]}
         # The reply streams only wake the wait: what a job ended with is read from its result key, which
         # the worker writes atomically with the terminal event, while a reply stream holds whatever anyone
         # appended to it (an entry that is no event, a terminal event nobody confirmed).
-        self.client.xread(streams, count=1, block=max(1, int(timeout_s * 1000)))
+        self.client.xread(self._wake_streams(wanted), count=1, block=max(1, int(timeout_s * 1000)))
         return self._results(wanted)
 
+    def _wake_streams(self, wanted: list[str]) -> dict[Any, Any]:
+        """The reply streams one blocking XREAD waits on (from their start): the first 1000 of ``wanted``.
+        On a cluster only those in the slot of the first, the oldest job's (``wanted`` is in submission
+        order, which the workers roughly follow, so it is the likeliest to end next): each job's reply
+        stream has a hash tag of its own, and the cluster client refuses an XREAD across slots
+        (``RedisClusterException``, the run's traceback as soon as two jobs were in flight). Jobs of other
+        slots that end meanwhile are read when it wakes or times out (``pagedq batch`` waits a second)."""
+        streams = [self.keys.reply(job_id) for job_id in wanted[:1000]]
+        if is_cluster_client(self.client):
+            slot = self.client.keyslot(streams[0])
+            streams = [stream for stream in streams if self.client.keyslot(stream) == slot]
+        return dict.fromkeys(streams, "0")
+
     def _learn_models(self, events: list[TerminalEvent]) -> None:
-        """Read the heartbeats of workers not seen yet (one MGET). Done inside :meth:`wait`, so that a
-        Redis outage here is waited out like any other; the events are read again on the next call."""
+        """Read the heartbeats of workers not seen yet (:meth:`_get_all`). Done inside :meth:`wait`, so that
+        a Redis outage here is waited out like any other; the events are read again on the next call."""
         unseen = sorted({e.worker for e in events if e.worker and e.worker not in self._worker_models})
         if not unseen:
             return
-        beats = self.client.mget([self.keys.heartbeat(name) for name in unseen])
+        beats = self._get_all([self.keys.heartbeat(name) for name in unseen])
         for name, raw in zip(unseen, beats, strict=True):
             model = heartbeat_model(raw)
             if model is not None:

@@ -10,42 +10,65 @@
 
 Exit codes: 0 every line has an output line, 1 Redis failed or stayed unreachable for 5 minutes (rerun to
 resume), 2 bad arguments or input (duplicates, unreadable file), 3 every line was answered but some failed
-(``LINES_FAILED``: their error lines are in the errors file; ``--retry-errors`` runs them again), 130
-interrupted (rerun to resume).
+(``LINES_FAILED``: their error lines are in the errors file; ``--retry-errors`` runs them again), 74
+OUTPUT or the errors file could not be written (``WRITE_FAILED``, sysexits' EX_IOERR: a full disk, say;
+free space and rerun to resume), 130 interrupted (rerun to resume).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
-import json
+import math
 import os
 import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import IO
 
 import redis
+from redis.exceptions import RedisClusterUnreachableError
 
+from ops.arg_types import int_at_least, positive_seconds
 from ops.batch.backends import Backend, LocalBackend, QueueBackend
-from ops.batch.files import Scan, Writer, errors_path_for, failed_request_ids, iter_lines, read_done, scan_input
+from ops.batch.files import (
+    InputLine,
+    Scan,
+    WriteFailed,
+    Writer,
+    errors_path_for,
+    failed_request_ids,
+    iter_input,
+    read_done,
+    scan_input,
+)
 from ops.batch.progress import Progress
 from ops.batch.requests import DEFAULT_MAX_TOKENS, BatchLine, LineError, parse_line
 from ops.batch.responses import TerminalEvent, error_record, outcome_record, token_id_text
-from schemas.jobs import FinalEvent
+from ops.queue_commands import REDIS_ERRORS
+from schemas.jobs import INT32_MAX, FinalEvent
 from worker.backoff import Backoff
 from worker.settings import Settings, SettingsError
 
 LINES_FAILED = 3
 """Exit code of a run that answered every line, some with an error: a script must not take it for success."""
 
+WRITE_FAILED = 74
+"""Exit code of a run stopped because OUTPUT or the errors file could not be written (sysexits' EX_IOERR, as
+the worker's 70 and 78 are sysexits' too): not 1, which says Redis failed, and a rerun resumes once there
+is room."""
+
 REDIS_GIVE_UP_S = 300.0
 """How long the run waits out an unreachable Redis before exiting 1 (a rerun resumes where it stopped)."""
+
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, RedisClusterUnreachableError)
+"""What an unreachable Redis raises, waited out by the run loop. A cluster client that reaches no node says
+so with ``RedisClusterUnreachableError``, a ``RedisClusterException`` and no ``ConnectionError``."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,17 +84,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local", action="store_true", help="run an engine in this process instead of the queue")
     parser.add_argument(
         "--max-in-flight",
-        type=int,
+        type=int_at_least(1),
         default=None,
         help="jobs outstanding at once (default: 256 in queue mode, 2 x max-num-seqs local)",
     )
     parser.add_argument(
         "--default-max-tokens",
-        type=int,
+        type=_max_tokens,
         default=DEFAULT_MAX_TOKENS,
         help=f"max_tokens of requests that give none (default {DEFAULT_MAX_TOKENS})",
     )
-    parser.add_argument("--timeout-s", type=float, default=None, help="per-request deadline (job timeout_s)")
+    parser.add_argument("--timeout-s", type=positive_seconds, default=None, help="per-request deadline (job timeout_s)")
     parser.add_argument("--overwrite", action="store_true", help="discard OUTPUT and errors file and start over")
     parser.add_argument(
         "--retry-errors",
@@ -84,7 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: a bar on a terminal, log lines otherwise",
     )
-    parser.add_argument("--log-interval-s", type=float, default=10.0, help="seconds between progress log lines")
+    parser.add_argument(
+        "--log-interval-s", type=positive_seconds, default=10.0, help="seconds between progress log lines"
+    )
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -100,15 +125,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None)
 
 
+def _max_tokens(text: str) -> int:
+    """``--default-max-tokens``: what a job's ``max_tokens`` accepts (1 to 2**31 - 1). A value outside failed
+    every line, each in the errors file, after the model loaded, and the rerun with a good value then found
+    every line done (their failures stored) unless told ``--retry-errors``."""
+    value = int_at_least(1)(text)
+    if value > INT32_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {INT32_MAX}, got {value}")
+    return value
+
+
 def _cannot_write(path: Path) -> str | None:
     """Why OUTPUT or the errors file could not be written, found before a model loads or a job is queued
     (the errors file is opened only at the first error: a bad folder would surface after the work)."""
     if path.is_dir():
         return f"{path} is a folder, not a file"
+    if path.exists() and not path.is_file():  # is_file follows links: a link to a regular file is one
+        # A pipe (``/dev/stdout | jq``), a terminal or a device: the run reads the file back to resume, and
+        # reading its own pipe hung forever, saying nothing.
+        return f"{path} must be a regular file, not a pipe or a device: pagedq batch reads it back to resume"
     if not path.parent.is_dir():
         return f"cannot write {path}: the folder {path.parent} does not exist"
     if not os.access(path if path.exists() else path.parent, os.W_OK):
         return f"cannot write {path}: permission denied"
+    return None
+
+
+def _cannot_read(path: Path) -> str | None:
+    """Why INPUT could not be used. It must be a regular file: it is read twice (:func:`scan_input` counts
+    lines and finds duplicate custom_ids before anything runs, then the run feeds them), and again by every
+    rerun that resumes, so a pipe (``<(zcat in.jsonl.gz)``) is refused for what it is, not as unreadable."""
+    if not path.exists():
+        return f"cannot read {path}: no such file"
+    if path.is_dir():
+        return f"{path} is a folder, not a file"
+    if not path.is_file():
+        return (
+            f"INPUT {path} must be a regular file, not a pipe or a device: it is read twice, and again by a"
+            " rerun that resumes (save it to a file first)"
+        )
+    if not os.access(path, os.R_OK):
+        return f"cannot read {path}: permission denied"
     return None
 
 
@@ -128,17 +185,21 @@ def run(args: argparse.Namespace) -> int:
     inp: Path = args.input
     out: Path = args.output
     errors: Path = args.errors or errors_path_for(out)
-    if not inp.is_file():
-        return _fail(f"cannot read {inp}", 2)
+    if (problem := _cannot_read(inp)) is not None:
+        return _fail(problem, 2)
     if len({inp.resolve(), out.resolve(), errors.resolve()}) < 3:
         return _fail("INPUT, OUTPUT and the errors file must be three different files", 2)
     for path in (out, errors):
         if (problem := _cannot_write(path)) is not None:
             return _fail(problem, 2)
+    # The parser refuses these already; checked again for a caller that builds the Namespace itself, since
+    # a bad value is every line's error, found only after the model loads.
     if args.max_in_flight is not None and args.max_in_flight < 1:
         return _fail("--max-in-flight must be at least 1", 2)
-    if args.timeout_s is not None and not args.timeout_s > 0:  # not every line's error, after the model loads
-        return _fail(f"--timeout-s must be above 0, got {args.timeout_s}", 2)
+    if args.timeout_s is not None and not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        return _fail(f"--timeout-s must be a finite number above 0, got {args.timeout_s}", 2)
+    if not 1 <= args.default_max_tokens <= INT32_MAX:
+        return _fail(f"--default-max-tokens must be 1 to {INT32_MAX}, got {args.default_max_tokens}", 2)
     try:
         settings = settings_from_args(args, **{flag: getattr(args, flag) for flag in ENGINE_FLAGS})
         url = None if args.local else resolve_redis_url(settings)
@@ -191,26 +252,31 @@ def _run_locked(args: argparse.Namespace, settings: Settings, url: str | None, s
     err_ids, err_lines = read_done(errors)
     retried = failed_request_ids(errors) if args.retry_errors else set()
     if args.retry_errors:  # the file itself goes once their stored failures are gone (a rerun may retry again)
-        err_ids, err_lines = set(), set()
+        err_ids, err_lines = set(), Counter()
     stray = len((done_ids | err_ids) - scan.ids)
     done_ids |= err_ids
+    # Lines without a usable custom_id are done by content: as many lines with a content as the errors file
+    # has records for it (never by number: lines move when the user deletes the bad ones). Counted from the
+    # scan, so progress and the exit code cover the lines of this input only.
+    failed_unnamed = sum(min(n, err_lines[digest]) for digest, n in scan.unnamed.items())
 
-    def pending_lines() -> Iterator[tuple[int, str | None]]:
-        for line_no, text in iter_lines(inp):
-            if line_no in err_lines:
+    def pending_lines() -> Iterator[InputLine]:
+        unmatched = Counter(err_lines)
+        for line in iter_input(inp):
+            if line.custom_id is not None:
+                if line.custom_id in done_ids:
+                    continue
+            elif line.sha256 is not None and unmatched[line.sha256] > 0:
+                unmatched[line.sha256] -= 1
                 continue
-            if text is not None and done_ids:
-                with contextlib.suppress(ValueError, RecursionError, AttributeError):
-                    if json.loads(text).get("custom_id") in done_ids:
-                        continue
-            yield line_no, text
+            yield line
 
-    skipped = len(done_ids & scan.ids) + len(err_lines)
+    skipped = len(done_ids & scan.ids) + failed_unnamed
     max_in_flight = args.max_in_flight or (2 * settings.max_num_seqs if args.local else 256)
     if skipped >= scan.total:  # nothing left: do not load a model or touch Redis
         what = f"all {scan.total} lines of {inp} are already in {out} / {errors}" if scan.total else f"{inp} is empty"
         print(f"pagedq batch: {what}", file=sys.stderr)
-        return LINES_FAILED if (err_ids & scan.ids) or err_lines else 0
+        return LINES_FAILED if (err_ids & scan.ids) or failed_unnamed else 0
     try:
         backend: Backend = LocalBackend(settings) if args.local else QueueBackend(str(url), settings, args.tokenizer)
     except Exception as exc:
@@ -223,6 +289,7 @@ def _run_locked(args: argparse.Namespace, settings: Settings, url: str | None, s
     interrupted = _install_sigterm()
     writer = Writer(out, errors)
     code = 0
+    write_failure = ""
     try:
         backend.forget(retried)  # their failures stored under their ids would be read back, not retried
         if args.retry_errors:
@@ -238,8 +305,13 @@ def _run_locked(args: argparse.Namespace, settings: Settings, url: str | None, s
         code = _process(pending_lines(), backend, writer, progress, args, run_key, max_in_flight)
     except KeyboardInterrupt:
         code = 130
-    except redis.RedisError as exc:  # not a lost connection (retried in _process): e.g. auth, wrong type
-        progress.note(f"Redis error: {exc}")
+    except WriteFailed as exc:  # a full disk: one line and its own code, not a chained OSError and exit 1
+        write_failure = str(exc)
+        code = WRITE_FAILED
+    except REDIS_ERRORS as exc:  # not a lost connection (retried in _process): e.g. auth, wrong type
+        # One line: a cluster client's own failures are RedisClusterException, no RedisError, and ended the
+        # run in a traceback.
+        progress.note(f"Redis error ({type(exc).__name__}): {exc}")
         code = 1
     finally:
         interrupted()
@@ -253,11 +325,15 @@ def _run_locked(args: argparse.Namespace, settings: Settings, url: str | None, s
         summary += "; interrupted: rerun the same command to resume"
     elif code == 1:
         summary += "; Redis failed: rerun the same command to resume"
-    failed = writer.failed + len(err_ids & scan.ids) + len(err_lines)  # this run's and earlier runs'
+    elif code == WRITE_FAILED:
+        summary += f"; {write_failure}: make room and rerun the same command to resume"
+    failed = writer.failed + len(err_ids & scan.ids) + failed_unnamed  # this run's and earlier runs'
     if code == 0 and failed:
         code = LINES_FAILED
         summary += f"; {failed} line(s) failed (see {errors}): exit {LINES_FAILED}"
     progress.close(summary)
+    if code == WRITE_FAILED and progress.mode == "none":  # an error is said whatever --progress asked
+        print(summary, file=sys.stderr)
     return code
 
 
@@ -274,7 +350,7 @@ def _cancel_earlier(backend: Backend, out: Path, progress: Progress) -> None:
     PUBLISH, say) would otherwise make every ``--overwrite`` fail."""
     try:
         cancelled = backend.cancel_earlier(out.resolve())
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         progress.note(
             f"warning: could not cancel the jobs an earlier run on {out.name} left unfinished (Redis error: {exc});"
             " they run on the workers for nothing, and the next --overwrite tries again"
@@ -301,7 +377,7 @@ def _install_sigterm() -> Callable[[], None]:
 
 
 def _process(
-    lines: Iterator[tuple[int, str | None]],
+    lines: Iterator[InputLine],
     backend: Backend,
     writer: Writer,
     progress: Progress,
@@ -322,21 +398,23 @@ def _process(
             if item is None:
                 exhausted = True
                 break
-            line_no, text = item
-            if text is None:
-                writer.write(False, error_record(None, line_no, "invalid_json", "line is not valid UTF-8"))
+            # An error's record has the custom_id as the resume reads it (also when strict parsing failed before
+            # reaching it: a NaN elsewhere), else the line's content key: what the resume skips it by.
+            cid, line_no, sha = item.custom_id, item.line_no, item.sha256
+            if item.text is None:
+                writer.write(False, error_record(None, line_no, "invalid_json", "line is not valid UTF-8", None, sha))
                 progress.update(False)
                 continue
             try:
                 line = parse_line(
-                    text,
+                    item.text,
                     line_no,
                     run_key=run_key,
                     default_max_tokens=args.default_max_tokens,
                     timeout_s=args.timeout_s,
                 )
             except LineError as exc:
-                writer.write(False, error_record(exc.custom_id, line_no, exc.code, exc.message))
+                writer.write(False, error_record(cid, line_no, exc.code, exc.message, None, sha))
                 progress.update(False)
                 continue
             unsent.append(line)
@@ -350,7 +428,7 @@ def _process(
             events = backend.wait(in_flight.keys(), timeout_s=1.0)
             # Checked when nothing came, or once Redis is back: a Redis back without its data lost the jobs.
             lost = (not events or redis_down_since is not None) and backend.lost_jobs()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except REDIS_DOWN as exc:
             now = time.monotonic()
             if redis_down_since is None:
                 redis_down_since = now

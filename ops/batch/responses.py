@@ -158,11 +158,20 @@ def output_record(line: BatchLine, event: FinalEvent, served_model: str, text: T
 
 
 def error_record(
-    custom_id: str | None, line_no: int, code: str, message: str, request_id: str | None = None
+    custom_id: str | None,
+    line_no: int,
+    code: str,
+    message: str,
+    request_id: str | None = None,
+    line_sha256: str | None = None,
 ) -> dict[str, Any]:
+    """An errors-file line. One for a line without a usable custom_id carries ``line_sha256`` (the line's
+    content key, :func:`ops.batch.files.line_sha256`): that, not ``line``, is what a resume skips it by."""
     error: dict[str, Any] = {"code": code, "message": message, "line": line_no}
     if request_id is not None:
         error["request_id"] = request_id
+    if line_sha256 is not None:
+        error["line_sha256"] = line_sha256
     return {"id": _record_id(), "custom_id": custom_id, "response": None, "error": error}
 
 

@@ -36,6 +36,7 @@ import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from redis.exceptions import RedisClusterException
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -71,7 +72,13 @@ from ops.gateway.responses_api import (
     response_body,
 )
 from ops.gateway.settings import GatewaySettings
-from ops.queue_commands import MalformedDeadLetter, dead_streams_label, find_dead_letter, replay_dead_letter
+from ops.queue_commands import (
+    REDIS_ERRORS,
+    MalformedDeadLetter,
+    dead_streams_label,
+    find_dead_letter,
+    replay_dead_letter,
+)
 from schemas.affinity import shard_for_job
 from schemas.jobs import ErrorEvent, FinalEvent, TokenEvent
 from schemas.keys import GROUP, JOB_FIELD, Keys, split_entry_ref
@@ -105,9 +112,12 @@ def error_response(exc: ApiError, headers: dict[str, str] | None = None) -> JSON
     return JSONBody(exc.body(), status_code=exc.status, headers=out)
 
 
-def redis_error(exc: redis.RedisError) -> ApiError:
+def redis_error(exc: redis.RedisError | RedisClusterException) -> ApiError:
     """503 for a Redis command that failed: the gateway's pool had no free connection in time (it is at its
-    limit of requests in flight: ``redis_max_connections``), or Redis did not answer."""
+    limit of requests in flight: ``redis_max_connections``), or Redis did not answer. A cluster client's own
+    failures (no node reachable, a command it refuses) are ``RedisClusterException``, which is no
+    ``RedisError``: the gateway catches both (:data:`~ops.queue_commands.REDIS_ERRORS`), so a cluster's
+    failure is this 503 as well, not the generic 500."""
     if isinstance(exc, redis.MaxConnectionsError | PoolExhausted):
         return ApiError(503, f"the gateway is overloaded: {exc} (retry later)", type="server_error", code="overloaded")
     return ApiError(
@@ -229,7 +239,7 @@ class Job:
         with anyio.CancelScope(shield=True):
             try:
                 await self.gw.client.cancel(self.spec.job_id)
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("could not cancel job %s: %r", self.spec.job_id, exc)
 
     async def first_event(self, events: AsyncIterator[Any]) -> Any:
@@ -404,7 +414,7 @@ async def _sse_stream(job: Job, first: Any, events: AsyncIterator[Any]) -> Async
         )
     except TimeoutError:
         yield failed(timeout_error(timeout_s))
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         log.warning("job %s: Redis failed mid-stream: %r", spec.job_id, exc)
         yield failed(redis_error(exc))
     except Exception:
@@ -441,7 +451,8 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
         return error_response(exc)
 
     @app.exception_handler(redis.RedisError)
-    async def redis_failed(request: Request, exc: redis.RedisError) -> JSONResponse:
+    @app.exception_handler(RedisClusterException)
+    async def redis_failed(request: Request, exc: redis.RedisError | RedisClusterException) -> JSONResponse:
         log.warning("%s %s: Redis failed: %r", request.method, request.url.path, exc)
         return error_response(redis_error(exc), {"Retry-After": "1"})
 
@@ -515,7 +526,7 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
             if isinstance(spec, ResponsesRequest):
                 renamed_error(exc)  # a prompt too long names the request's input, not messages
             raise
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             error = redis_error(exc)
             error.job_id = spec.job_id if job.entry_id else None
             log.warning("job %s: Redis failed: %r", spec.job_id, exc)
@@ -545,7 +556,7 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
             except (QueueTimeout, TimeoutError):
                 await job.cancel()
                 raise timeout_error(timeout_s) from None
-            except redis.RedisError:
+            except REDIS_ERRORS:
                 await job.cancel()
                 raise
             job.ended = True
@@ -602,7 +613,7 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
         try:
             await gw.redis.ping()
             workers = await gw.router.workers()
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             return JSONResponse({"status": "unhealthy", "redis": type(exc).__name__}, status_code=503)
         return JSONResponse({"status": "ok", "redis": "ok", "live_workers": len(workers)})
 

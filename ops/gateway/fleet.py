@@ -2,10 +2,11 @@
 and the dashboard's numbers with their recent history (tokens/s per worker, jobs per minute).
 
 Everything comes from Redis: the workers' heartbeats (``<ns>:worker:<queue>:<name>``, which expire three
-beats after a worker dies) and the streams of each queue, read exactly as ``pagedq status`` reads them
-(:func:`ops.queue_commands.queue_status`), so the terminal and the browser never disagree. Rates are not in
-any heartbeat, only counters (``tokens_generated``, ``jobs_final``, ``jobs_error``): each gateway keeps a few
-minutes of samples in memory and derives the rates itself, so no worker does extra work for a dashboard.
+beats after a worker dies), found through the namespace's index of workers (:mod:`worker.registry`), and
+the streams of each queue, read exactly as ``pagedq status`` reads them (:func:`ops.queue_commands.queue_status`),
+so the terminal and the browser never disagree. Rates are not in any heartbeat, only counters
+(``tokens_generated``, ``jobs_final``, ``jobs_error``): each gateway keeps a few minutes of samples in memory
+and derives the rates itself, so no worker does extra work for a dashboard.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import redis.asyncio as aioredis
 from ops.queue_commands import MalformedDeadLetter, queue_names, queue_status, read_dead_letter
 from schemas.jobs import DeadLetter
 from schemas.keys import Keys, entry_ref
+from worker.registry import heartbeat_keys, index_members, queue_index_read
 
 ROUTE_CACHE_S = 1.0
-"""How long a scan of the heartbeats serves requests: a SCAN walks the whole keyspace, and a request per
-millisecond must not cost one each. A worker that just started is routable at most this much later."""
+"""How long one read of the live workers serves requests: it costs two round trips and a GET per worker, and
+a request per millisecond must not cost one each. A worker that just started is routable at most this much
+later."""
 
 HISTORY_S = 300.0
 """How much history of the counters a gateway keeps (the sparklines' width)."""
@@ -50,23 +53,45 @@ class LiveWorker:
     started_at: float
 
 
-async def live_workers(r: aioredis.Redis, namespace: str) -> list[LiveWorker]:
-    """Every worker of the namespace whose heartbeat has not expired, on any queue."""
-    prefix = f"{namespace}:worker:"
-    keys = [key async for key in r.scan_iter(match=prefix + "*", count=1000)]
-    if not keys:
-        return []
-    out = []
-    for key, raw in zip(keys, await r.mget(keys), strict=True):
-        if raw is None:
-            continue  # expired between SCAN and MGET
+def _gets(r: Any, keys: list[str]) -> Any:
+    """A non-transactional pipeline holding one GET per key, for the caller to execute (awaited on an asyncio
+    client). Not MGET: heartbeat keys carry no hash tag, so on a cluster they sit in different slots, and
+    redis-py's cluster client refuses an MGET across slots with ``RedisClusterException`` (no ``RedisError``):
+    the gateway answered every request 500 from its second live worker on."""
+    pipe = r.pipeline(transaction=False)
+    for key in keys:
+        pipe.get(key)
+    return pipe
+
+
+def _heartbeats(prefix: str, keys: list[str], raws: list[Any]) -> dict[str, dict[str, Any]]:
+    """``<queue>:<name>`` -> the heartbeat of each key under ``prefix`` whose value is a JSON object; a key
+    that expired since the index listed it, or holds anything else, is left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, raw in zip(keys, raws, strict=True):
         try:
-            beat = json.loads(raw)
+            beat = json.loads(raw) if raw else None
         except ValueError:
             continue
-        if not isinstance(beat, dict) or not isinstance(beat.get("model"), str):
+        if isinstance(beat, dict):
+            out[key[len(prefix) :]] = beat
+    return out
+
+
+async def live_workers(r: aioredis.Redis, namespace: str) -> list[LiveWorker]:
+    """Every worker of the namespace whose heartbeat has not expired, on any queue: the index's members whose
+    heartbeat key is there (:mod:`worker.registry`; no SCAN, which walked every key of a shared Redis for
+    each request the router's cache let through)."""
+    prefix = f"{namespace}:worker:"
+    index = r.pipeline(transaction=False)
+    queue_index_read(index, namespace)
+    keys = heartbeat_keys(namespace, list((await index.execute())[-1]))
+    raws = await _gets(r, keys).execute() if keys else []
+    out = []
+    for where, beat in _heartbeats(prefix, keys, raws).items():
+        if not isinstance(beat.get("model"), str):
             continue
-        queue, _, name = key[len(prefix) :].partition(":")
+        queue, _, name = where.partition(":")
         started = beat.get("started_at")
         out.append(
             LiveWorker(
@@ -213,20 +238,8 @@ class Dashboard:
 
     def _beats(self) -> dict[str, dict[str, Any]]:
         prefix = f"{self.namespace}:worker:"
-        keys: list[str] = list(self.redis.scan_iter(match=prefix + "*", count=1000))
-        out: dict[str, dict[str, Any]] = {}
-        pipe = self.redis.pipeline(transaction=False)  # GETs, not MGET: on a cluster the keys span slots
-        for key in keys:
-            pipe.get(key)
-        raws: Any = pipe.execute() if keys else []
-        for key, raw in zip(keys, raws, strict=True):
-            try:
-                beat = json.loads(raw) if raw else None
-            except ValueError:
-                beat = None
-            if isinstance(beat, dict):
-                out[key[len(prefix) :]] = beat
-        return out
+        keys = heartbeat_keys(self.namespace, index_members(self.redis, self.namespace))
+        return _heartbeats(prefix, keys, _gets(self.redis, keys).execute() if keys else [])
 
     def _dead(self, keys: Keys) -> list[dict[str, Any]]:
         """The newest dead letters, without their payloads: a job's prompt is user text, and the page is

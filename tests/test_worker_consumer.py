@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.jobs import DeadLetter, ErrorEvent, FinalEvent, TokenEvent
+from schemas.jobs import Choice, DeadLetter, ErrorEvent, FinalEvent, Timings, TokenEvent, Usage
 from schemas.keys import GROUP, JOB_FIELD
 from tests.redis_servers import RedisServer, redis_server  # noqa: F401
 from tests.worker_harness import Ctx, inprocess_worker, wait_for
@@ -261,6 +261,35 @@ def test_cancel_notice_stops_running_and_waiting_jobs_within_a_few_steps(ctx: Ct
     for job_id in running:
         assert [e.type for e in ctx.events(job_id)][-1:] == ["final"]
         assert len(ctx.terminal_events(job_id)) == 1
+
+
+def test_a_job_another_delivery_ended_stops_at_the_next_poll(ctx: Ctx, engine: EngineLike) -> None:
+    """A producer's retried submit run by two workers: when the other copy ends the job first (its result key
+    appears), this copy's tokens can reach no one. It ran to its last token (900 here); now it stops at the
+    next key poll, its entry acked, the other copy's result untouched, and the reply stream this delivery
+    created expiring (worker/consumer.py _poll_cancels)."""
+    with inprocess_worker(ctx, engine, step_delay_s=0.02, cancel_poll_s=0.1) as worker:
+        job_id = ctx.client.submit("long", max_tokens=900, ignore_eos=True, temperature=0)
+        wait_for(lambda: ctx.events(job_id), what="the job's first tokens")
+        other = FinalEvent(
+            id=job_id,
+            attempt=1,
+            choices=[Choice(index=0, text="theirs", token_ids=[1, 2], finish_reason="stop")],
+            usage=Usage(prompt_tokens=3, completion_tokens=2),
+            timings=Timings(queued_s=0.0, ttft_s=0.01, total_s=0.02),
+            worker="w-other",
+        )
+        ctx.redis.set(ctx.keys.result(job_id), other.to_json(), ex=300)  # the other copy's terminal write
+        wait_for(lambda: not worker.held_jobs.all(), timeout=10, what="the copy stopped")
+        wait_for(
+            lambda: sum(ctx.redis.xpending(stream, GROUP)["pending"] for stream in ctx.keys.job_streams) == 0,
+            what="its entry acked",
+        )
+        streamed = sum(len(e.token_ids) for e in ctx.events(job_id) if isinstance(e, TokenEvent))
+        assert streamed < 900
+        assert ctx.client.result(job_id, timeout=5).choices[0].text == "theirs"
+        assert [e.type for e in ctx.events(job_id)] == ["token"] * len(ctx.events(job_id))  # no terminal of its own
+        assert 0 < ctx.redis.ttl(ctx.keys.reply(job_id)) <= ctx.settings().reply_ttl_s
 
 
 def test_deadlines_before_and_during_generation(ctx: Ctx, engine: EngineLike) -> None:

@@ -465,7 +465,12 @@ class Worker:
         )
 
     def _poll_cancels(self, now: float) -> None:
-        """Fallback for missed pub/sub notices (e.g. across a reconnect): look at the cancel keys."""
+        """Fallback for missed pub/sub notices (e.g. across a reconnect): look at the cancel keys. And at the
+        result keys: a held job whose result exists was ended by another delivery of its id (a producer's
+        retried submit, run beside this one by another worker), so this copy's tokens can reach no one (its
+        terminal write would only ack the entry, which exactly-once rests on). It stops here, within
+        ``cancel_poll_s``, instead of running to its last token; the stop's terminal write acks its entry and
+        expires the reply stream if this delivery owns it (worker/publisher.py)."""
         self._next_cancel_poll = now + self.settings.cancel_poll_s
         held = self.held_jobs.all()
         if not held:
@@ -473,10 +478,16 @@ class Worker:
         pipe = self.redis.pipeline(transaction=False)
         for job in held:
             pipe.exists(self.keys.cancel(job.id))
-        for job, flagged in zip(held, pipe.execute(), strict=True):
-            if flagged and (job in self.backlog or job.entry_id in self.jobs):
+            pipe.exists(self.keys.result(job.id))
+        found = pipe.execute()
+        for job, flagged, ended in zip(held, found[::2], found[1::2], strict=True):
+            if not (flagged or ended) or not (job in self.backlog or job.entry_id in self.jobs):
+                continue
+            if ended:
+                job.log.warning("job.ended_elsewhere", reason="another delivery of its id ended the job")
+            else:
                 job.log.info("job.cancel", via="poll")
-                self.held_jobs.stop(job, "cancelled")
+            self.held_jobs.stop(job, "cancelled")
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a job held by this worker (from a notice or the cancel key); False if not held."""

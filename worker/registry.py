@@ -57,6 +57,18 @@ def heartbeat_keys(namespace: str, members: list[str], queue: str | None = None)
     return [f"{namespace}:worker:{m}" for m in sorted(wanted)]
 
 
+def gets(r: Any, keys: list[str]) -> Any:
+    """A non-transactional pipeline holding one GET per key, for the caller to execute (awaited on an asyncio
+    client). Not MGET: heartbeat keys carry no hash tag, and each job's keys have a slot of their own, so on a
+    cluster they span slots, and redis-py's cluster client refuses an MGET across slots with
+    ``RedisClusterException`` (no ``RedisError``): the gateway answered every request 500 from its second live
+    worker on, and ``pagedq batch`` ended in a traceback at its first answers."""
+    pipe = r.pipeline(transaction=False)
+    for key in keys:
+        pipe.get(key)
+    return pipe
+
+
 def index_members(r: Any, namespace: str) -> list[str]:
     """The members of the namespace's index after pruning (sync client): candidates, not yet live workers."""
     pipe = r.pipeline(transaction=False)
@@ -71,9 +83,6 @@ def live_heartbeats(r: Any, namespace: str, queue: str | None = None) -> dict[st
     keys = heartbeat_keys(namespace, index_members(r, namespace), queue)
     if not keys:
         return {}
-    pipe = r.pipeline(transaction=False)
-    for key in keys:
-        pipe.get(key)
-    raws = pipe.execute(raise_on_error=False)
+    raws = gets(r, keys).execute(raise_on_error=False)
     prefix = f"{namespace}:worker:"
     return {key[len(prefix) :]: raw for key, raw in zip(keys, raws, strict=True) if isinstance(raw, str)}

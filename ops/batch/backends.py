@@ -28,7 +28,7 @@ from schemas.jobs import ErrorEvent, JobRequest
 from schemas.keys import JOB_FIELD, Keys
 from worker.client import CANCEL_TTL_S, stored_end
 from worker.redis_url import connect, is_cluster_client
-from worker.registry import live_heartbeats
+from worker.registry import gets, live_heartbeats
 from worker.settings import Settings
 
 
@@ -219,15 +219,11 @@ class QueueBackend:
         return True
 
     def _get_all(self, keys: list[str]) -> list[Any]:
-        """GET of every key, 500 to a non-transactional pipeline. Not MGET: each job's keys have a slot of
-        their own, and so do the workers' heartbeats (no hash tag), and on a cluster one MGET across slots
-        is refused (``RedisClusterException``): the run ended in a traceback at its first answers."""
+        """GET of every key, 500 to a pipeline (:func:`worker.registry.gets`: not MGET, which a cluster refuses
+        across slots)."""
         out: list[Any] = []
         for start in range(0, len(keys), 500):
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys[start : start + 500]:
-                pipe.get(key)
-            out += pipe.execute()
+            out += gets(self.client, keys[start : start + 500]).execute()
         return out
 
     def _results(self, ids: list[str]) -> list[TerminalEvent]:

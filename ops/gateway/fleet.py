@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from ops.queue_commands import MalformedDeadLetter, queue_names, queue_status, read_dead_letter
 from schemas.jobs import DeadLetter
 from schemas.keys import Keys, entry_ref
-from worker.registry import heartbeat_keys, index_members, queue_index_read
+from worker.registry import gets, heartbeat_keys, index_members, queue_index_read
 
 ROUTE_CACHE_S = 1.0
 """How long one read of the live workers serves requests: it costs two round trips and a GET per worker, and
@@ -53,17 +53,6 @@ class LiveWorker:
     started_at: float
 
 
-def _gets(r: Any, keys: list[str]) -> Any:
-    """A non-transactional pipeline holding one GET per key, for the caller to execute (awaited on an asyncio
-    client). Not MGET: heartbeat keys carry no hash tag, so on a cluster they sit in different slots, and
-    redis-py's cluster client refuses an MGET across slots with ``RedisClusterException`` (no ``RedisError``):
-    the gateway answered every request 500 from its second live worker on."""
-    pipe = r.pipeline(transaction=False)
-    for key in keys:
-        pipe.get(key)
-    return pipe
-
-
 def _heartbeats(prefix: str, keys: list[str], raws: list[Any]) -> dict[str, dict[str, Any]]:
     """``<queue>:<name>`` -> the heartbeat of each key under ``prefix`` whose value is a JSON object; a key
     that expired since the index listed it, or holds anything else, is left out."""
@@ -86,7 +75,7 @@ async def live_workers(r: aioredis.Redis, namespace: str) -> list[LiveWorker]:
     index = r.pipeline(transaction=False)
     queue_index_read(index, namespace)
     keys = heartbeat_keys(namespace, list((await index.execute())[-1]))
-    raws = await _gets(r, keys).execute() if keys else []
+    raws = await gets(r, keys).execute() if keys else []
     out = []
     for where, beat in _heartbeats(prefix, keys, raws).items():
         if not isinstance(beat.get("model"), str):
@@ -239,7 +228,7 @@ class Dashboard:
     def _beats(self) -> dict[str, dict[str, Any]]:
         prefix = f"{self.namespace}:worker:"
         keys = heartbeat_keys(self.namespace, index_members(self.redis, self.namespace))
-        return _heartbeats(prefix, keys, _gets(self.redis, keys).execute() if keys else [])
+        return _heartbeats(prefix, keys, gets(self.redis, keys).execute() if keys else [])
 
     def _dead(self, keys: Keys) -> list[dict[str, Any]]:
         """The newest dead letters, without their payloads: a job's prompt is user text, and the page is
